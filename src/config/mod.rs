@@ -1,0 +1,449 @@
+//! Target and draft `config.json`: a serde mirror of the file, resolved once into plain structs.
+//!
+//! The mirror ([`ConfigFile`]) takes every key the supported families use as an `Option`; the
+//! resolved [`ModelConfig`] is what the forward code reads, with no `Option` left where a
+//! default is well defined. transformers 5 writes rope settings as `rope_parameters`
+//! (with `rope_theta` inside); older files use `rope_theta` + `rope_scaling`. Both resolve here.
+
+pub mod draft;
+
+pub use draft::{DraftConfig, DraftKind, IdsSource};
+
+use crate::error::{Error, Result};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// Mirror of an HF `config.json` for the families eagle-check runs. Unknown keys are ignored.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ConfigFile {
+    pub model_type: Option<String>,
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    pub text_config: Option<Box<ConfigFile>>,
+    pub hidden_size: Option<usize>,
+    pub num_hidden_layers: Option<usize>,
+    pub num_attention_heads: Option<usize>,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub intermediate_size: Option<usize>,
+    pub vocab_size: Option<usize>,
+    pub rms_norm_eps: Option<f64>,
+    pub rope_theta: Option<f64>,
+    pub rope_scaling: Option<serde_json::Value>,
+    pub rope_parameters: Option<serde_json::Value>,
+    pub tie_word_embeddings: Option<bool>,
+    pub attention_bias: Option<bool>,
+    pub mlp_bias: Option<bool>,
+    pub hidden_act: Option<String>,
+    pub sliding_window: Option<usize>,
+    pub use_sliding_window: Option<bool>,
+    pub max_position_embeddings: Option<usize>,
+    // DeepSeek-V3 / Kimi-K2 (MLA + MoE).
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: Option<usize>,
+    pub qk_nope_head_dim: Option<usize>,
+    pub qk_rope_head_dim: Option<usize>,
+    pub v_head_dim: Option<usize>,
+    pub n_routed_experts: Option<usize>,
+    pub n_shared_experts: Option<usize>,
+    pub num_experts_per_tok: Option<usize>,
+    pub moe_intermediate_size: Option<usize>,
+    pub first_k_dense_replace: Option<usize>,
+    pub moe_layer_freq: Option<usize>,
+    pub n_group: Option<usize>,
+    pub topk_group: Option<usize>,
+    pub norm_topk_prob: Option<bool>,
+    pub routed_scaling_factor: Option<f64>,
+    pub scoring_func: Option<String>,
+    pub topk_method: Option<String>,
+    pub quantization_config: Option<serde_json::Value>,
+}
+
+/// The architectures the runner knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arch {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+    /// `deepseek_v3` and `kimi_k2` (the same architecture).
+    DeepseekV3,
+}
+
+impl Arch {
+    fn from_model_type(model_type: &str) -> Option<Arch> {
+        Some(match model_type {
+            "llama" => Arch::Llama,
+            "mistral" => Arch::Mistral,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            "deepseek_v3" | "kimi_k2" => Arch::DeepseekV3,
+            _ => return None,
+        })
+    }
+}
+
+/// Rotary position embedding settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rope {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear {
+        factor: f64,
+    },
+    /// Llama 3.1's frequency-dependent scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+    /// YaRN as DeepSeek-V3 uses it (mscale terms included).
+    Yarn {
+        factor: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        mscale: f64,
+        mscale_all_dim: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlaConfig {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+}
+
+/// DeepSeek-V3 mixture of experts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub n_routed_experts: usize,
+    pub n_shared_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub first_k_dense_replace: usize,
+    pub moe_layer_freq: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f64,
+}
+
+impl MoeConfig {
+    /// DeepSeek-V3 rule: layer `i` is MoE when `i >= first_k_dense_replace` and
+    /// `i % moe_layer_freq == 0`.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        layer >= self.first_k_dense_replace && layer.is_multiple_of(self.moe_layer_freq.max(1))
+    }
+}
+
+/// A resolved model config: what the target forward (and the gate) reads.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub path: PathBuf,
+    pub arch: Arch,
+    pub model_type: String,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub vocab_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate_size: usize,
+    pub rms_norm_eps: f64,
+    pub rope: Rope,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub qk_norm: bool,
+    pub sliding_window: Option<usize>,
+    pub mla: Option<MlaConfig>,
+    pub moe: Option<MoeConfig>,
+    /// FP8 block-quantised weights: the `weight_block_size` of `quantization_config`.
+    pub fp8_block: Option<[usize; 2]>,
+}
+
+/// Reads a `config.json`, or the `config.json` inside a directory.
+pub fn read_config_file(path: &Path) -> Result<(PathBuf, ConfigFile)> {
+    let file = if path.is_dir() {
+        path.join("config.json")
+    } else {
+        path.to_path_buf()
+    };
+    let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
+    let parsed: ConfigFile = serde_json::from_str(&text).map_err(|source| Error::Json {
+        path: file.clone(),
+        source,
+    })?;
+    Ok((file, parsed))
+}
+
+fn need<T>(value: Option<T>, path: &Path, key: &str) -> Result<T> {
+    value.ok_or_else(|| Error::config(path, format!("missing required key `{key}`")))
+}
+
+fn positive(value: usize, path: &Path, key: &str) -> Result<usize> {
+    if value == 0 {
+        return Err(Error::config(
+            path,
+            format!("`{key}` must be positive, found 0"),
+        ));
+    }
+    Ok(value)
+}
+
+impl ModelConfig {
+    /// Loads and resolves a target config (a directory or a `config.json`).
+    pub fn load(path: &Path) -> Result<ModelConfig> {
+        let (file, raw) = read_config_file(path)?;
+        ModelConfig::resolve(&raw, &file)
+    }
+
+    /// Resolves a mirror; a nested `text_config` (multimodal wrappers) wins over the top level.
+    pub fn resolve(raw: &ConfigFile, path: &Path) -> Result<ModelConfig> {
+        let raw = match &raw.text_config {
+            Some(text) => merged_text_config(raw, text),
+            None => raw.clone(),
+        };
+        let model_type = need(raw.model_type.clone(), path, "model_type")?;
+        let arch = Arch::from_model_type(&model_type).ok_or_else(|| {
+            Error::config(
+                path,
+                format!(
+                    "model_type `{model_type}` is not supported \
+                     (supported: llama, mistral, qwen2, qwen3, deepseek_v3, kimi_k2)"
+                ),
+            )
+        })?;
+        let hidden_size = positive(
+            need(raw.hidden_size, path, "hidden_size")?,
+            path,
+            "hidden_size",
+        )?;
+        let num_layers = positive(
+            need(raw.num_hidden_layers, path, "num_hidden_layers")?,
+            path,
+            "num_hidden_layers",
+        )?;
+        let num_heads = positive(
+            need(raw.num_attention_heads, path, "num_attention_heads")?,
+            path,
+            "num_attention_heads",
+        )?;
+        let num_kv_heads = positive(
+            raw.num_key_value_heads.unwrap_or(num_heads),
+            path,
+            "num_key_value_heads",
+        )?;
+        if num_heads % num_kv_heads != 0 {
+            return Err(Error::config(
+                path,
+                format!(
+                    "num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+                ),
+            ));
+        }
+        let head_dim = positive(
+            raw.head_dim.unwrap_or(hidden_size / num_heads),
+            path,
+            "head_dim",
+        )?;
+        let act = raw.hidden_act.as_deref().unwrap_or("silu");
+        if act != "silu" {
+            return Err(Error::config(
+                path,
+                format!("hidden_act `{act}` is not supported (only silu)"),
+            ));
+        }
+        let rope = resolve_rope(&raw, path)?;
+        let (mla, moe, fp8_block) = if arch == Arch::DeepseekV3 {
+            resolve_deepseek(&raw, path)?
+        } else {
+            (None, None, None)
+        };
+        let sliding_window = match (arch, raw.use_sliding_window) {
+            (Arch::Mistral, _) => raw.sliding_window,
+            (Arch::Qwen2 | Arch::Qwen3, Some(true)) => raw.sliding_window,
+            _ => None,
+        };
+        Ok(ModelConfig {
+            path: path.to_path_buf(),
+            arch,
+            model_type,
+            hidden_size,
+            num_layers,
+            vocab_size: positive(
+                need(raw.vocab_size, path, "vocab_size")?,
+                path,
+                "vocab_size",
+            )?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate_size: raw.intermediate_size.unwrap_or(0),
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rope,
+            // LlamaConfig, Qwen2Config and DeepseekV3Config all default to untied.
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            // Qwen2 always has q/k/v bias (transformers' Qwen2Attention hard-codes bias=True).
+            attention_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
+            qk_norm: arch == Arch::Qwen3,
+            sliding_window,
+            mla,
+            moe,
+            fp8_block,
+        })
+    }
+}
+
+/// `text_config` keys override the wrapper's; the wrapper fills what the inner one lacks.
+fn merged_text_config(outer: &ConfigFile, inner: &ConfigFile) -> ConfigFile {
+    let mut merged = inner.clone();
+    if merged.model_type.is_none() {
+        merged.model_type = outer.model_type.clone();
+    }
+    if merged.tie_word_embeddings.is_none() {
+        merged.tie_word_embeddings = outer.tie_word_embeddings;
+    }
+    if merged.vocab_size.is_none() {
+        merged.vocab_size = outer.vocab_size;
+    }
+    merged
+}
+
+fn json_f64(v: &serde_json::Value, key: &str) -> Option<f64> {
+    v.get(key).and_then(serde_json::Value::as_f64)
+}
+
+/// Resolves rope from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`.
+pub(crate) fn resolve_rope(raw: &ConfigFile, path: &Path) -> Result<Rope> {
+    let params = raw
+        .rope_parameters
+        .as_ref()
+        .filter(|v| v.is_object())
+        .or(raw.rope_scaling.as_ref().filter(|v| v.is_object()));
+    let theta = params
+        .and_then(|p| json_f64(p, "rope_theta"))
+        .or(raw.rope_theta)
+        .unwrap_or(10000.0);
+    let Some(p) = params else {
+        return Ok(Rope {
+            theta,
+            scaling: RopeScaling::None,
+        });
+    };
+    let kind = p
+        .get("rope_type")
+        .or_else(|| p.get("type"))
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("default");
+    let factor = json_f64(p, "factor").unwrap_or(1.0);
+    let orig = json_f64(p, "original_max_position_embeddings");
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor },
+        "llama3" => RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: json_f64(p, "low_freq_factor").unwrap_or(1.0),
+            high_freq_factor: json_f64(p, "high_freq_factor").unwrap_or(4.0),
+            original_max_position_embeddings: need(
+                orig,
+                path,
+                "rope_scaling.original_max_position_embeddings",
+            )?,
+        },
+        "yarn" | "deepseek_yarn" => RopeScaling::Yarn {
+            factor,
+            beta_fast: json_f64(p, "beta_fast").unwrap_or(32.0),
+            beta_slow: json_f64(p, "beta_slow").unwrap_or(1.0),
+            mscale: json_f64(p, "mscale").unwrap_or(1.0),
+            mscale_all_dim: json_f64(p, "mscale_all_dim").unwrap_or(0.0),
+            original_max_position_embeddings: need(
+                orig,
+                path,
+                "rope_scaling.original_max_position_embeddings",
+            )?,
+        },
+        other => {
+            return Err(Error::config(
+                path,
+                format!("rope type `{other}` is not supported (default, linear, llama3, yarn)"),
+            ));
+        }
+    };
+    Ok(Rope { theta, scaling })
+}
+
+type DeepseekParts = (Option<MlaConfig>, Option<MoeConfig>, Option<[usize; 2]>);
+
+fn resolve_deepseek(raw: &ConfigFile, path: &Path) -> Result<DeepseekParts> {
+    let mla = MlaConfig {
+        q_lora_rank: raw.q_lora_rank,
+        kv_lora_rank: need(raw.kv_lora_rank, path, "kv_lora_rank")?,
+        qk_nope_head_dim: need(raw.qk_nope_head_dim, path, "qk_nope_head_dim")?,
+        qk_rope_head_dim: need(raw.qk_rope_head_dim, path, "qk_rope_head_dim")?,
+        v_head_dim: need(raw.v_head_dim, path, "v_head_dim")?,
+    };
+    let moe = match raw.n_routed_experts {
+        Some(n) if n > 0 => {
+            if let Some(f) = raw.scoring_func.as_deref().filter(|f| *f != "sigmoid") {
+                return Err(Error::config(
+                    path,
+                    format!("scoring_func `{f}` is not supported (sigmoid)"),
+                ));
+            }
+            let n_group = raw.n_group.unwrap_or(1).max(1);
+            if n % n_group != 0 {
+                return Err(Error::config(
+                    path,
+                    format!("n_routed_experts {n} is not a multiple of n_group {n_group}"),
+                ));
+            }
+            Some(MoeConfig {
+                n_routed_experts: n,
+                n_shared_experts: raw.n_shared_experts.unwrap_or(0),
+                num_experts_per_tok: need(raw.num_experts_per_tok, path, "num_experts_per_tok")?,
+                moe_intermediate_size: need(
+                    raw.moe_intermediate_size,
+                    path,
+                    "moe_intermediate_size",
+                )?,
+                first_k_dense_replace: raw.first_k_dense_replace.unwrap_or(0),
+                moe_layer_freq: raw.moe_layer_freq.unwrap_or(1),
+                n_group,
+                topk_group: raw.topk_group.unwrap_or(n_group),
+                norm_topk_prob: raw.norm_topk_prob.unwrap_or(true),
+                routed_scaling_factor: raw.routed_scaling_factor.unwrap_or(1.0),
+            })
+        }
+        _ => None,
+    };
+    let fp8_block = match &raw.quantization_config {
+        Some(q) if q.get("quant_method").and_then(|m| m.as_str()) == Some("fp8") => {
+            let block = q.get("weight_block_size").and_then(|b| b.as_array());
+            match block.map(|b| b.iter().filter_map(|x| x.as_u64()).collect::<Vec<_>>()) {
+                Some(b) if b.len() == 2 && b[0] > 0 && b[1] > 0 => {
+                    Some([b[0] as usize, b[1] as usize])
+                }
+                _ => {
+                    return Err(Error::config(
+                        path,
+                        "quantization_config: fp8 without a two-entry weight_block_size",
+                    ));
+                }
+            }
+        }
+        _ => None,
+    };
+    Ok((Some(mla), moe, fp8_block))
+}

@@ -1,0 +1,82 @@
+//! Library errors: typed, each naming the file or field and what was wrong.
+
+use std::path::PathBuf;
+
+/// Everything the library can refuse. The CLI maps every variant to exit code 2.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: not valid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{path}: {message}")]
+    Spec { path: PathBuf, message: String },
+    #[error("{path}: {message}")]
+    Config { path: PathBuf, message: String },
+    #[error("{path}: {message}")]
+    Weights { path: PathBuf, message: String },
+    #[error("{path}: tensor {name}: expected shape {expected:?}, found {got:?}")]
+    Shape {
+        path: PathBuf,
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("{path}: tensor {name} is missing")]
+    MissingTensor { path: PathBuf, name: String },
+    #[error("{0}")]
+    Usage(String),
+    #[error("{context}: {source}")]
+    Candle {
+        context: String,
+        #[source]
+        source: candle_core::Error,
+    },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub fn config(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        Error::Config {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+
+    pub fn weights(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        Error::Weights {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Adds context to candle errors so that a failing op names what it was computing.
+pub trait CandleContext<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> CandleContext<T> for std::result::Result<T, candle_core::Error> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|source| Error::Candle {
+            context: context(),
+            source,
+        })
+    }
+}

@@ -1,0 +1,13 @@
+//! eagle-check: finds where an EAGLE-3 drafter's hidden-state capture disagrees with its training.
+//!
+//! Data flows one way: configs and spec are resolved ([`config`], [`spec`], [`engine`]) ->
+//! models compute captures -> the diff engine judges -> [`report`] renders.
+
+pub mod boundary;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod gate;
+pub mod report;
+pub mod spec;
+pub mod weights;

@@ -1,0 +1,5 @@
+//! Integration tests: one binary, one module per capability (ripgrep's layout).
+
+mod support;
+
+mod gate;

@@ -1,0 +1,72 @@
+//! Shared test helpers: run the binary, find fixtures, make scratch directories.
+
+pub mod synth;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn fixture(rel: &str) -> PathBuf {
+    root().join("fixtures").join(rel)
+}
+
+pub struct Output {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Output {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| {
+            panic!(
+                "stdout is not JSON ({e}):\n{}\nstderr: {}",
+                self.stdout, self.stderr
+            )
+        })
+    }
+
+    /// Finding names in the JSON report.
+    pub fn finding_names(&self) -> Vec<String> {
+        self.json()["findings"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|f| f["name"].as_str().unwrap_or("").to_string())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+pub fn eagle_check<I, S>(args: I) -> Output
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let out = Command::new(env!("CARGO_BIN_EXE_eagle-check"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("the eagle-check binary runs");
+    Output {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// A fresh scratch directory under the target dir, removed first if it exists.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = root().join("target").join("test-scratch").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+pub fn p(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
+}

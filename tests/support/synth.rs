@@ -1,0 +1,239 @@
+//! Synthesises safetensors directories whose headers declare real tensor shapes while the data
+//! is a sparse hole: a 671B DeepSeek-V3 checkpoint layout costs a few MB of headers on disk.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+pub struct Tensor {
+    pub name: String,
+    pub dtype: &'static str,
+    pub shape: Vec<usize>,
+}
+
+fn t(name: String, dtype: &'static str, shape: &[usize]) -> Tensor {
+    Tensor {
+        name,
+        dtype,
+        shape: shape.to_vec(),
+    }
+}
+
+fn elem_size(dtype: &str) -> usize {
+    match dtype {
+        "F32" | "I32" => 4,
+        "BF16" | "F16" => 2,
+        "I64" => 8,
+        _ => 1,
+    }
+}
+
+/// An FP8 linear weight `[out, inp]` with its 128x128 block scales, as DeepSeek-V3 ships them.
+fn fp8_linear(out: &mut Vec<Tensor>, name: &str, rows: usize, cols: usize) {
+    out.push(t(format!("{name}.weight"), "F8_E4M3", &[rows, cols]));
+    out.push(t(
+        format!("{name}.weight_scale_inv"),
+        "F32",
+        &[rows.div_ceil(128), cols.div_ceil(128)],
+    ));
+}
+
+/// The tensors of DeepSeek-V3 (config in fixtures/real-configs), layer by layer.
+pub fn deepseek_v3_tensors() -> Vec<Vec<Tensor>> {
+    let (h, v, layers, dense) = (7168usize, 129280usize, 61usize, 3usize);
+    let (q_lora, kv_lora, nope, rope, vdim, heads) =
+        (1536usize, 512usize, 128usize, 64usize, 128usize, 128usize);
+    let (inter, moe_inter, experts) = (18432usize, 2048usize, 256usize);
+    let mut groups = vec![vec![t("model.embed_tokens.weight".into(), "BF16", &[v, h])]];
+    for i in 0..layers {
+        let p = format!("model.layers.{i}");
+        let mut g = Vec::new();
+        g.push(t(format!("{p}.input_layernorm.weight"), "BF16", &[h]));
+        g.push(t(
+            format!("{p}.post_attention_layernorm.weight"),
+            "BF16",
+            &[h],
+        ));
+        fp8_linear(&mut g, &format!("{p}.self_attn.q_a_proj"), q_lora, h);
+        g.push(t(
+            format!("{p}.self_attn.q_a_layernorm.weight"),
+            "BF16",
+            &[q_lora],
+        ));
+        fp8_linear(
+            &mut g,
+            &format!("{p}.self_attn.q_b_proj"),
+            heads * (nope + rope),
+            q_lora,
+        );
+        fp8_linear(
+            &mut g,
+            &format!("{p}.self_attn.kv_a_proj_with_mqa"),
+            kv_lora + rope,
+            h,
+        );
+        g.push(t(
+            format!("{p}.self_attn.kv_a_layernorm.weight"),
+            "BF16",
+            &[kv_lora],
+        ));
+        fp8_linear(
+            &mut g,
+            &format!("{p}.self_attn.kv_b_proj"),
+            heads * (nope + vdim),
+            kv_lora,
+        );
+        fp8_linear(&mut g, &format!("{p}.self_attn.o_proj"), h, heads * vdim);
+        if i < dense {
+            fp8_linear(&mut g, &format!("{p}.mlp.gate_proj"), inter, h);
+            fp8_linear(&mut g, &format!("{p}.mlp.up_proj"), inter, h);
+            fp8_linear(&mut g, &format!("{p}.mlp.down_proj"), h, inter);
+        } else {
+            g.push(t(format!("{p}.mlp.gate.weight"), "BF16", &[experts, h]));
+            g.push(t(
+                format!("{p}.mlp.gate.e_score_correction_bias"),
+                "F32",
+                &[experts],
+            ));
+            for e in 0..experts {
+                fp8_linear(
+                    &mut g,
+                    &format!("{p}.mlp.experts.{e}.gate_proj"),
+                    moe_inter,
+                    h,
+                );
+                fp8_linear(
+                    &mut g,
+                    &format!("{p}.mlp.experts.{e}.up_proj"),
+                    moe_inter,
+                    h,
+                );
+                fp8_linear(
+                    &mut g,
+                    &format!("{p}.mlp.experts.{e}.down_proj"),
+                    h,
+                    moe_inter,
+                );
+            }
+            fp8_linear(
+                &mut g,
+                &format!("{p}.mlp.shared_experts.gate_proj"),
+                moe_inter,
+                h,
+            );
+            fp8_linear(
+                &mut g,
+                &format!("{p}.mlp.shared_experts.up_proj"),
+                moe_inter,
+                h,
+            );
+            fp8_linear(
+                &mut g,
+                &format!("{p}.mlp.shared_experts.down_proj"),
+                h,
+                moe_inter,
+            );
+        }
+        groups.push(g);
+    }
+    groups.push(vec![
+        t("model.norm.weight".into(), "BF16", &[h]),
+        t("lm_head.weight".into(), "BF16", &[v, h]),
+    ]);
+    groups
+}
+
+/// Writes one safetensors file whose data section is a sparse hole of the right length.
+pub fn write_sparse(path: &Path, tensors: &[Tensor]) {
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
+    for tensor in tensors {
+        let bytes = tensor.shape.iter().product::<usize>() * elem_size(tensor.dtype);
+        header.insert(
+            tensor.name.clone(),
+            serde_json::json!({"dtype": tensor.dtype, "shape": tensor.shape, "data_offsets": [offset, offset + bytes]}),
+        );
+        offset += bytes;
+    }
+    let mut text = serde_json::to_string(&header).unwrap();
+    while text.len() % 8 != 0 {
+        text.push(' ');
+    }
+    let mut f = File::create(path).unwrap();
+    f.write_all(&(text.len() as u64).to_le_bytes()).unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f.set_len((8 + text.len() + offset) as u64).unwrap();
+}
+
+/// A DeepSeek-V3-sized target directory: the real config, `shards` sparse shard files and
+/// `model.safetensors.index.json`. Returns the directory.
+pub fn deepseek_v3_dir(dir: &Path, config: &Path, shards: usize) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::copy(config, dir.join("config.json")).unwrap();
+    let all: Vec<Tensor> = deepseek_v3_tensors().into_iter().flatten().collect();
+    let per = all.len().div_ceil(shards);
+    let mut weight_map = serde_json::Map::new();
+    for (i, chunk) in all.chunks(per).enumerate() {
+        let name = format!("model-{:05}-of-{shards:05}.safetensors", i + 1);
+        write_sparse(&dir.join(&name), chunk);
+        for tensor in chunk {
+            weight_map.insert(tensor.name.clone(), serde_json::Value::String(name.clone()));
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    dir.to_path_buf()
+}
+
+/// A draft directory with the real config and sparse weights of the given fc input width.
+pub fn draft_dir(dir: &Path, config: &Path, fc_in: usize) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::copy(config, dir.join("config.json")).unwrap();
+    let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(config).unwrap()).unwrap();
+    let h = cfg["hidden_size"].as_u64().unwrap() as usize;
+    let heads = cfg["num_attention_heads"].as_u64().unwrap() as usize;
+    let kv = cfg["num_key_value_heads"].as_u64().unwrap() as usize;
+    let inter = cfg["intermediate_size"].as_u64().unwrap() as usize;
+    let v = cfg["vocab_size"].as_u64().unwrap() as usize;
+    let dv = cfg["draft_vocab_size"].as_u64().unwrap() as usize;
+    let hd = h / heads;
+    let tensors = vec![
+        t("fc.weight".into(), "BF16", &[h, fc_in]),
+        t("midlayer.hidden_norm.weight".into(), "BF16", &[h]),
+        t("midlayer.input_layernorm.weight".into(), "BF16", &[h]),
+        t(
+            "midlayer.post_attention_layernorm.weight".into(),
+            "BF16",
+            &[h],
+        ),
+        t(
+            "midlayer.self_attn.q_proj.weight".into(),
+            "BF16",
+            &[heads * hd, 2 * h],
+        ),
+        t(
+            "midlayer.self_attn.k_proj.weight".into(),
+            "BF16",
+            &[kv * hd, 2 * h],
+        ),
+        t(
+            "midlayer.self_attn.v_proj.weight".into(),
+            "BF16",
+            &[kv * hd, 2 * h],
+        ),
+        t(
+            "midlayer.self_attn.o_proj.weight".into(),
+            "BF16",
+            &[h, heads * hd],
+        ),
+        t("midlayer.mlp.gate_proj.weight".into(), "BF16", &[inter, h]),
+        t("midlayer.mlp.up_proj.weight".into(), "BF16", &[inter, h]),
+        t("midlayer.mlp.down_proj.weight".into(), "BF16", &[h, inter]),
+        t("norm.weight".into(), "BF16", &[h]),
+        t("lm_head.weight".into(), "BF16", &[dv, h]),
+        t("d2t".into(), "I64", &[dv]),
+        t("t2d".into(), "BOOL", &[v]),
+    ];
+    write_sparse(&dir.join("model.safetensors"), &tensors);
+    dir.to_path_buf()
+}
