@@ -4,10 +4,12 @@
 //! models compute captures -> the diff engine judges -> [`report`] renders.
 
 pub mod boundary;
+pub mod compare;
 pub mod config;
 pub mod engine;
 pub mod error;
 pub mod gate;
+pub mod model;
 pub mod report;
 pub mod spec;
 pub mod weights;

@@ -158,6 +158,7 @@ impl DraftConfig {
                 qk_nope_head_dim: need(model.qk_nope_head_dim, "qk_nope_head_dim")?,
                 qk_rope_head_dim: need(model.qk_rope_head_dim, "qk_rope_head_dim")?,
                 v_head_dim: need(model.v_head_dim, "v_head_dim")?,
+                rope_interleave: model.rope_interleave.unwrap_or(true),
             }),
             (DraftKind::Eagle3Mla, None) => {
                 return Err(Error::config(path, "MLA draft without `kv_lora_rank`"));

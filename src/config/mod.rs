@@ -44,6 +44,7 @@ pub struct ConfigFile {
     pub qk_nope_head_dim: Option<usize>,
     pub qk_rope_head_dim: Option<usize>,
     pub v_head_dim: Option<usize>,
+    pub rope_interleave: Option<bool>,
     pub n_routed_experts: Option<usize>,
     pub n_shared_experts: Option<usize>,
     pub num_experts_per_tok: Option<usize>,
@@ -123,6 +124,9 @@ pub struct MlaConfig {
     pub qk_nope_head_dim: usize,
     pub qk_rope_head_dim: usize,
     pub v_head_dim: usize,
+    /// Rope on interleaved pairs (transformers' `DeepseekV3Config.rope_interleave`, default true,
+    /// matching DeepSeek's own `apply_rotary_emb` on complex pairs).
+    pub rope_interleave: bool,
 }
 
 /// DeepSeek-V3 mixture of experts.
@@ -393,6 +397,7 @@ fn resolve_deepseek(raw: &ConfigFile, path: &Path) -> Result<DeepseekParts> {
         qk_nope_head_dim: need(raw.qk_nope_head_dim, path, "qk_nope_head_dim")?,
         qk_rope_head_dim: need(raw.qk_rope_head_dim, path, "qk_rope_head_dim")?,
         v_head_dim: need(raw.v_head_dim, path, "v_head_dim")?,
+        rope_interleave: raw.rope_interleave.unwrap_or(true),
     };
     let moe = match raw.n_routed_experts {
         Some(n) if n > 0 => {

@@ -1,0 +1,189 @@
+//! The EAGLE-3 draft forward (`LlamaForCausalLMEagle3`): fc over the captured target states,
+//! then one decoder layer whose attention sees `cat(input_layernorm(embed), hidden_norm(fc))`.
+//! References: sglang `python/sglang/srt/models/llama_eagle3.py`, SpecForge
+//! `specforge/modeling/draft/llama3_eagle.py`; layout in docs/eagle3-capture.md section 4.
+
+use crate::config::{DraftConfig, DraftKind};
+use crate::error::{CandleContext, Error, Result};
+use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
+use crate::model::source::Vb;
+use candle_core::{DType, Tensor};
+
+pub struct Eagle3Draft {
+    pub cfg: DraftConfig,
+    fc: Linear,
+    hidden_norm: RmsNorm,
+    input_norm: RmsNorm,
+    post_norm: RmsNorm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    mlp: Mlp,
+    norm: RmsNorm,
+    lm_head: Linear,
+    /// draft id -> target id offset: `target = draft + d2t[draft]`.
+    d2t: Vec<i64>,
+    embed: Option<Tensor>,
+    dtype: DType,
+}
+
+/// What one draft forward produced.
+pub struct DraftOutput {
+    /// [T, draft_vocab]
+    pub logits: Tensor,
+    /// Greedy next token per position, mapped to target ids through `d2t`.
+    pub next_target_ids: Vec<i64>,
+}
+
+impl Eagle3Draft {
+    /// `k_slots`: how many target states `fc` concatenates; `target_hidden`: their width.
+    pub fn load(
+        cfg: &DraftConfig,
+        vb: &Vb,
+        target_hidden: usize,
+        k_slots: usize,
+    ) -> Result<Eagle3Draft> {
+        if cfg.kind == DraftKind::Eagle3Mla {
+            return Err(Error::config(
+                &cfg.path,
+                "the MLA draft (Eagle3DeepseekV2ForCausalLM) cannot be run yet",
+            ));
+        }
+        if cfg.norm_before_fc {
+            return Err(Error::config(
+                &cfg.path,
+                "norm_before_fc drafts cannot be run yet",
+            ));
+        }
+        // SpecForge saves without a prefix; some exports add `model.`.
+        let root = if vb.contains("fc.weight") {
+            vb.clone()
+        } else {
+            vb.pp("model")
+        };
+        // vLLM renames `midlayer.` to `layers.0.`.
+        let layer = if root.contains("midlayer.hidden_norm.weight") {
+            root.pp("midlayer")
+        } else {
+            root.pp("layers.0")
+        };
+        let (h, nh, nkv, hd, eps) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+        );
+        let dv = cfg.draft_vocab_size;
+        let d2t_name = if root.contains("d2t") {
+            "d2t"
+        } else {
+            "draft_id_to_target_id"
+        };
+        let d2t = match root.shape_of(d2t_name) {
+            Some(shape) if shape == [dv] => root
+                .get_raw(d2t_name)?
+                .to_dtype(DType::I64)
+                .and_then(|t| t.to_vec1::<i64>())
+                .ctx(|| format!("reading {d2t_name}"))?,
+            Some(shape) => {
+                return Err(Error::Shape {
+                    path: vb.origin().to_path_buf(),
+                    name: d2t_name.into(),
+                    expected: vec![dv],
+                    got: shape,
+                });
+            }
+            // A full-vocabulary draft maps ids one to one.
+            None if dv == cfg.vocab_size => vec![0; dv],
+            None => {
+                return Err(Error::MissingTensor {
+                    path: vb.origin().to_path_buf(),
+                    name: "d2t".into(),
+                });
+            }
+        };
+        let sa = layer.pp("self_attn");
+        Ok(Eagle3Draft {
+            fc: Linear::load(
+                &root.pp("fc"),
+                h,
+                k_slots * target_hidden,
+                root.contains("fc.bias"),
+            )?,
+            hidden_norm: RmsNorm::load(&layer.pp("hidden_norm"), h, eps)?,
+            input_norm: RmsNorm::load(&layer.pp("input_layernorm"), h, eps)?,
+            post_norm: RmsNorm::load(&layer.pp("post_attention_layernorm"), h, eps)?,
+            q: Linear::load(&sa.pp("q_proj"), nh * hd, 2 * h, false)?,
+            k: Linear::load(&sa.pp("k_proj"), nkv * hd, 2 * h, false)?,
+            v: Linear::load(&sa.pp("v_proj"), nkv * hd, 2 * h, false)?,
+            o: Linear::load(&sa.pp("o_proj"), h, nh * hd, false)?,
+            mlp: Mlp::load(&layer.pp("mlp"), h, cfg.intermediate_size)?,
+            norm: RmsNorm::load(&root.pp("norm"), h, eps)?,
+            lm_head: Linear::load(&root.pp("lm_head"), dv, h, false)?,
+            embed: root.get_opt("embed_tokens.weight", &[cfg.vocab_size, h])?,
+            d2t,
+            cfg: cfg.clone(),
+            dtype: vb.dtype,
+        })
+    }
+
+    /// One draft step over a sequence. `ids`: [T] tokens whose embeddings enter (token t+1 of the
+    /// target sequence pairs with the target state at t); `fc_input`: [T, k*Ht];
+    /// `target_embed`: [V, H], used when the draft has no embeddings of its own.
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        fc_input: &Tensor,
+        target_embed: &Tensor,
+    ) -> Result<DraftOutput> {
+        let embed = self.embed.as_ref().unwrap_or(target_embed);
+        let device = embed.device();
+        let t = ids.len();
+        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+        let rope = RopeTables::new(&self.cfg.rope, hd, t, self.dtype, device)?;
+        let mask = causal_mask(t, None, self.dtype, device)?;
+        let run = || -> candle_core::Result<Tensor> {
+            let embeds = embed.index_select(&Tensor::new(ids, device)?, 0)?;
+            let fc_out = self.fc.forward(&fc_input.to_dtype(self.dtype)?)?;
+            // norm_before_residual (vLLM/speculators): the residual is taken after hidden_norm.
+            let hidden = self.hidden_norm.forward(&fc_out)?;
+            let residual = if self.cfg.norm_before_residual {
+                hidden.clone()
+            } else {
+                fc_out
+            };
+            let x = Tensor::cat(&[&self.input_norm.forward(&embeds)?, &hidden], 1)?; // [T, 2H]
+            let split = |y: Tensor, n: usize| y.reshape((t, n, hd))?.transpose(0, 1)?.contiguous();
+            let q = rope.apply_half(&split(self.q.forward(&x)?, nh)?)?;
+            let k = rope.apply_half(&split(self.k.forward(&x)?, nkv)?)?;
+            let v = split(self.v.forward(&x)?, nkv)?;
+            let attn = self
+                .o
+                .forward(&attention(&q, &k, &v, &mask, 1.0 / (hd as f64).sqrt())?)?;
+            let x = (residual + attn)?;
+            let m = self.mlp.forward(&self.post_norm.forward(&x)?)?;
+            let x = (x + m)?;
+            self.lm_head.forward(&self.norm.forward(&x)?)
+        };
+        let logits = run().ctx(|| "draft forward".to_string())?;
+        let argmax = logits
+            .argmax(1)
+            .and_then(|a| a.to_dtype(DType::I64))
+            .and_then(|a| a.to_vec1::<i64>())
+            .ctx(|| "draft argmax".to_string())?;
+        let next_target_ids = argmax
+            .iter()
+            .map(|&d| d + self.d2t.get(d as usize).copied().unwrap_or(0))
+            .collect();
+        Ok(DraftOutput {
+            logits,
+            next_target_ids,
+        })
+    }
+
+    pub fn fc_in_features(&self) -> usize {
+        self.fc.weight.dim(1).unwrap_or(0)
+    }
+}

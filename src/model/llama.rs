@@ -1,0 +1,191 @@
+//! Llama-family targets: `llama` (incl. llama3 rope scaling), `mistral` (sliding window),
+//! `qwen2` (q/k/v bias), `qwen3` (per-head q/k RMSNorm). GQA, tied embeddings.
+//! Reference: transformers `models/{llama,mistral,qwen2,qwen3}/modeling_*.py`.
+
+use crate::config::ModelConfig;
+use crate::error::{CandleContext, Result};
+use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
+use crate::model::source::Vb;
+use crate::model::{Capture, CaptureRequest, Progress, Target, ids_tensor};
+use candle_core::{DType, Tensor};
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn load(cfg: &ModelConfig, vb: &Vb) -> Result<Attention> {
+        let (h, nh, nkv, hd) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let bias = cfg.attention_bias;
+        let (q_norm, k_norm) = if cfg.qk_norm {
+            (
+                Some(RmsNorm::load(&vb.pp("q_norm"), hd, cfg.rms_norm_eps)?),
+                Some(RmsNorm::load(&vb.pp("k_norm"), hd, cfg.rms_norm_eps)?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Attention {
+            q: Linear::load(&vb.pp("q_proj"), nh * hd, h, bias)?,
+            k: Linear::load(&vb.pp("k_proj"), nkv * hd, h, bias)?,
+            v: Linear::load(&vb.pp("v_proj"), nkv * hd, h, bias)?,
+            o: Linear::load(&vb.pp("o_proj"), h, nh * hd, false)?,
+            q_norm,
+            k_norm,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+        })
+    }
+
+    /// `xs`: [T, H] -> [T, H]
+    fn forward(
+        &self,
+        xs: &Tensor,
+        rope: &RopeTables,
+        mask: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let t = xs.dim(0)?;
+        let split = |y: Tensor, n: usize| y.reshape((t, n, self.head_dim))?.transpose(0, 1);
+        let mut q = split(self.q.forward(xs)?, self.heads)?;
+        let mut k = split(self.k.forward(xs)?, self.kv_heads)?;
+        let v = split(self.v.forward(xs)?, self.kv_heads)?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let q = rope.apply_half(&q.contiguous()?)?;
+        let k = rope.apply_half(&k.contiguous()?)?;
+        let out = attention(&q, &k, &v, mask, 1.0 / (self.head_dim as f64).sqrt())?;
+        self.o.forward(&out)
+    }
+}
+
+struct Layer {
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+pub struct Llama {
+    cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    dtype: DType,
+}
+
+/// Where the decoder lives in the checkpoint: plain HF, or a multimodal wrapper's text model.
+pub fn decoder_prefix<'a>(vb: &Vb<'a>) -> Vb<'a> {
+    for prefix in ["model", "model.language_model", "language_model.model"] {
+        if vb.pp(prefix).contains("embed_tokens.weight") {
+            return vb.pp(prefix);
+        }
+    }
+    vb.pp("model")
+}
+
+impl Llama {
+    pub fn load(cfg: &ModelConfig, vb: &Vb) -> Result<Llama> {
+        let m = decoder_prefix(vb);
+        let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
+        let embed = m.get("embed_tokens.weight", &[v, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let l = m.pp(format!("layers.{i}"));
+            layers.push(Layer {
+                input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
+                attn: Attention::load(cfg, &l.pp("self_attn"))?,
+                post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
+                mlp: Mlp::load(&l.pp("mlp"), h, cfg.intermediate_size)?,
+            });
+        }
+        // Tied checkpoints often omit lm_head; untied ones must carry it.
+        let lm_head = match vb.get_opt("lm_head.weight", &[v, h])? {
+            Some(w) => w,
+            None => embed.clone(),
+        };
+        Ok(Llama {
+            cfg: cfg.clone(),
+            norm: RmsNorm::load(&m.pp("norm"), h, eps)?,
+            embed,
+            layers,
+            lm_head,
+            dtype: vb.dtype,
+        })
+    }
+}
+
+impl Target for Llama {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn embed_tokens(&self) -> &Tensor {
+        &self.embed
+    }
+
+    fn forward(
+        &self,
+        ids: &[u32],
+        want: &CaptureRequest,
+        progress: &mut Progress,
+    ) -> Result<Capture> {
+        let device = self.embed.device();
+        let t = ids.len();
+        let rope = RopeTables::new(&self.cfg.rope, self.cfg.head_dim, t, self.dtype, device)?;
+        let mask = causal_mask(t, self.cfg.sliding_window, self.dtype, device)?;
+        let mut capture = Capture::default();
+        let mut xs = self
+            .embed
+            .index_select(&ids_tensor(ids, device)?, 0)
+            .ctx(|| "embedding lookup".to_string())?;
+        let n = self.layers.len();
+        for (i, layer) in self.layers.iter().enumerate() {
+            if want.wants(i) {
+                capture.hidden.insert(i, xs.clone());
+            }
+            let step = || -> candle_core::Result<Tensor> {
+                let h = layer
+                    .attn
+                    .forward(&layer.input_norm.forward(&xs)?, &rope, &mask)?;
+                let xs = (&xs + h)?;
+                let m = layer.mlp.forward(&layer.post_norm.forward(&xs)?)?;
+                xs + m
+            };
+            xs = step().ctx(|| format!("decoder layer {i}"))?;
+            progress.tick(i + 1, n);
+        }
+        progress.finish();
+        if want.final_pre_norm {
+            capture.final_pre_norm = Some(xs.clone());
+        }
+        let normed = self.norm.forward(&xs).ctx(|| "final norm".to_string())?;
+        if want.logits {
+            capture.logits = Some(
+                normed
+                    .matmul(&self.lm_head.t().ctx(|| "lm_head".into())?)
+                    .ctx(|| "lm_head".into())?,
+            );
+        }
+        if want.wants(n) {
+            capture.hidden.insert(n, normed);
+        }
+        Ok(capture)
+    }
+}

@@ -1,0 +1,133 @@
+//! Model execution on candle-core tensors (device-agnostic: CPU now, CUDA through the same
+//! ops). Targets capture every residual-stream boundary; the draft runs the EAGLE-3 layer.
+
+pub mod draft;
+pub mod fp8;
+pub mod llama;
+pub mod nn;
+pub mod source;
+
+use crate::config::{Arch, ModelConfig};
+use crate::error::{CandleContext, Result};
+use candle_core::{DType, Device, Tensor};
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::time::Instant;
+
+/// What a forward pass should keep. Boundaries not asked for are dropped as soon as the next
+/// layer has consumed them.
+#[derive(Debug, Clone)]
+pub struct CaptureRequest {
+    /// `None`: every boundary `0..=L`.
+    pub boundaries: Option<Vec<usize>>,
+    pub final_pre_norm: bool,
+    pub logits: bool,
+}
+
+impl CaptureRequest {
+    pub fn all() -> CaptureRequest {
+        CaptureRequest {
+            boundaries: None,
+            final_pre_norm: true,
+            logits: true,
+        }
+    }
+
+    pub fn wants(&self, b: usize) -> bool {
+        self.boundaries.as_ref().is_none_or(|bs| bs.contains(&b))
+    }
+}
+
+/// The tensors one forward pass captured.
+#[derive(Debug, Default)]
+pub struct Capture {
+    /// b -> [T, H], HF semantics (b = L is after the final norm). Compute dtype.
+    pub hidden: BTreeMap<usize, Tensor>,
+    /// [T, H], the state after the last layer, before the final norm.
+    pub final_pre_norm: Option<Tensor>,
+    /// [T, V]
+    pub logits: Option<Tensor>,
+    /// Model-specific observables, e.g. `router.{layer}.topk_idx` for MoE models.
+    pub extras: BTreeMap<String, Tensor>,
+}
+
+/// A target model the runner can capture from.
+pub trait Target {
+    fn config(&self) -> &ModelConfig;
+    /// [V, H] token embeddings (the draft shares them when it has none).
+    fn embed_tokens(&self) -> &Tensor;
+    fn forward(
+        &self,
+        ids: &[u32],
+        want: &CaptureRequest,
+        progress: &mut Progress,
+    ) -> Result<Capture>;
+}
+
+/// Loads a target of any supported architecture from a weight source.
+pub fn load_target(
+    cfg: &ModelConfig,
+    src: &dyn source::WeightSource,
+    dtype: DType,
+    device: &Device,
+) -> Result<Box<dyn Target>> {
+    let vb = source::Vb::new(src, dtype, device);
+    match cfg.arch {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+            Ok(Box::new(llama::Llama::load(cfg, &vb)?))
+        }
+        Arch::DeepseekV3 => Err(crate::error::Error::config(
+            &cfg.path,
+            "deepseek_v3 / kimi_k2 targets are not runnable yet (MLA + MoE forward pending)",
+        )),
+    }
+}
+
+/// Token ids as a [T] u32 tensor.
+pub fn ids_tensor(ids: &[u32], device: &Device) -> Result<Tensor> {
+    Tensor::new(ids, device).ctx(|| "token ids".to_string())
+}
+
+/// Progress on stderr for steps that take more than a moment, and only on a terminal.
+pub struct Progress {
+    label: String,
+    start: Instant,
+    enabled: bool,
+    shown: bool,
+}
+
+impl Progress {
+    pub fn new(label: &str) -> Progress {
+        Progress {
+            label: label.to_string(),
+            start: Instant::now(),
+            enabled: std::io::stderr().is_terminal(),
+            shown: false,
+        }
+    }
+
+    pub fn hidden() -> Progress {
+        Progress {
+            enabled: false,
+            ..Progress::new("")
+        }
+    }
+
+    pub fn tick(&mut self, done: usize, total: usize) {
+        if self.enabled && self.start.elapsed().as_millis() > 500 {
+            eprint!("\r{}: {done}/{total} ", self.label);
+            self.shown = true;
+        }
+    }
+
+    pub fn finish(&mut self) {
+        if self.shown {
+            eprintln!(
+                "\r{}: done in {:.1} s   ",
+                self.label,
+                self.start.elapsed().as_secs_f64()
+            );
+            self.shown = false;
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! The building blocks every supported model shares, on candle-core tensors of any device:
+//! RMSNorm, linear layers, rotary tables (default, linear, llama3, YaRN), causal attention.
+
+use crate::config::{Rope, RopeScaling};
+use crate::error::{CandleContext, Result};
+use crate::model::source::Vb;
+use candle_core::{D, DType, Device, Tensor};
+
+/// RMSNorm as HF computes it: in f32, then back to the input dtype, times the weight.
+#[derive(Clone)]
+pub struct RmsNorm {
+    pub weight: Tensor,
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    pub fn load(vb: &Vb, size: usize, eps: f64) -> Result<RmsNorm> {
+        Ok(RmsNorm {
+            weight: vb.get("weight", &[size])?,
+            eps,
+        })
+    }
+
+    /// `xs`: [.., size]
+    pub fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let dtype = xs.dtype();
+        let x = xs.to_dtype(DType::F32)?;
+        let var = x.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = x
+            .broadcast_div(&(var + self.eps)?.sqrt()?)?
+            .to_dtype(dtype)?;
+        normed.broadcast_mul(&self.weight)
+    }
+}
+
+/// `y = x W^T + b`, W: [out, in].
+#[derive(Clone)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn load(vb: &Vb, out_dim: usize, in_dim: usize, bias: bool) -> Result<Linear> {
+        Ok(Linear {
+            weight: vb.get("weight", &[out_dim, in_dim])?,
+            bias: if bias {
+                Some(vb.get("bias", &[out_dim])?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// `xs`: [tokens, in] -> [tokens, out]
+    pub fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let y = xs.matmul(&self.weight.t()?)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+#[derive(Clone)]
+pub struct Mlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl Mlp {
+    pub fn load(vb: &Vb, hidden: usize, inter: usize) -> Result<Mlp> {
+        Ok(Mlp {
+            gate: Linear::load(&vb.pp("gate_proj"), inter, hidden, false)?,
+            up: Linear::load(&vb.pp("up_proj"), inter, hidden, false)?,
+            down: Linear::load(&vb.pp("down_proj"), hidden, inter, false)?,
+        })
+    }
+
+    pub fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let g = candle_core::Tensor::silu(&self.gate.forward(xs)?)?;
+        self.down.forward(&(g * self.up.forward(xs)?)?)
+    }
+}
+
+/// Inverse frequencies for `dim` rotary dimensions and the attention scale YaRN applies to
+/// cos/sin. Mirrors transformers' `modeling_rope_utils` (`_compute_llama3_parameters`,
+/// `_compute_yarn_parameters`), computed in f64 and rounded once.
+pub fn inv_freq(rope: &Rope, dim: usize) -> (Vec<f64>, f64) {
+    let base: Vec<f64> = (0..dim / 2)
+        .map(|i| 1.0 / rope.theta.powf((2 * i) as f64 / dim as f64))
+        .collect();
+    match rope.scaling {
+        RopeScaling::None => (base, 1.0),
+        RopeScaling::Linear { factor } => (base.iter().map(|f| f / factor).collect(), 1.0),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings: orig,
+        } => {
+            let low_wavelen = orig / low_freq_factor;
+            let high_wavelen = orig / high_freq_factor;
+            let scaled = base
+                .iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (orig / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect();
+            (scaled, 1.0)
+        }
+        RopeScaling::Yarn {
+            factor,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            original_max_position_embeddings: orig,
+        } => {
+            let d = dim as f64;
+            // The dimension whose wavelength completes `rotations` turns over the original context.
+            let correction_dim = |rotations: f64| {
+                d * (orig / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * rope.theta.ln())
+            };
+            let low = correction_dim(beta_fast).floor().max(0.0);
+            let high = correction_dim(beta_slow).ceil().min(d - 1.0);
+            let high = if low == high { high + 0.001 } else { high };
+            let extrapolated = base.clone();
+            let interpolated: Vec<f64> = base.iter().map(|f| f / factor).collect();
+            let freqs = (0..dim / 2)
+                .map(|i| {
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extrapolation_factor = 1.0 - ramp;
+                    interpolated[i] * (1.0 - extrapolation_factor)
+                        + extrapolated[i] * extrapolation_factor
+                })
+                .collect();
+            let get_mscale = |scale: f64, m: f64| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * scale.ln() + 1.0
+                }
+            };
+            // transformers: the ratio when both mscale terms are set (DeepSeek), else mscale(factor).
+            let attention_factor = if mscale != 0.0 && mscale_all_dim != 0.0 {
+                get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+            } else {
+                get_mscale(factor, 1.0)
+            };
+            (freqs, attention_factor)
+        }
+    }
+}
+
+/// cos/sin tables for positions `0..seq_len`: [seq_len, dim / 2] each, already scaled.
+pub struct RopeTables {
+    pub cos: Tensor,
+    pub sin: Tensor,
+}
+
+impl RopeTables {
+    pub fn new(
+        rope: &Rope,
+        dim: usize,
+        seq_len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<RopeTables> {
+        let (freqs, scale) = inv_freq(rope, dim);
+        // HF rounds inv_freq to f32 before the outer product; so do we.
+        let freqs: Vec<f32> = freqs.iter().map(|&f| f as f32).collect();
+        let half = dim / 2;
+        let mut cos = Vec::with_capacity(seq_len * half);
+        let mut sin = Vec::with_capacity(seq_len * half);
+        for pos in 0..seq_len {
+            for &f in &freqs {
+                let angle = pos as f32 * f;
+                cos.push(angle.cos() * scale as f32);
+                sin.push(angle.sin() * scale as f32);
+            }
+        }
+        let mk = |v: Vec<f32>| {
+            Tensor::from_vec(v, (seq_len, half), device)
+                .and_then(|t| t.to_dtype(dtype))
+                .ctx(|| "rope tables".to_string())
+        };
+        Ok(RopeTables {
+            cos: mk(cos)?,
+            sin: mk(sin)?,
+        })
+    }
+
+    /// Rotates `xs`: [heads, seq, dim] in the "rotate half" layout (Llama, Qwen).
+    pub fn apply_half(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let dim = xs.dim(D::Minus1)?;
+        let cos = Tensor::cat(&[&self.cos, &self.cos], D::Minus1)?;
+        let sin = Tensor::cat(&[&self.sin, &self.sin], D::Minus1)?;
+        let x1 = xs.narrow(D::Minus1, 0, dim / 2)?;
+        let x2 = xs.narrow(D::Minus1, dim / 2, dim / 2)?;
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        xs.broadcast_mul(&cos)?
+            .broadcast_add(&rotated.broadcast_mul(&sin)?)
+    }
+
+    /// Rotates `xs`: [heads, seq, dim] whose pairs are interleaved `(x0, x1), (x2, x3), ...`
+    /// (DeepSeek's complex-number rope). transformers de-interleaves and rotates halves; the
+    /// result is returned in the de-interleaved order, exactly as transformers does
+    /// (`apply_rotary_pos_emb_interleave` in modeling_deepseek_v3.py).
+    pub fn apply_interleaved(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let (h, s, d) = xs.dims3()?;
+        let pairs = xs.reshape((h, s, d / 2, 2))?;
+        let even = pairs.narrow(3, 0, 1)?.squeeze(3)?;
+        let odd = pairs.narrow(3, 1, 1)?.squeeze(3)?;
+        let deinterleaved = Tensor::cat(&[&even, &odd], D::Minus1)?.contiguous()?;
+        self.apply_half(&deinterleaved)
+    }
+}
+
+/// Additive causal mask [seq, seq] (0 allowed, -inf masked), with an optional sliding window
+/// (Mistral: key j is visible from query i when `i - j < window`).
+pub fn causal_mask(
+    seq: usize,
+    window: Option<usize>,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let mut m = vec![0f32; seq * seq];
+    for i in 0..seq {
+        for j in 0..seq {
+            let future = j > i;
+            let outside = window.is_some_and(|w| i - j.min(i) >= w);
+            if future || outside {
+                m[i * seq + j] = f32::NEG_INFINITY;
+            }
+        }
+    }
+    Tensor::from_vec(m, (seq, seq), device)
+        .and_then(|t| t.to_dtype(dtype))
+        .ctx(|| "causal mask".to_string())
+}
+
+/// Softmax over the last axis, computed in f32.
+pub fn softmax_last(xs: &Tensor) -> candle_core::Result<Tensor> {
+    let dtype = xs.dtype();
+    let x = xs.to_dtype(DType::F32)?;
+    let max = x.max_keepdim(D::Minus1)?;
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    e.broadcast_div(&sum)?.to_dtype(dtype)
+}
+
+/// Scaled dot-product attention with grouped KV heads.
+/// `q`: [heads, seq, d], `k`: [kv_heads, seq, d], `v`: [kv_heads, seq, dv], `mask`: [seq, seq].
+/// Returns [seq, heads * dv].
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    let (heads, seq, _) = q.dims3()?;
+    let kv_heads = k.dim(0)?;
+    let (k, v) = if kv_heads != heads {
+        let rep = heads / kv_heads;
+        let expand = |t: &Tensor| -> candle_core::Result<Tensor> {
+            let (kh, s, d) = t.dims3()?;
+            t.unsqueeze(1)?
+                .broadcast_as((kh, rep, s, d))?
+                .reshape((kh * rep, s, d))
+        };
+        (expand(k)?, expand(v)?)
+    } else {
+        (k.clone(), v.clone())
+    };
+    let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?;
+    let probs = softmax_last(&scores.broadcast_add(mask)?)?;
+    let out = probs.matmul(&v.contiguous()?)?; // [heads, seq, dv]
+    let dv = out.dim(2)?;
+    out.transpose(0, 1)?
+        .contiguous()?
+        .reshape((seq, heads * dv))
+}
