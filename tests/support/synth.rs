@@ -156,7 +156,7 @@ pub fn write_sparse(path: &Path, tensors: &[Tensor]) {
         offset += bytes;
     }
     let mut text = serde_json::to_string(&header).unwrap();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(' ');
     }
     let mut f = File::create(path).unwrap();
