@@ -11,5 +11,6 @@ pub mod error;
 pub mod gate;
 pub mod model;
 pub mod report;
+pub mod runner;
 pub mod spec;
 pub mod weights;

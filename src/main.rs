@@ -1,11 +1,13 @@
 //! The `eagle-check` command line: parse, call the library, render, exit 0/1/2.
 
 use anyhow::{Context, Result, bail};
+use candle_core::{DType, Device};
 use clap::{Parser, Subcommand, ValueEnum};
 use eagle_check::config::{DraftConfig, ModelConfig};
 use eagle_check::engine::Engine;
 use eagle_check::gate::{GateInput, gate};
 use eagle_check::report::Report;
+use eagle_check::runner::{Bundle, RunInput};
 use eagle_check::spec::{Spec, engine_names};
 use eagle_check::weights::WeightIndex;
 use std::path::{Path, PathBuf};
@@ -48,6 +50,110 @@ enum Command {
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
+    /// Run target and draft on real tokens: capture every boundary and the exact fc input.
+    Run {
+        /// A bundle directory holding target/, draft/ and spec.yaml (no other flag needed).
+        bundle: Option<PathBuf>,
+        /// Target model: HF directory, HF cache entry (models--org--name) or .gguf file.
+        #[arg(long)]
+        target: Option<PathBuf>,
+        /// Draft model directory (LlamaForCausalLMEagle3 layout).
+        #[arg(long)]
+        draft: Option<PathBuf>,
+        /// Capture spec (YAML) to judge the fed layout against.
+        #[arg(long)]
+        spec: Option<PathBuf>,
+        /// Engine whose rule assembles the fc input (default: the spec's `engine`).
+        #[arg(long)]
+        engine: Option<String>,
+        /// Token ids, comma-separated: --tokens 1,2,3
+        #[arg(long, value_delimiter = ',', conflicts_with_all = ["token_file", "prompt"])]
+        tokens: Option<Vec<u32>>,
+        /// A file of token ids: one per line, or a .npy of integers.
+        #[arg(long, conflicts_with = "prompt")]
+        token_file: Option<PathBuf>,
+        /// Text, tokenized with the target's tokenizer (tokenizer.json or GGUF metadata).
+        #[arg(long)]
+        prompt: Option<String>,
+        #[arg(long, value_enum, default_value = "auto")]
+        device: DeviceArg,
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: DtypeArg,
+        /// Write input_ids, hidden_states.{b}, final_pre_norm and fc_input to a safetensors file.
+        #[arg(long)]
+        dump: Option<PathBuf>,
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+    Auto,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DtypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl DtypeArg {
+    fn dtype(self) -> DType {
+        match self {
+            DtypeArg::F32 => DType::F32,
+            DtypeArg::Bf16 => DType::BF16,
+            DtypeArg::F16 => DType::F16,
+        }
+    }
+}
+
+/// Picks the compute device. This build runs on the CPU; CUDA arrives with the GPU runner.
+fn device(arg: DeviceArg) -> Result<Device> {
+    match arg {
+        DeviceArg::Cpu | DeviceArg::Auto if !candle_core::utils::cuda_is_available() => {
+            Ok(Device::Cpu)
+        }
+        DeviceArg::Cuda if !candle_core::utils::cuda_is_available() => {
+            bail!("--device cuda: this build of eagle-check has no CUDA support; use --device cpu")
+        }
+        DeviceArg::Cpu => Ok(Device::Cpu),
+        DeviceArg::Cuda | DeviceArg::Auto => Ok(Device::new_cuda(0)?),
+    }
+}
+
+/// Ids used when none are given and the bundle has no tokens.txt: a fixed, documented
+/// pseudo-random sequence (LCG) over the vocabulary, so runs are reproducible.
+fn default_tokens(vocab: usize) -> Vec<u32> {
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    (0..16)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % vocab.max(1) as u64) as u32
+        })
+        .collect()
+}
+
+fn read_token_text(path: &Path) -> Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
+    text.split(|c: char| c.is_whitespace() || c == ',')
+        .filter(|w| !w.is_empty())
+        .enumerate()
+        .map(|(i, w)| {
+            w.parse::<u32>().with_context(|| {
+                format!(
+                    "{}: entry {} (`{w}`) is not a token id",
+                    path.display(),
+                    i + 1
+                )
+            })
+        })
+        .collect()
 }
 
 fn main() -> ExitCode {
@@ -83,6 +189,63 @@ fn run(cli: Cli) -> Result<u8> {
                 target: target_cfg.as_ref(),
                 target_weights: target_weights.as_ref(),
                 engines: &engines,
+            })?;
+            Ok(emit(&report, format))
+        }
+        Command::Run {
+            bundle,
+            target,
+            draft,
+            spec,
+            engine,
+            tokens,
+            token_file,
+            prompt,
+            device: device_arg,
+            dtype,
+            dump,
+            format,
+        } => {
+            let bundle = bundle.as_deref().map(Bundle::open).transpose()?;
+            let target = target
+                .or_else(|| bundle.as_ref().map(|b| b.target.clone()))
+                .context("run needs a bundle directory or --target")?;
+            let draft = draft.or_else(|| bundle.as_ref().and_then(|b| b.draft.clone()));
+            let spec = spec
+                .or_else(|| bundle.as_ref().and_then(|b| b.spec.clone()))
+                .map(|p| Spec::load(&p))
+                .transpose()?;
+            let engine = match engine.as_deref() {
+                Some(name) => Engine::from_name(name)
+                    .with_context(|| format!("--engine: unknown engine `{name}` (known: {})", engine_names()))?,
+                None => spec
+                    .as_ref()
+                    .and_then(|s| s.engine)
+                    .context("name the engine that assembles the fc input: --engine NAME or `engine:` in the spec")?,
+            };
+            let tokens = match (tokens, token_file, prompt) {
+                (Some(t), _, _) => t,
+                (None, Some(file), _) => read_token_text(&file)?,
+                (None, None, Some(_)) => {
+                    bail!("--prompt needs a tokenizer, which this build cannot load yet")
+                }
+                (None, None, None) => match bundle.as_ref().and_then(|b| b.tokens.clone()) {
+                    Some(file) => read_token_text(&file)?,
+                    None => {
+                        let dir = eagle_check::runner::resolve_model_dir(&target)?;
+                        default_tokens(ModelConfig::load(&dir)?.vocab_size)
+                    }
+                },
+            };
+            let report = eagle_check::runner::run(&RunInput {
+                target,
+                draft,
+                spec,
+                engine,
+                tokens,
+                device: device(device_arg)?,
+                dtype: dtype.dtype(),
+                dump,
             })?;
             Ok(emit(&report, format))
         }

@@ -3,4 +3,5 @@
 mod support;
 
 mod gate;
+mod run_cli;
 mod runner;

@@ -1,0 +1,126 @@
+//! `eagle-check run` end to end through the binary: bundles, exit codes, the dump's contents
+//! against the HF reference, and bad input.
+
+use crate::support::{eagle_check, fixture, p, scratch};
+use candle_core::{DType, Device, Tensor};
+use eagle_check::compare::closeness;
+use std::collections::HashMap;
+
+fn load(path: &std::path::Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
+}
+
+fn reference_ids() -> String {
+    let r = load(&fixture("models/llama/reference.safetensors"));
+    let ids: Vec<i64> = r["input_ids"].to_vec1().unwrap();
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[test]
+fn consistent_bundle_exits_0() {
+    let out = eagle_check([
+        "run",
+        &p(&fixture("bundles/tiny-llama")),
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let json = out.json();
+    assert_eq!(json["verdict"], "consistent");
+    assert_eq!(json["subject"]["fed_b"], "[2, 3, 4]");
+}
+
+#[test]
+fn bundle_whose_engine_reads_ids_raw_exits_1_with_off_by_one() {
+    let out = eagle_check([
+        "run",
+        &p(&fixture("bundles/tiny-llama-vllm-offbyone")),
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.finding_names(), vec!["off-by-one"]);
+    assert_eq!(out.json()["subject"]["fed_b"], "[1, 2, 3]");
+}
+
+/// The dump holds every boundary as HF returns it, and the fc input the engine assembled:
+/// for sglang on this draft that is b = [2, 3, 4], which is what the PyTorch draft reference
+/// (SpecForge's OUT rule on HF hidden states) concatenated.
+#[test]
+fn dump_matches_transformers_and_the_reference_fc_input() {
+    let dir = scratch("run-dump");
+    let dump = dir.join("capture.safetensors");
+    let out = eagle_check([
+        "run",
+        &p(&fixture("bundles/tiny-llama")),
+        "--tokens",
+        &reference_ids(),
+        "--dump",
+        &p(&dump),
+    ]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let got = load(&dump);
+    let r = load(&fixture("models/llama/reference.safetensors"));
+    assert_eq!(got["input_ids"].dtype(), DType::I64);
+    assert_eq!(
+        got["input_ids"].to_vec1::<i64>().unwrap(),
+        r["input_ids"].to_vec1::<i64>().unwrap()
+    );
+    for b in 0..=5 {
+        let key = format!("hidden_states.{b}");
+        assert_eq!(got[&key].dtype(), DType::F32);
+        let c = closeness(&got[&key], &r[&key]).unwrap();
+        assert!(c.max_rel <= 1e-4, "{key}: {:.2e}", c.max_rel);
+    }
+    let c = closeness(&got["final_pre_norm"], &r["final_pre_norm"]).unwrap();
+    assert!(c.max_rel <= 1e-4);
+    let d = load(&fixture("models/llama-draft/draft_reference.safetensors"));
+    assert_eq!(got["fc_input"].dims(), &[12, 192]);
+    let c = closeness(&got["fc_input"], &d["fc_input"]).unwrap();
+    assert!(c.max_rel <= 1e-4, "fc_input: {:.2e}", c.max_rel);
+    assert!(!dir.join("capture.safetensors.partial").exists());
+}
+
+#[test]
+fn run_rejects_bad_input_with_exit_2() {
+    let bundle = p(&fixture("bundles/tiny-llama"));
+    let out = eagle_check(["run", &bundle, "--tokens", "1,2,99999"]);
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr.contains("99999") && out.stderr.contains("vocab"),
+        "{}",
+        out.stderr
+    );
+
+    let out = eagle_check(["run", "fixtures/no-such-bundle"]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("no-such-bundle"), "{}", out.stderr);
+
+    let out = eagle_check(["run", &bundle, "--device", "cuda"]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("CUDA"), "{}", out.stderr);
+
+    let dir = scratch("run-bad-tokens");
+    let file = dir.join("ids.txt");
+    std::fs::write(&file, "1\n2\nthree\n").unwrap();
+    let out = eagle_check(["run", &bundle, "--token-file", &p(&file)]);
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr.contains("ids.txt") && out.stderr.contains("three"),
+        "{}",
+        out.stderr
+    );
+
+    let out = eagle_check([
+        "run",
+        "--target",
+        &p(&fixture("models/llama")),
+        "--tokens",
+        "1,2,3",
+    ]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("--engine"), "{}", out.stderr);
+}
