@@ -9,6 +9,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod gate;
+pub mod readers;
 pub mod model;
 pub mod report;
 pub mod runner;
