@@ -6,6 +6,7 @@
 pub mod boundary;
 pub mod compare;
 pub mod config;
+pub mod diff;
 pub mod engine;
 pub mod error;
 pub mod gate;

@@ -4,10 +4,13 @@ use anyhow::{Context, Result, bail};
 use candle_core::{DType, Device};
 use clap::{Parser, Subcommand, ValueEnum};
 use eagle_check::config::{DraftConfig, ModelConfig};
+use eagle_check::diff::reference::{DumpReference, ReferenceSource, RunnerReference};
+use eagle_check::diff::{DiffInput, diff};
 use eagle_check::engine::Engine;
+use eagle_check::engine::resolve;
 use eagle_check::gate::{GateInput, gate};
 use eagle_check::report::Report;
-use eagle_check::runner::{Bundle, RunInput};
+use eagle_check::runner::{Bundle, RunInput, open_target};
 use eagle_check::spec::{Spec, engine_names};
 use eagle_check::weights::WeightIndex;
 use std::path::{Path, PathBuf};
@@ -82,6 +85,34 @@ enum Command {
         /// Write input_ids, hidden_states.{b}, final_pre_norm and fc_input to a safetensors file.
         #[arg(long)]
         dump: Option<PathBuf>,
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+    },
+    /// Identify what each slot of captured tensors (training data, engine dumps) really is.
+    Diff {
+        /// Capture spec (YAML): what the drafter's training data should hold.
+        #[arg(long)]
+        spec: PathBuf,
+        /// Target model the captures came from, re-run on each sample's tokens.
+        #[arg(long, required_unless_present = "reference")]
+        target: Option<PathBuf>,
+        /// Capture files or directories (SpecForge .ckpt/.ckpt.gz, ModelOpt .pt, vLLM
+        /// hs_*.safetensors, sglang dumps, .npy/.npz/.safetensors).
+        #[arg(long, required = true, num_args = 1..)]
+        captures: Vec<PathBuf>,
+        /// Reference boundaries from a dump of every layer (eagle-check run --dump, or a vLLM
+        /// extract_hidden_states file of all layers) instead of running the target.
+        #[arg(long)]
+        reference: Option<PathBuf>,
+        /// Draft directory: with an engine, also compare what inference feeds (three-way).
+        #[arg(long)]
+        draft: Option<PathBuf>,
+        #[arg(long)]
+        engine: Option<String>,
+        #[arg(long, value_enum, default_value = "auto")]
+        device: DeviceArg,
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: DtypeArg,
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
@@ -190,6 +221,59 @@ fn run(cli: Cli) -> Result<u8> {
                 target_weights: target_weights.as_ref(),
                 engines: &engines,
             })?;
+            Ok(emit(&report, format))
+        }
+        Command::Diff {
+            spec,
+            target,
+            captures,
+            reference,
+            draft,
+            engine,
+            device: device_arg,
+            dtype,
+            format,
+        } => {
+            let spec = Spec::load(&spec)?;
+            let mut source: Box<dyn ReferenceSource> = match (&reference, &target) {
+                (Some(path), _) => Box::new(DumpReference::open(path)?),
+                (None, Some(path)) => Box::new(RunnerReference {
+                    target: open_target(path, dtype.dtype(), &device(device_arg)?)?,
+                    path: path.clone(),
+                    forward_seconds: 0.0,
+                }),
+                (None, None) => bail!("diff needs --target or --reference"),
+            };
+            let feed = match &draft {
+                Some(d) => {
+                    let draft_cfg = DraftConfig::load(d)?;
+                    let engine = match engine.as_deref() {
+                        Some(name) => Engine::from_name(name).with_context(|| {
+                            format!(
+                                "--engine: unknown engine `{name}` (known: {})",
+                                engine_names()
+                            )
+                        })?,
+                        None => spec.engine.context(
+                            "--draft needs an engine: --engine NAME or `engine:` in the spec",
+                        )?,
+                    };
+                    Some(resolve(
+                        engine,
+                        draft_cfg.aux_layer_ids.as_deref(),
+                        source.num_layers(),
+                    ))
+                }
+                None => None,
+            };
+            let (report, _) = diff(
+                &DiffInput {
+                    spec: &spec,
+                    captures: &captures,
+                    feed: feed.as_ref(),
+                },
+                source.as_mut(),
+            )?;
             Ok(emit(&report, format))
         }
         Command::Run {

@@ -175,6 +175,18 @@ pub struct CaptureReport {
     pub slots: Vec<CaptureSlot>,
 }
 
+/// Spec vs training captures vs inference feed, per fc slot (diff with --draft and --engine).
+#[derive(Debug, Clone, Serialize)]
+pub struct ThreeWayRow {
+    pub slot: usize,
+    pub spec: Option<usize>,
+    /// The boundary the training captures hold (the most common over samples).
+    pub training: Option<usize>,
+    /// The boundary the inference engine feeds.
+    pub inference: Option<usize>,
+    pub ok: bool,
+}
+
 /// What every command returns: rendered as a table for people or as JSON for machines.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -186,6 +198,8 @@ pub struct Report {
     pub slots: Vec<SlotRow>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub captures: Vec<CaptureReport>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub three_way: Vec<ThreeWayRow>,
     pub findings: Vec<Finding>,
 }
 
@@ -197,6 +211,7 @@ impl Report {
             subject: Vec::new(),
             slots: Vec::new(),
             captures: Vec::new(),
+            three_way: Vec::new(),
             findings: Vec::new(),
         }
     }
@@ -245,7 +260,21 @@ impl Report {
         if !self.slots.is_empty() {
             let _ = writeln!(out, "{}", self.slot_table());
         }
-        for capture in &self.captures {
+        if !self.three_way.is_empty() {
+            let mut table = new_table(&["fc slot", "spec b", "training b", "inference b", ""]);
+            for r in &self.three_way {
+                table.add_row(vec![
+                    r.slot.to_string(),
+                    opt(r.spec),
+                    opt(r.training),
+                    opt(r.inference),
+                    if r.ok { "ok".into() } else { "MISMATCH".into() },
+                ]);
+            }
+            let _ = writeln!(out, "{table}");
+        }
+        const MAX_FILES: usize = 10;
+        for capture in self.captures.iter().take(MAX_FILES) {
             let _ = writeln!(
                 out,
                 "{} ({}, {} samples)",
@@ -276,6 +305,13 @@ impl Report {
                 ]);
             }
             let _ = writeln!(out, "{table}");
+        }
+        if self.captures.len() > MAX_FILES {
+            let _ = writeln!(
+                out,
+                "... {} more capture files (all of them in --format json)",
+                self.captures.len() - MAX_FILES
+            );
         }
         if !self.findings.is_empty() {
             let mut table = new_table(&["finding", "severity", "where", "message", "fix"]);

@@ -196,6 +196,7 @@ pub fn run(input: &RunInput) -> Result<Report> {
         },
         final_pre_norm: true,
         logits: true,
+        layer_outputs: false,
     };
     let mut progress = Progress::new("target forward");
     let capture = target.model.forward(&input.tokens, &want, &mut progress)?;

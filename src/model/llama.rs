@@ -160,15 +160,19 @@ impl Target for Llama {
             if want.wants(i) {
                 capture.hidden.insert(i, xs.clone());
             }
-            let step = || -> candle_core::Result<Tensor> {
+            let step = || -> candle_core::Result<(Tensor, Tensor)> {
                 let h = layer
                     .attn
                     .forward(&layer.input_norm.forward(&xs)?, &rope, &mask)?;
                 let xs = (&xs + h)?;
                 let m = layer.mlp.forward(&layer.post_norm.forward(&xs)?)?;
-                xs + m
+                Ok(((xs + &m)?, m))
             };
-            xs = step().ctx(|| format!("decoder layer {i}"))?;
+            let (next, mlp_out) = step().ctx(|| format!("decoder layer {i}"))?;
+            if want.layer_outputs {
+                capture.extras.insert(format!("mlp_out.{i}"), mlp_out);
+            }
+            xs = next;
             progress.tick(i + 1, n);
         }
         progress.finish();

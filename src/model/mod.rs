@@ -22,6 +22,9 @@ pub struct CaptureRequest {
     pub boundaries: Option<Vec<usize>>,
     pub final_pre_norm: bool,
     pub logits: bool,
+    /// Also keep each layer's MLP output (`extras["mlp_out.{i}"]`): what a fused-residual engine
+    /// returns as `hidden_states` before the residual is added.
+    pub layer_outputs: bool,
 }
 
 impl CaptureRequest {
@@ -30,6 +33,7 @@ impl CaptureRequest {
             boundaries: None,
             final_pre_norm: true,
             logits: true,
+            layer_outputs: false,
         }
     }
 

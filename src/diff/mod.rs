@@ -1,0 +1,503 @@
+//! The diff engine: re-run the target on each captured sample's token ids, identify what every
+//! slot of the captured tensor really is, and turn that into named findings against the spec
+//! (and, given a draft and an engine, against what the inference side feeds).
+
+pub mod identify;
+pub mod reference;
+pub mod score;
+
+use crate::boundary::{Boundary, FinalNorm, format_list};
+use crate::engine::Feed;
+use crate::error::{Error, Result};
+use crate::gate::{check_feed, classify_layout};
+use crate::readers::{HostTensor, Sample, capture_files, read_capture_path};
+use crate::report::{CaptureReport, CaptureSlot, Finding, FindingName, Report, ThreeWayRow};
+use crate::spec::Spec;
+use identify::{SlotId, State, Tolerance, identify_slot, no_residual_deltas};
+use reference::ReferenceSource;
+use score::View;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// What `diff` reads besides the reference.
+pub struct DiffInput<'a> {
+    pub spec: &'a Spec,
+    pub captures: &'a [PathBuf],
+    /// The inference side (what `run` would feed), for the three-way comparison.
+    pub feed: Option<&'a Feed>,
+}
+
+/// Where the time went, for the benchmark.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DiffStats {
+    pub samples: usize,
+    pub files: usize,
+    pub read_seconds: f64,
+    pub reference_seconds: f64,
+    pub scoring_seconds: f64,
+    /// The smallest margin between a matched boundary and its neighbours, over every slot.
+    pub min_neighbour_margin: Option<f64>,
+}
+
+/// Findings of one kind collapse into one, with a count of the samples they stand for.
+#[derive(Default)]
+struct Collector {
+    findings: BTreeMap<(FindingName, Option<usize>), Finding>,
+}
+
+impl Collector {
+    fn add(&mut self, finding: Finding) {
+        let key = (finding.name, finding.slot);
+        self.findings
+            .entry(key)
+            .and_modify(|f| f.count = Some(f.count.unwrap_or(1) + 1))
+            .or_insert(finding);
+    }
+}
+
+/// The slots of a sample's capture: (views over one f32 buffer, slot width).
+struct Slots {
+    data: Vec<f32>,
+    rows: usize,
+    stride: usize,
+    width: usize,
+    count: usize,
+}
+
+impl Slots {
+    fn view(&self, i: usize) -> View<'_> {
+        View {
+            data: &self.data,
+            rows: self.rows,
+            stride: self.stride,
+            col: i * self.width,
+            cols: self.width,
+        }
+    }
+}
+
+fn sample_label(sample: &Sample) -> String {
+    sample.file.display().to_string()
+}
+
+/// Splits a sample's capture into slots: `aux` [S, k*H] (or a leading shard [S, k*H/tp]),
+/// or vLLM's `layers` [S, n, H].
+fn slots_of(sample: &Sample, hidden: usize, k_spec: usize) -> std::result::Result<Slots, String> {
+    let as_2d = |t: &HostTensor| -> Option<(usize, usize)> {
+        match t.dims() {
+            [s, w] => Some((*s, *w)),
+            [1, s, w] => Some((*s, *w)),
+            _ => None,
+        }
+    };
+    if let Some(aux) = &sample.aux {
+        let (rows, w) = as_2d(aux).ok_or_else(|| {
+            format!(
+                "aux hidden states have shape {:?}, expected [S, k*H]",
+                aux.dims()
+            )
+        })?;
+        let (count, width) = if w % hidden == 0 {
+            (w / hidden, hidden)
+        } else if k_spec > 0 && w % k_spec == 0 && hidden % (w / k_spec) == 0 {
+            (k_spec, w / k_spec)
+        } else {
+            return Err(format!(
+                "aux width {w} is neither k x H (H = {hidden}) nor a shard of the spec's {k_spec} slots"
+            ));
+        };
+        return Ok(Slots {
+            data: aux.to_f32_vec(),
+            rows,
+            stride: w,
+            width,
+            count,
+        });
+    }
+    if let Some(layers) = &sample.layers {
+        let [rows, n, h] = layers.dims() else {
+            return Err(format!(
+                "hidden_states have shape {:?}, expected [T, n, H]",
+                layers.dims()
+            ));
+        };
+        return Ok(Slots {
+            data: layers.to_f32_vec(),
+            rows: *rows,
+            stride: n * h,
+            width: *h,
+            count: *n,
+        });
+    }
+    Err("no aux hidden states in this file (expected aux_hidden_state(s) or a vLLM hidden_states [T, n, H])".into())
+}
+
+/// Runs the diff and returns the report with per-file slot tables.
+pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(Report, DiffStats)> {
+    let spec = input.spec;
+    let l = reference.num_layers();
+    let hidden = reference.hidden_size();
+    let mut report = Report::new("diff");
+    report.fact("spec", format!("{} ({})", spec.name, spec.path.display()));
+    report.fact("reference", reference.describe());
+    report.fact("spec_b", format_list(&spec.boundaries));
+    if let Some(t) = spec.target {
+        if let Some(sl) = t.num_hidden_layers.filter(|&sl| sl != l) {
+            return Err(Error::Usage(format!(
+                "{}: the spec was written for a {sl}-layer target, the reference has {l} layers",
+                spec.path.display()
+            )));
+        }
+    }
+    let mut stats = DiffStats::default();
+    let mut collector = Collector::default();
+    // Per slot: how often each boundary was found, for the three-way table.
+    let mut training: BTreeMap<usize, BTreeMap<usize, usize>> = BTreeMap::new();
+
+    for path in input.captures {
+        let files = capture_files(path).map_err(|e| Error::Usage(e.to_string()))?;
+        if files.is_empty() {
+            return Err(Error::Usage(format!(
+                "{}: no capture files found",
+                path.display()
+            )));
+        }
+        for file in files {
+            let start = Instant::now();
+            let samples = read_capture_path(&file).map_err(|e| Error::Usage(e.to_string()))?;
+            stats.read_seconds += start.elapsed().as_secs_f64();
+            stats.files += 1;
+            let mut worst: BTreeMap<usize, (SlotId, Option<FindingName>)> = BTreeMap::new();
+            let mut format = String::new();
+            for sample in &samples {
+                format = sample.format.name().to_string();
+                stats.samples += 1;
+                let ids = identify_sample(
+                    sample,
+                    reference,
+                    spec,
+                    hidden,
+                    l,
+                    &mut stats,
+                    &mut collector,
+                )?;
+                for (id, status) in ids {
+                    if let Some(found) = id.found {
+                        *training
+                            .entry(id.slot)
+                            .or_default()
+                            .entry(found.boundary)
+                            .or_default() += 1;
+                    }
+                    let keep = worst
+                        .get(&id.slot)
+                        .is_none_or(|(w, _)| id.score.cosine < w.score.cosine);
+                    if keep {
+                        worst.insert(id.slot, (id, status));
+                    }
+                }
+            }
+            report.captures.push(CaptureReport {
+                file: file.display().to_string(),
+                format,
+                samples: samples.len(),
+                slots: worst
+                    .into_values()
+                    .map(|(id, status)| CaptureSlot {
+                        slot: id.slot,
+                        expected_boundary: spec.boundaries.get(id.slot).map(|b| b.index()),
+                        found_boundary: id.found.map(|c| c.boundary),
+                        state: id.best.state.describe(),
+                        cosine: id.score.cosine,
+                        rel_err: id.score.rel_err,
+                        norm_ratio: id.score.norm_ratio,
+                        margin: id.margin,
+                        status: status.map_or("ok".to_string(), |n| n.as_str().to_string()),
+                    })
+                    .collect(),
+            });
+        }
+    }
+    report.findings.extend(collector.findings.into_values());
+    report.fact("samples", stats.samples.to_string());
+
+    if let Some(feed) = input.feed {
+        let (rows, findings) = check_feed(feed, spec, l);
+        report.slots.extend(rows);
+        report.findings.extend(findings);
+        let fed = feed.boundaries();
+        let n = spec.boundaries.len().max(fed.len()).max(training.len());
+        for slot in 0..n {
+            let spec_b = spec.boundaries.get(slot).map(|b| b.index());
+            let train_b = training
+                .get(&slot)
+                .and_then(|m| m.iter().max_by_key(|(_, c)| **c).map(|(b, _)| *b));
+            let inf_b = fed.get(slot).map(|b| b.index());
+            report.three_way.push(ThreeWayRow {
+                slot,
+                spec: spec_b,
+                training: train_b,
+                inference: inf_b,
+                ok: spec_b.is_some() && spec_b == train_b && spec_b == inf_b,
+            });
+        }
+        let trained: Vec<Boundary> = report
+            .three_way
+            .iter()
+            .filter_map(|r| r.training)
+            .map(Boundary)
+            .collect();
+        if trained.len() == report.three_way.len()
+            && let Some((name, msg)) = classify_layout(&fed, &trained)
+        {
+            report.findings.push(
+                Finding::error(name, format!("inference and training disagree: {msg}"))
+                    .with_engine(feed.engine),
+            );
+        }
+    }
+    Ok((report.finish(), stats))
+}
+
+/// Identifies every slot of one sample and adds its findings. Returns each slot's
+/// identification with the finding (if any) that names it.
+fn identify_sample(
+    sample: &Sample,
+    reference: &mut dyn ReferenceSource,
+    spec: &Spec,
+    hidden: usize,
+    l: usize,
+    stats: &mut DiffStats,
+    collector: &mut Collector,
+) -> Result<Vec<(SlotId, Option<FindingName>)>> {
+    let label = sample_label(sample);
+    let at = |f: Finding| f.with_file(label.clone()).with_sample(sample.index);
+    let tokens = sample.token_ids.as_ref().ok_or_else(|| {
+        Error::Usage(format!(
+            "{label}: sample {} has no token ids: cannot re-run the target",
+            sample.index
+        ))
+    })?;
+    let slots = match slots_of(sample, hidden, spec.boundaries.len()) {
+        Ok(s) => s,
+        Err(msg) => {
+            collector.add(at(Finding::error(FindingName::Shape, msg)));
+            return Ok(Vec::new());
+        }
+    };
+    let dtype = sample
+        .aux
+        .as_ref()
+        .or(sample.layers.as_ref())
+        .map(|t| t.dtype);
+    let tol = Tolerance::for_dtype(dtype.unwrap_or(crate::readers::DType::F32));
+    let start = Instant::now();
+    let refs = reference.states(tokens)?;
+    stats.reference_seconds += start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let deltas = no_residual_deltas(&refs);
+    let ids: Vec<SlotId> = (0..slots.count)
+        .map(|i| identify_slot(i, slots.view(i), &refs, &deltas, &tol))
+        .collect();
+    stats.scoring_seconds += start.elapsed().as_secs_f64();
+
+    let mut named: Vec<Option<FindingName>> = vec![None; ids.len()];
+    let mut pending: Vec<Finding> = Vec::new();
+    let mut emit = |slot: Option<usize>, f: Finding, named: &mut Vec<Option<FindingName>>| {
+        if let Some(s) = slot {
+            named[s].get_or_insert(f.name);
+        }
+        pending.push(match slot {
+            Some(s) => f.with_slot(s),
+            None => f,
+        });
+    };
+    let expected = |slot: usize| spec.boundaries.get(slot).copied();
+    let exp_text = |slot: usize| {
+        expected(slot).map_or("nothing (the spec has fewer slots)".to_string(), |b| {
+            format!("b = {b}")
+        })
+    };
+    let mut shifted = Vec::new();
+    for id in &ids {
+        let s = id.slot;
+        if let (Some(found), Some(nm)) = (id.found, id.neighbour_margin)
+            && found.state != State::NoResidual
+        {
+            stats.min_neighbour_margin =
+                Some(stats.min_neighbour_margin.map_or(nm, |m: f64| m.min(nm)));
+        }
+        if id.non_finite > 0 {
+            emit(
+                Some(s),
+                Finding::error(
+                    FindingName::NonFinite,
+                    format!("slot {s} holds {} NaN/Inf values", id.non_finite),
+                ),
+                &mut named,
+            );
+        }
+        let Some(found) = id.found else {
+            emit(
+                Some(s),
+                Finding::error(
+                    FindingName::Unidentified,
+                    format!(
+                        "slot {s} matches no reference state (closest: b = {} {}, cosine {:.4}); expected {}",
+                        id.best.boundary,
+                        id.best.state.describe(),
+                        id.score.cosine,
+                        exp_text(s)
+                    ),
+                ),
+                &mut named,
+            );
+            continue;
+        };
+        match found.state {
+            State::NoResidual => emit(
+                Some(s),
+                Finding::error(
+                    FindingName::MissingResidual,
+                    format!(
+                        "slot {s} holds what layer {} adds to the residual stream, without the stream itself \
+                         (expected {}): the engine captured hidden_states instead of hidden_states + residual",
+                        found.boundary - 1,
+                        exp_text(s)
+                    ),
+                )
+                .with_fix("capture hidden_states + residual (fused-residual engines keep them apart)"),
+                &mut named,
+            ),
+            State::Shifted(d) => shifted.push((s, d)),
+            _ => {}
+        }
+        if id.scaled {
+            emit(
+                Some(s),
+                Finding::error(
+                    FindingName::Scale,
+                    format!(
+                        "slot {s} is b = {} scaled by {:.3} (cosine {:.6}, norm ratio {:.3}): cosine alone would call it a match",
+                        found.boundary, id.score.norm_ratio, id.score.cosine, id.score.norm_ratio
+                    ),
+                ),
+                &mut named,
+            );
+        }
+        if found.boundary == l && expected(s) == Some(Boundary(l)) {
+            let side = match found.state {
+                State::PreNorm => Some(FinalNorm::Pre),
+                State::PostNorm => Some(FinalNorm::Post),
+                _ => None,
+            };
+            if let (Some(side), Some(want)) = (side, spec.final_norm)
+                && side != want
+            {
+                emit(
+                    Some(s),
+                    Finding::error(
+                        FindingName::FinalNorm,
+                        format!(
+                            "slot {s} holds b = {l} {side}; the spec says training used it {want}"
+                        ),
+                    ),
+                    &mut named,
+                );
+            }
+        }
+    }
+    if !shifted.is_empty() {
+        let (s, d) = shifted[0];
+        let f = Finding::error(
+            FindingName::TokenShift,
+            format!(
+                "{} of {} slots hold the states of the token {} the ids say (first: slot {s})",
+                shifted.len(),
+                ids.len(),
+                if d > 0 { "after" } else { "before" }
+            ),
+        )
+        .with_fix("pair hidden state t with token t (and the draft's embedding with token t + 1) when writing captures");
+        for &(s, _) in &shifted {
+            named[s].get_or_insert(FindingName::TokenShift);
+        }
+        emit(None, f, &mut named);
+    }
+    if let Some(tp) = ids.iter().find_map(|id| id.shard_tp) {
+        for n in named.iter_mut() {
+            n.get_or_insert(FindingName::Shard);
+        }
+        emit(
+            None,
+            Finding::error(
+                FindingName::Shard,
+                format!(
+                    "each slot holds {} of {hidden} hidden features, the leading 1/{tp}: \
+                     a tensor-parallel shard was saved without an all-gather",
+                    hidden / tp
+                ),
+            ),
+            &mut named,
+        );
+    }
+    // Layout: which boundaries, in which order, against the spec.
+    let found: Vec<Option<Boundary>> = ids
+        .iter()
+        .map(|id| id.found.map(|c| Boundary(c.boundary)))
+        .collect();
+    if found.iter().all(Option::is_some) {
+        let found: Vec<Boundary> = found.into_iter().flatten().collect();
+        if let Some((name, msg)) = classify_layout(&found, &spec.boundaries) {
+            for n in named.iter_mut() {
+                n.get_or_insert(name);
+            }
+            emit(
+                None,
+                Finding::error(name, format!("captured {msg}")),
+                &mut named,
+            );
+        }
+    } else {
+        for (s, f) in found.iter().enumerate() {
+            if let (Some(f), Some(e)) = (f, expected(s))
+                && *f != e
+            {
+                emit(
+                    Some(s),
+                    Finding::error(
+                        FindingName::WrongLayer,
+                        format!("slot {s} holds b = {f}, the spec expects b = {e}"),
+                    ),
+                    &mut named,
+                );
+            }
+        }
+    }
+    for f in pending {
+        collector.add(at(f));
+    }
+    Ok(ids.into_iter().zip(named).collect())
+}
+
+/// Reads the capture paths only to list them, for messages.
+pub fn describe_paths(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The default reference location check: a dump directory or file must exist.
+pub fn check_exists(path: &Path) -> Result<()> {
+    if path.exists() {
+        Ok(())
+    } else {
+        Err(Error::Usage(format!(
+            "{}: no such file or directory",
+            path.display()
+        )))
+    }
+}

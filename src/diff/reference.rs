@@ -1,0 +1,282 @@
+//! Reference boundaries for a token sequence: from the runner (the target model run here) or
+//! from a dump a distributed engine made of every layer. Both are one interface.
+
+use crate::error::{CandleContext, Error, Result};
+use crate::model::{Capture, CaptureRequest, Progress};
+use crate::readers::{Format, read_capture_path};
+use crate::runner::LoadedTarget;
+use candle_core::{DType, Tensor};
+use std::path::{Path, PathBuf};
+
+/// Every reference state of one sequence, f32 row-major `[T, H]` each.
+pub struct RefStates {
+    pub tokens: Vec<i64>,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    /// b = 0..=L, HF semantics (b = L after the final norm, when known).
+    pub boundaries: Vec<Option<Vec<f32>>>,
+    /// The state after the last layer, before the final norm.
+    pub final_pre_norm: Option<Vec<f32>>,
+    /// Per b = 1..=L (index b): what layer b-1 adds without the residual stream (its MLP
+    /// output), the tensor a fused-residual engine hands back as `hidden_states`.
+    pub no_residual: Vec<Option<Vec<f32>>>,
+}
+
+impl RefStates {
+    pub fn rows(&self) -> usize {
+        self.tokens.len()
+    }
+}
+
+/// A source of reference states for token sequences.
+pub trait ReferenceSource {
+    fn num_layers(&self) -> usize;
+    fn hidden_size(&self) -> usize;
+    fn describe(&self) -> String;
+    /// Reference states for exactly these tokens.
+    fn states(&mut self, tokens: &[i64]) -> Result<RefStates>;
+}
+
+/// The target model, run here on each sample's tokens.
+pub struct RunnerReference {
+    pub target: LoadedTarget,
+    pub path: PathBuf,
+    /// Seconds spent in target forwards (the benchmark reports the split).
+    pub forward_seconds: f64,
+}
+
+fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
+    t.to_dtype(DType::F32)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .ctx(|| "reading a reference state".to_string())
+}
+
+impl ReferenceSource for RunnerReference {
+    fn num_layers(&self) -> usize {
+        self.target.cfg.num_layers
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.target.cfg.hidden_size
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "runner: {} ({})",
+            self.target.cfg.model_type,
+            self.path.display()
+        )
+    }
+
+    fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {
+        let cfg = &self.target.cfg;
+        let ids = tokens
+            .iter()
+            .map(|&t| {
+                u32::try_from(t)
+                    .ok()
+                    .filter(|&t| (t as usize) < cfg.vocab_size)
+            })
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| {
+                Error::Usage(format!(
+                    "token ids outside the target's vocabulary (vocab_size {})",
+                    cfg.vocab_size
+                ))
+            })?;
+        let want = CaptureRequest {
+            boundaries: None,
+            final_pre_norm: true,
+            logits: false,
+            layer_outputs: true,
+        };
+        let start = std::time::Instant::now();
+        let capture: Capture = self
+            .target
+            .model
+            .forward(&ids, &want, &mut Progress::hidden())?;
+        self.forward_seconds += start.elapsed().as_secs_f64();
+        let l = cfg.num_layers;
+        let mut boundaries = Vec::with_capacity(l + 1);
+        for b in 0..=l {
+            boundaries.push(capture.hidden.get(&b).map(to_vec).transpose()?);
+        }
+        let mut no_residual = vec![None];
+        for layer in 0..l {
+            no_residual.push(
+                capture
+                    .extras
+                    .get(&format!("mlp_out.{layer}"))
+                    .map(to_vec)
+                    .transpose()?,
+            );
+        }
+        Ok(RefStates {
+            tokens: tokens.to_vec(),
+            hidden_size: cfg.hidden_size,
+            num_layers: l,
+            boundaries,
+            final_pre_norm: capture.final_pre_norm.as_ref().map(to_vec).transpose()?,
+            no_residual,
+        })
+    }
+}
+
+/// Reference states read from dumps of every layer: eagle-check's own `run --dump` files
+/// (`input_ids`, `hidden_states.{b}`, `final_pre_norm`), or vLLM `extract_hidden_states` files
+/// made with layer ids `0..L` (raw, b = id) whose last slot is the final pre-norm state
+/// (`token_ids`, `hidden_states` [T, L + 1, H]).
+pub struct DumpReference {
+    path: PathBuf,
+    entries: Vec<RefStates>,
+    num_layers: usize,
+    hidden_size: usize,
+}
+
+impl DumpReference {
+    pub fn open(path: &Path) -> Result<DumpReference> {
+        let files = crate::readers::capture_files(path).map_err(|e| Error::Usage(e.to_string()))?;
+        let mut entries = Vec::new();
+        for file in &files {
+            for sample in read_capture_path(file).map_err(|e| Error::Usage(e.to_string()))? {
+                entries.push(dump_states(&sample, file)?);
+            }
+        }
+        let first = entries
+            .first()
+            .ok_or_else(|| Error::Usage(format!("{}: no reference dump found", path.display())))?;
+        let (num_layers, hidden_size) = (first.num_layers, first.hidden_size);
+        if let Some(bad) = entries
+            .iter()
+            .find(|e| e.num_layers != num_layers || e.hidden_size != hidden_size)
+        {
+            return Err(Error::Usage(format!(
+                "{}: reference dumps disagree on the target ({} layers x {} vs {} x {})",
+                path.display(),
+                num_layers,
+                hidden_size,
+                bad.num_layers,
+                bad.hidden_size
+            )));
+        }
+        Ok(DumpReference {
+            path: path.to_path_buf(),
+            entries,
+            num_layers,
+            hidden_size,
+        })
+    }
+}
+
+fn dump_states(sample: &crate::readers::Sample, file: &Path) -> Result<RefStates> {
+    let bad = |msg: String| Error::Usage(format!("{}: {msg}", file.display()));
+    let tokens = sample
+        .token_ids
+        .clone()
+        .ok_or_else(|| bad("reference dump without token ids".into()))?;
+    let t = tokens.len();
+    if sample.format == Format::Vllm {
+        let layers = sample
+            .layers
+            .as_ref()
+            .ok_or_else(|| bad("vLLM dump without hidden_states".into()))?;
+        let [rows, n, h] = layers.dims() else {
+            return Err(bad(format!(
+                "hidden_states has shape {:?}, expected [T, L + 1, H]",
+                layers.dims()
+            )));
+        };
+        if *rows != t || *n < 2 {
+            return Err(bad(format!(
+                "hidden_states {:?} does not match {t} tokens",
+                layers.dims()
+            )));
+        }
+        let (n, h) = (*n, *h);
+        let all = layers.to_f32_vec();
+        let slot = |j: usize| -> Vec<f32> {
+            (0..t)
+                .flat_map(|r| all[(r * n + j) * h..(r * n + j + 1) * h].iter().copied())
+                .collect()
+        };
+        let l = n - 1;
+        let mut boundaries: Vec<Option<Vec<f32>>> = (0..l).map(|j| Some(slot(j))).collect();
+        boundaries.push(None); // post-norm b = L is not in a vLLM dump
+        return Ok(RefStates {
+            tokens,
+            hidden_size: h,
+            num_layers: l,
+            boundaries,
+            final_pre_norm: Some(slot(l)),
+            no_residual: vec![None; l + 1],
+        });
+    }
+    let mut boundaries = Vec::new();
+    while let Some(tensor) = sample.tensor(&format!("hidden_states.{}", boundaries.len())) {
+        if tensor.dims().len() != 2 || tensor.dims()[0] != t {
+            return Err(bad(format!(
+                "hidden_states.{} has shape {:?}",
+                boundaries.len(),
+                tensor.dims()
+            )));
+        }
+        boundaries.push(tensor.to_f32_vec());
+    }
+    if boundaries.len() < 2 {
+        return Err(bad("not a reference dump: expected hidden_states.0 ... hidden_states.L (eagle-check run --dump) or a vLLM all-layer file".into()));
+    }
+    let h = boundaries[0].len() / t.max(1);
+    let l = boundaries.len() - 1;
+    Ok(RefStates {
+        tokens,
+        hidden_size: h,
+        num_layers: l,
+        boundaries: boundaries.into_iter().map(Some).collect(),
+        final_pre_norm: sample.tensor("final_pre_norm").map(|t| t.to_f32_vec()),
+        no_residual: vec![None; l + 1],
+    })
+}
+
+impl ReferenceSource for DumpReference {
+    fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "dump: {} ({} sequences)",
+            self.path.display(),
+            self.entries.len()
+        )
+    }
+
+    fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {
+        // A capture may cover a prefix of the dumped sequence (an engine dump holds the prompt).
+        let entry = self
+            .entries
+            .iter()
+            .find(|e| e.tokens.len() >= tokens.len() && e.tokens[..tokens.len()] == *tokens)
+            .ok_or_else(|| {
+                Error::Usage(format!(
+                    "{}: no reference sequence starts with the capture's {} tokens",
+                    self.path.display(),
+                    tokens.len()
+                ))
+            })?;
+        let (t, h) = (tokens.len(), entry.hidden_size);
+        let cut = |v: &Option<Vec<f32>>| v.as_ref().map(|v| v[..t * h].to_vec());
+        Ok(RefStates {
+            tokens: tokens.to_vec(),
+            hidden_size: h,
+            num_layers: entry.num_layers,
+            boundaries: entry.boundaries.iter().map(cut).collect(),
+            final_pre_norm: cut(&entry.final_pre_norm),
+            no_residual: entry.no_residual.iter().map(cut).collect(),
+        })
+    }
+}
