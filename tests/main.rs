@@ -2,6 +2,7 @@
 
 mod support;
 
+mod deepseek;
 mod gate;
 mod run_cli;
 mod runner;

@@ -1,6 +1,7 @@
 //! Model execution on candle-core tensors (device-agnostic: CPU now, CUDA through the same
 //! ops). Targets capture every residual-stream boundary; the draft runs the EAGLE-3 layer.
 
+pub mod deepseek;
 pub mod draft;
 pub mod fp8;
 pub mod llama;
@@ -80,10 +81,7 @@ pub fn load_target(
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
             Ok(Box::new(llama::Llama::load(cfg, &vb)?))
         }
-        Arch::DeepseekV3 => Err(crate::error::Error::config(
-            &cfg.path,
-            "deepseek_v3 / kimi_k2 targets are not runnable yet (MLA + MoE forward pending)",
-        )),
+        Arch::DeepseekV3 => Ok(Box::new(deepseek::Deepseek::load(cfg, &vb)?)),
     }
 }
 

@@ -1,0 +1,590 @@
+//! DeepSeek-V3 / Kimi-K2 targets: multi-head latent attention (MLA), YaRN rope on the rope part
+//! of each head, and the sigmoid-scored, group-limited mixture of experts with shared experts.
+//! Reference: transformers 5.24 `models/deepseek_v3/modeling_deepseek_v3.py`
+//! (`DeepseekV3Attention`, `DeepseekV3TopkRouter`, `DeepseekV3MoE`, `DeepseekV3DecoderLayer`).
+
+use crate::config::{MlaConfig, ModelConfig, MoeConfig, RopeScaling};
+use crate::error::{CandleContext, Error, Result};
+use crate::model::llama::decoder_prefix;
+use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
+use crate::model::source::Vb;
+use crate::model::{Capture, CaptureRequest, Progress, Target, ids_tensor};
+use candle_core::{D, DType, Device, Tensor};
+
+/// transformers' `yarn_get_mscale`.
+fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+/// The attention softmax scale: `qk_head_dim^-0.5`, times `mscale^2` when YaRN sets
+/// `mscale_all_dim` (transformers `yarn_apply_mscale`; DeepSeek's own `MLA.__init__` does the same).
+pub fn softmax_scale(cfg: &ModelConfig, mla: &MlaConfig) -> f64 {
+    let base = ((mla.qk_nope_head_dim + mla.qk_rope_head_dim) as f64).powf(-0.5);
+    match cfg.rope.scaling {
+        RopeScaling::Yarn {
+            factor,
+            mscale_all_dim,
+            ..
+        } if mscale_all_dim != 0.0 => {
+            let m = yarn_get_mscale(factor, mscale_all_dim);
+            base * m * m
+        }
+        _ => base,
+    }
+}
+
+/// The query path: a plain projection (`q_lora_rank: null`) or the low-rank pair with a norm.
+enum QProj {
+    Plain(Linear),
+    LowRank { a: Linear, norm: RmsNorm, b: Linear },
+}
+
+impl QProj {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            QProj::Plain(q) => q.forward(xs),
+            QProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(xs)?)?),
+        }
+    }
+}
+
+struct Mla {
+    q: QProj,
+    kv_a: Linear,
+    kv_norm: RmsNorm,
+    kv_b: Linear,
+    o: Linear,
+    heads: usize,
+    nope: usize,
+    rope: usize,
+    v_dim: usize,
+    kv_rank: usize,
+    interleave: bool,
+    scale: f64,
+}
+
+impl Mla {
+    fn load(cfg: &ModelConfig, mla: &MlaConfig, vb: &Vb) -> Result<Mla> {
+        let (h, nh, eps) = (cfg.hidden_size, cfg.num_heads, cfg.rms_norm_eps);
+        let qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim;
+        let bias = cfg.attention_bias;
+        // transformers puts `attention_bias` on q_a_proj and kv_a_proj_with_mqa only.
+        let q = match mla.q_lora_rank {
+            None => QProj::Plain(Linear::load(&vb.pp("q_proj"), nh * qk, h, false)?),
+            Some(r) => QProj::LowRank {
+                a: Linear::load(&vb.pp("q_a_proj"), r, h, bias)?,
+                norm: RmsNorm::load(&vb.pp("q_a_layernorm"), r, eps)?,
+                b: Linear::load(&vb.pp("q_b_proj"), nh * qk, r, false)?,
+            },
+        };
+        Ok(Mla {
+            q,
+            kv_a: Linear::load(
+                &vb.pp("kv_a_proj_with_mqa"),
+                mla.kv_lora_rank + mla.qk_rope_head_dim,
+                h,
+                bias,
+            )?,
+            kv_norm: RmsNorm::load(&vb.pp("kv_a_layernorm"), mla.kv_lora_rank, eps)?,
+            kv_b: Linear::load(
+                &vb.pp("kv_b_proj"),
+                nh * (mla.qk_nope_head_dim + mla.v_head_dim),
+                mla.kv_lora_rank,
+                false,
+            )?,
+            o: Linear::load(&vb.pp("o_proj"), h, nh * mla.v_head_dim, bias)?,
+            heads: nh,
+            nope: mla.qk_nope_head_dim,
+            rope: mla.qk_rope_head_dim,
+            v_dim: mla.v_head_dim,
+            kv_rank: mla.kv_lora_rank,
+            interleave: mla.rope_interleave,
+            scale: softmax_scale(cfg, mla),
+        })
+    }
+
+    fn apply_rope(&self, rope: &RopeTables, xs: &Tensor) -> candle_core::Result<Tensor> {
+        if self.interleave {
+            rope.apply_interleaved(xs)
+        } else {
+            rope.apply_half(xs)
+        }
+    }
+
+    /// `xs`: [T, H] -> [T, H]
+    fn forward(
+        &self,
+        xs: &Tensor,
+        rope: &RopeTables,
+        mask: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let t = xs.dim(0)?;
+        let (nh, nope, rd) = (self.heads, self.nope, self.rope);
+        // [nh, T, nope + rope]
+        let q = self
+            .q
+            .forward(xs)?
+            .reshape((t, nh, nope + rd))?
+            .transpose(0, 1)?;
+        let q_pass = q.narrow(D::Minus1, 0, nope)?;
+        let q_rot = self.apply_rope(rope, &q.narrow(D::Minus1, nope, rd)?.contiguous()?)?;
+
+        // The compressed latent and the one rope key every head shares.
+        let ckv = self.kv_a.forward(xs)?; // [T, kv_rank + rope]
+        let kv_latent = self.kv_norm.forward(&ckv.narrow(1, 0, self.kv_rank)?)?;
+        let k_rot = ckv
+            .narrow(1, self.kv_rank, rd)?
+            .contiguous()?
+            .reshape((1, t, rd))?;
+        let k_rot = self.apply_rope(rope, &k_rot)?;
+
+        // [nh, T, nope + v]
+        let kv = self
+            .kv_b
+            .forward(&kv_latent)?
+            .reshape((t, nh, nope + self.v_dim))?
+            .transpose(0, 1)?;
+        let k_nope = kv.narrow(D::Minus1, 0, nope)?;
+        let v = kv.narrow(D::Minus1, nope, self.v_dim)?;
+        let k = Tensor::cat(&[&k_nope, &k_rot.broadcast_as((nh, t, rd))?], D::Minus1)?;
+        let q = Tensor::cat(&[&q_pass, &q_rot], D::Minus1)?;
+        let out = attention(&q, &k, &v, mask, self.scale)?; // [T, nh * v]
+        self.o.forward(&out)
+    }
+}
+
+/// One token's routing decision: experts in ascending order, their weights in the same order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    pub experts: Vec<usize>,
+    pub weights: Vec<f32>,
+}
+
+/// `n` indices of the largest `values` (ties: the lower index first), in descending order.
+fn top_n(values: &[f32], n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    order.truncate(n);
+    order
+}
+
+/// DeepSeek-V3's `noaux_tc` routing for one token (transformers `DeepseekV3TopkRouter.forward`).
+/// `scores`: sigmoid of the router logits [E]; `bias`: `e_score_correction_bias` [E].
+///
+/// The bias only steers the selection: groups are ranked by the sum of their two best biased
+/// scores, the best `topk_group` groups are kept, and the top `num_experts_per_tok` biased
+/// scores among their experts win. The weights are the *unbiased* scores of the winners,
+/// normalised over the picks when `norm_topk_prob`, times `routed_scaling_factor`.
+pub fn route_token(scores: &[f32], bias: &[f32], moe: &MoeConfig) -> Routed {
+    let n = scores.len();
+    let group_size = n / moe.n_group;
+    let choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+    let group_scores: Vec<f32> = choice
+        .chunks(group_size)
+        .map(|g| top_n(g, 2).iter().map(|&i| g[i]).sum())
+        .collect();
+    let kept = top_n(&group_scores, moe.topk_group);
+    let masked: Vec<f32> = choice
+        .iter()
+        .enumerate()
+        .map(|(e, &c)| {
+            if kept.contains(&(e / group_size)) {
+                c
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect();
+    let mut experts = top_n(&masked, moe.num_experts_per_tok);
+    experts.sort_unstable();
+    let mut weights: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
+    if moe.norm_topk_prob {
+        let denominator = weights.iter().sum::<f32>() + 1e-20;
+        weights.iter_mut().for_each(|w| *w /= denominator);
+    }
+    let factor = moe.routed_scaling_factor as f32;
+    weights.iter_mut().for_each(|w| *w *= factor);
+    Routed { experts, weights }
+}
+
+/// The sigmoid router, kept in f32 whatever the compute dtype (transformers keeps `gate.weight`
+/// and `e_score_correction_bias` in f32: `_keep_in_fp32_modules_strict`).
+struct Router {
+    /// [E, H] f32
+    weight: Tensor,
+    /// [E]
+    bias: Vec<f32>,
+}
+
+impl Router {
+    /// `xs`: [T, H] -> one decision per token.
+    fn route(&self, xs: &Tensor, moe: &MoeConfig) -> candle_core::Result<Vec<Routed>> {
+        let logits = xs.to_dtype(DType::F32)?.matmul(&self.weight.t()?)?;
+        let logits = logits.to_vec2::<f32>()?;
+        Ok(logits
+            .iter()
+            .map(|row| {
+                let scores: Vec<f32> = row.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+                route_token(&scores, &self.bias, moe)
+            })
+            .collect())
+    }
+}
+
+struct Moe {
+    cfg: MoeConfig,
+    router: Router,
+    experts: Vec<Mlp>,
+    shared: Option<Mlp>,
+}
+
+/// A tensor in f32 straight from the store (no round trip through a bf16 compute dtype).
+fn get_f32(vb: &Vb, name: &str, shape: &[usize]) -> Result<Tensor> {
+    let plain =
+        vb.shape_of(name).as_deref() == Some(shape) && !vb.contains(&format!("{name}_scale_inv"));
+    let t = if plain {
+        vb.get_raw(name)?
+    } else {
+        vb.get(name, shape)?
+    };
+    t.to_dtype(DType::F32)
+        .ctx(|| format!("converting {} to f32", vb.path(name)))
+}
+
+impl Moe {
+    fn load(cfg: &ModelConfig, moe: &MoeConfig, vb: &Vb) -> Result<Moe> {
+        let (h, e, inter) = (
+            cfg.hidden_size,
+            moe.n_routed_experts,
+            moe.moe_intermediate_size,
+        );
+        let gate = vb.pp("gate");
+        let bias = match vb.shape_of("gate.e_score_correction_bias") {
+            Some(_) => get_f32(&gate, "e_score_correction_bias", &[e])?
+                .to_vec1::<f32>()
+                .ctx(|| gate.path("e_score_correction_bias"))?,
+            // transformers initialises the buffer to zeros; DeepSeek-V2-style checkpoints lack it.
+            None => vec![0.0; e],
+        };
+        let router = Router {
+            weight: get_f32(&gate, "weight", &[e, h])?,
+            bias,
+        };
+        let experts = load_experts(vb, e, h, inter)?;
+        let shared = if moe.n_shared_experts > 0 {
+            Some(Mlp::load(
+                &vb.pp("shared_experts"),
+                h,
+                inter * moe.n_shared_experts,
+            )?)
+        } else {
+            None
+        };
+        Ok(Moe {
+            cfg: moe.clone(),
+            router,
+            experts,
+            shared,
+        })
+    }
+
+    /// `xs`: [T, H] -> ([T, H], the routing of every token).
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<(Tensor, Vec<Routed>)> {
+        let routing = self.router.route(xs, &self.cfg)?;
+        let device = xs.device();
+        // Per expert: the tokens routed to it and their weights. Experts run in ascending order,
+        // as transformers' `DeepseekV3Experts` accumulates them.
+        let mut per_expert: Vec<(Vec<u32>, Vec<f32>)> =
+            vec![Default::default(); self.experts.len()];
+        for (tok, r) in routing.iter().enumerate() {
+            for (&e, &w) in r.experts.iter().zip(&r.weights) {
+                per_expert[e].0.push(tok as u32);
+                per_expert[e].1.push(w);
+            }
+        }
+        let mut out = xs.zeros_like()?;
+        for (expert, (toks, ws)) in self.experts.iter().zip(per_expert) {
+            if toks.is_empty() {
+                continue;
+            }
+            let n = toks.len();
+            let idx = Tensor::new(toks.as_slice(), device)?;
+            let w = Tensor::from_vec(ws, (n, 1), device)?.to_dtype(xs.dtype())?;
+            let y = expert
+                .forward(&xs.index_select(&idx, 0)?)?
+                .broadcast_mul(&w)?;
+            out = out.index_add(&idx, &y, 0)?;
+        }
+        if let Some(shared) = &self.shared {
+            out = (out + shared.forward(xs)?)?;
+        }
+        Ok((out, routing))
+    }
+}
+
+/// Routed experts, either one module per expert (`experts.{e}.gate_proj.weight`: the original
+/// DeepSeek / Kimi layout and what `save_pretrained` writes) or transformers 5's fused tensors
+/// (`experts.gate_up_proj` [E, 2I, H], gate rows first; `experts.down_proj` [E, H, I]).
+fn load_experts(vb: &Vb, e: usize, h: usize, inter: usize) -> Result<Vec<Mlp>> {
+    let ex = vb.pp("experts");
+    if ex.contains("gate_up_proj") {
+        let gate_up = ex.get("gate_up_proj", &[e, 2 * inter, h])?;
+        let down = ex.get("down_proj", &[e, h, inter])?;
+        let fused = |i: usize| -> candle_core::Result<Mlp> {
+            let gu = gate_up.get(i)?;
+            let lin = |w: Tensor| Linear {
+                weight: w,
+                bias: None,
+            };
+            Ok(Mlp {
+                gate: lin(gu.narrow(0, 0, inter)?.contiguous()?),
+                up: lin(gu.narrow(0, inter, inter)?.contiguous()?),
+                down: lin(down.get(i)?.contiguous()?),
+            })
+        };
+        return (0..e)
+            .map(|i| fused(i).ctx(|| format!("{}: expert {i}", ex.path("gate_up_proj"))))
+            .collect();
+    }
+    (0..e)
+        .map(|i| Mlp::load(&ex.pp(i.to_string()), h, inter))
+        .collect()
+}
+
+enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+struct Layer {
+    input_norm: RmsNorm,
+    attn: Mla,
+    post_norm: RmsNorm,
+    ffn: Ffn,
+}
+
+pub struct Deepseek {
+    cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    dtype: DType,
+}
+
+/// Config checks the forward relies on, with the numbers in the message.
+fn validate(cfg: &ModelConfig) -> Result<(&MlaConfig, Option<&MoeConfig>)> {
+    let bad = |msg: String| Error::config(&cfg.path, msg);
+    let mla = cfg
+        .mla
+        .as_ref()
+        .ok_or_else(|| bad("deepseek_v3 config without MLA fields".into()))?;
+    if mla.qk_rope_head_dim == 0 || mla.qk_rope_head_dim % 2 != 0 {
+        return Err(bad(format!(
+            "qk_rope_head_dim must be even and positive, found {}",
+            mla.qk_rope_head_dim
+        )));
+    }
+    if let Some(moe) = &cfg.moe {
+        let group_size = moe.n_routed_experts / moe.n_group;
+        if moe.topk_group == 0 || moe.topk_group > moe.n_group {
+            return Err(bad(format!(
+                "topk_group {} must be in 1..={} (n_group)",
+                moe.topk_group, moe.n_group
+            )));
+        }
+        if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.topk_group * group_size {
+            return Err(bad(format!(
+                "num_experts_per_tok {} must be in 1..={} (topk_group {} x {} experts per group)",
+                moe.num_experts_per_tok,
+                moe.topk_group * group_size,
+                moe.topk_group,
+                group_size
+            )));
+        }
+    }
+    Ok((mla, cfg.moe.as_ref()))
+}
+
+impl Deepseek {
+    pub fn load(cfg: &ModelConfig, vb: &Vb) -> Result<Deepseek> {
+        let (mla, moe) = validate(cfg)?;
+        let m = decoder_prefix(vb);
+        let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
+        let embed = m.get("embed_tokens.weight", &[v, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        // Layers past num_hidden_layers (DeepSeek-V3's MTP layer 61) are not part of the target.
+        for i in 0..cfg.num_layers {
+            let l = m.pp(format!("layers.{i}"));
+            let ffn = match moe {
+                Some(moe) if moe.is_moe_layer(i) => Ffn::Moe(Moe::load(cfg, moe, &l.pp("mlp"))?),
+                _ => Ffn::Dense(Mlp::load(&l.pp("mlp"), h, cfg.intermediate_size)?),
+            };
+            layers.push(Layer {
+                input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
+                attn: Mla::load(cfg, mla, &l.pp("self_attn"))?,
+                post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
+                ffn,
+            });
+        }
+        let head_names = ["lm_head.weight", "language_model.lm_head.weight"];
+        let lm_head = match head_names.iter().find(|n| vb.contains(n)) {
+            Some(name) => vb.get(name, &[v, h])?,
+            None if cfg.tie_word_embeddings => embed.clone(),
+            None => {
+                return Err(Error::MissingTensor {
+                    path: vb.origin().to_path_buf(),
+                    name: "lm_head.weight".into(),
+                });
+            }
+        };
+        Ok(Deepseek {
+            cfg: cfg.clone(),
+            norm: RmsNorm::load(&m.pp("norm"), h, eps)?,
+            embed,
+            layers,
+            lm_head,
+            dtype: vb.dtype,
+        })
+    }
+
+    fn rope_dim(&self) -> usize {
+        self.cfg.mla.as_ref().map_or(0, |m| m.qk_rope_head_dim)
+    }
+}
+
+/// `[T, k]` routing tensors for `Capture.extras`: i64 expert ids and f32 weights.
+fn routing_tensors(routing: &[Routed], device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+    let t = routing.len();
+    let k = routing.first().map_or(0, |r| r.experts.len());
+    let idx: Vec<i64> = routing
+        .iter()
+        .flat_map(|r| r.experts.iter().map(|&e| e as i64))
+        .collect();
+    let w: Vec<f32> = routing.iter().flat_map(|r| r.weights.clone()).collect();
+    Ok((
+        Tensor::from_vec(idx, (t, k), device)?,
+        Tensor::from_vec(w, (t, k), device)?,
+    ))
+}
+
+impl Target for Deepseek {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn embed_tokens(&self) -> &Tensor {
+        &self.embed
+    }
+
+    fn forward(
+        &self,
+        ids: &[u32],
+        want: &CaptureRequest,
+        progress: &mut Progress,
+    ) -> Result<Capture> {
+        let device = self.embed.device();
+        let t = ids.len();
+        let rope = RopeTables::new(&self.cfg.rope, self.rope_dim(), t, self.dtype, device)?;
+        let mask = causal_mask(t, None, self.dtype, device)?;
+        let mut capture = Capture::default();
+        let mut xs = self
+            .embed
+            .index_select(&ids_tensor(ids, device)?, 0)
+            .ctx(|| "embedding lookup".to_string())?;
+        let n = self.layers.len();
+        for (i, layer) in self.layers.iter().enumerate() {
+            if want.wants(i) {
+                capture.hidden.insert(i, xs.clone());
+            }
+            let step = || -> candle_core::Result<(Tensor, Option<Vec<Routed>>)> {
+                let a = layer
+                    .attn
+                    .forward(&layer.input_norm.forward(&xs)?, &rope, &mask)?;
+                let xs = (&xs + a)?;
+                let normed = layer.post_norm.forward(&xs)?;
+                let (f, routing) = match &layer.ffn {
+                    Ffn::Dense(mlp) => (mlp.forward(&normed)?, None),
+                    Ffn::Moe(moe) => {
+                        let (f, r) = moe.forward(&normed)?;
+                        (f, Some(r))
+                    }
+                };
+                Ok(((xs + f)?, routing))
+            };
+            let (next, routing) = step().ctx(|| format!("decoder layer {i}"))?;
+            xs = next;
+            if let Some(routing) = routing {
+                let (idx, w) =
+                    routing_tensors(&routing, device).ctx(|| format!("router {i} capture"))?;
+                capture.extras.insert(format!("router.{i}.topk_idx"), idx);
+                capture.extras.insert(format!("router.{i}.topk_weight"), w);
+            }
+            progress.tick(i + 1, n);
+        }
+        progress.finish();
+        if want.final_pre_norm {
+            capture.final_pre_norm = Some(xs.clone());
+        }
+        let normed = self.norm.forward(&xs).ctx(|| "final norm".to_string())?;
+        if want.logits {
+            capture.logits = Some(
+                normed
+                    .matmul(&self.lm_head.t().ctx(|| "lm_head".into())?)
+                    .ctx(|| "lm_head".into())?,
+            );
+        }
+        if want.wants(n) {
+            capture.hidden.insert(n, normed);
+        }
+        Ok(capture)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn moe(n_group: usize, topk_group: usize) -> MoeConfig {
+        MoeConfig {
+            n_routed_experts: 8,
+            n_shared_experts: 1,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 4,
+            first_k_dense_replace: 0,
+            moe_layer_freq: 1,
+            n_group,
+            topk_group,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.0,
+        }
+    }
+
+    #[test]
+    fn group_limit_overrides_the_two_best_scores() {
+        // Groups of two: {0,1} {2,3} {4,5} {6,7}. Experts 0 and 2 are the two best, but their
+        // groups' partners are weak; group {6,7} has the best pair sum, then {4,5}.
+        let scores = [0.95, 0.0, 0.9, 0.0, 0.6, 0.6, 0.7, 0.7];
+        let bias = [0.0; 8];
+        let grouped = route_token(&scores, &bias, &moe(4, 2));
+        assert_eq!(grouped.experts, vec![6, 7]);
+        let plain = route_token(&scores, &bias, &moe(1, 1));
+        assert_eq!(plain.experts, vec![0, 2]);
+    }
+
+    #[test]
+    fn bias_selects_but_does_not_weigh() {
+        let scores = [0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1];
+        let mut bias = [0.0; 8];
+        bias[3] = 1.0; // lifts expert 3 into the picks, not into the weights
+        let r = route_token(&scores, &bias, &moe(1, 1));
+        assert_eq!(r.experts, vec![0, 3]);
+        let w0 = 0.5 / 0.7 * 2.0;
+        let w3 = 0.2 / 0.7 * 2.0;
+        assert!((r.weights[0] - w0).abs() < 1e-6 && (r.weights[1] - w3).abs() < 1e-6);
+    }
+}
