@@ -391,45 +391,58 @@ fn check_draft_weights(
 
 /// How a fed layout differs from the expected one, as one finding name and a sentence.
 pub fn classify_layout(fed: &[Boundary], want: &[Boundary]) -> Option<(FindingName, String)> {
-    if fed == want {
+    classify_layout_as(fed, want, ("fed", "trained on"))
+}
+
+/// [`classify_layout`] with the two sides named in the message, e.g. `("captured", "spec")`.
+pub fn classify_layout_as(
+    got: &[Boundary],
+    want: &[Boundary],
+    words: (&str, &str),
+) -> Option<(FindingName, String)> {
+    if got == want {
         return None;
     }
-    let (f, w) = (format_list(fed), format_list(want));
-    let fed_emb = fed.contains(&Boundary::EMBEDDING);
+    let both = format!(
+        "{} {}, {} {}",
+        words.0,
+        format_list(got),
+        words.1,
+        format_list(want)
+    );
+    let got_emb = got.contains(&Boundary::EMBEDDING);
     let want_emb = want.contains(&Boundary::EMBEDDING);
-    if fed_emb != want_emb {
-        let msg = if fed_emb {
+    if got_emb != want_emb {
+        let msg = if got_emb {
             format!(
-                "fc gets the embedding output (b = 0), which training never held: fed {f}, trained on {w}"
+                "the embedding output (b = 0) takes an fc slot that training never gave it: {both}"
             )
         } else {
-            format!(
-                "training held the embedding output (b = 0), which is not fed: fed {f}, trained on {w}"
-            )
+            format!("training held the embedding output (b = 0), which is missing here: {both}")
         };
         return Some((FindingName::EmbeddingCapture, msg));
     }
-    if fed.len() != want.len() {
+    if got.len() != want.len() {
         return Some((
             FindingName::Count,
             format!(
-                "fc gets {} slots, training held {}: fed {f}, trained on {w}",
-                fed.len(),
+                "{} slots where {} are expected: {both}",
+                got.len(),
                 want.len()
             ),
         ));
     }
-    let mut fed_sorted = fed.to_vec();
+    let mut got_sorted = got.to_vec();
     let mut want_sorted = want.to_vec();
-    fed_sorted.sort();
+    got_sorted.sort();
     want_sorted.sort();
-    if fed_sorted == want_sorted {
+    if got_sorted == want_sorted {
         return Some((
             FindingName::Order,
-            format!("the same boundaries in another order: fed {f}, trained on {w}"),
+            format!("the same boundaries in another order: {both}"),
         ));
     }
-    let deltas: Vec<i64> = fed
+    let deltas: Vec<i64> = got
         .iter()
         .zip(want)
         .map(|(a, b)| a.0 as i64 - b.0 as i64)
@@ -438,10 +451,10 @@ pub fn classify_layout(fed: &[Boundary], want: &[Boundary]) -> Option<(FindingNa
         let side = if deltas[0] > 0 { "above" } else { "below" };
         return Some((
             FindingName::OffByOne,
-            format!("every slot is one boundary {side} training: fed {f}, trained on {w}"),
+            format!("every slot is one boundary {side} the expected one: {both}"),
         ));
     }
-    Some((FindingName::WrongLayer, format!("fed {f}, trained on {w}")))
+    Some((FindingName::WrongLayer, both))
 }
 
 /// Compares one engine's feed with the spec: slot rows for the table, and findings.

@@ -3,6 +3,7 @@
 mod support;
 
 mod deepseek;
+mod diff;
 mod gate;
 mod run_cli;
 mod runner;

@@ -9,7 +9,7 @@ pub mod score;
 use crate::boundary::{Boundary, FinalNorm, format_list};
 use crate::engine::Feed;
 use crate::error::{Error, Result};
-use crate::gate::{check_feed, classify_layout};
+use crate::gate::{check_feed, classify_layout, classify_layout_as};
 use crate::readers::{HostTensor, Sample, capture_files, read_capture_path};
 use crate::report::{CaptureReport, CaptureSlot, Finding, FindingName, Report, ThreeWayRow};
 use crate::spec::Spec;
@@ -100,7 +100,7 @@ fn slots_of(sample: &Sample, hidden: usize, k_spec: usize) -> std::result::Resul
         })?;
         let (count, width) = if w % hidden == 0 {
             (w / hidden, hidden)
-        } else if k_spec > 0 && w % k_spec == 0 && hidden % (w / k_spec) == 0 {
+        } else if k_spec > 0 && w.is_multiple_of(k_spec) && hidden.is_multiple_of(w / k_spec) {
             (k_spec, w / k_spec)
         } else {
             return Err(format!(
@@ -142,14 +142,17 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     report.fact("spec", format!("{} ({})", spec.name, spec.path.display()));
     report.fact("reference", reference.describe());
     report.fact("spec_b", format_list(&spec.boundaries));
-    if let Some(t) = spec.target {
-        if let Some(sl) = t.num_hidden_layers.filter(|&sl| sl != l) {
-            return Err(Error::Usage(format!(
-                "{}: the spec was written for a {sl}-layer target, the reference has {l} layers",
-                spec.path.display()
-            )));
-        }
+    if let Some(sl) = spec
+        .target
+        .and_then(|t| t.num_hidden_layers)
+        .filter(|&sl| sl != l)
+    {
+        return Err(Error::Usage(format!(
+            "{}: the spec was written for a {sl}-layer target, the reference has {l} layers",
+            spec.path.display()
+        )));
     }
+
     let mut stats = DiffStats::default();
     let mut collector = Collector::default();
     // Per slot: how often each boundary was found, for the three-way table.
@@ -449,15 +452,17 @@ fn identify_sample(
         .collect();
     if found.iter().all(Option::is_some) {
         let found: Vec<Boundary> = found.into_iter().flatten().collect();
-        if let Some((name, msg)) = classify_layout(&found, &spec.boundaries) {
+        if let Some((name, msg)) =
+            classify_layout_as(&found, &spec.boundaries, ("captured", "spec"))
+        {
+            // A wrong layer is a slot's fault; the other layout faults belong to the whole list.
+            let slot = (name == FindingName::WrongLayer)
+                .then(|| found.iter().zip(&spec.boundaries).position(|(f, e)| f != e))
+                .flatten();
             for n in named.iter_mut() {
                 n.get_or_insert(name);
             }
-            emit(
-                None,
-                Finding::error(name, format!("captured {msg}")),
-                &mut named,
-            );
+            emit(slot, Finding::error(name, msg), &mut named);
         }
     } else {
         for (s, f) in found.iter().enumerate() {

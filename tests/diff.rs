@@ -1,0 +1,379 @@
+//! The diff engine on the planted-fault corpus (fixtures/captures/corpus, made with HF
+//! transformers by gen_corpus.py): every case is named exactly, clean samples give nothing.
+//! One test per finding, so removing a detector fails the test named after it.
+
+use crate::support::{eagle_check, fixture, p, root, scratch};
+use candle_core::{DType, Device};
+use eagle_check::diff::reference::{DumpReference, RunnerReference};
+use eagle_check::diff::{DiffInput, DiffStats, diff};
+use eagle_check::engine::{Engine, resolve};
+use eagle_check::report::Report;
+use eagle_check::runner::open_target;
+use eagle_check::spec::Spec;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+fn manifest() -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(fixture("captures/corpus/manifest.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn run_entry(entry: &serde_json::Value) -> (Report, DiffStats) {
+    let arch = entry["arch"].as_str().unwrap();
+    let target = fixture(&format!("models/{arch}"));
+    let mut reference = RunnerReference {
+        target: open_target(&target, DType::F32, &Device::Cpu).unwrap(),
+        path: target,
+        forward_seconds: 0.0,
+    };
+    let spec = Spec::load(&root().join(entry["spec"].as_str().unwrap())).unwrap();
+    let captures = vec![root().join(entry["path"].as_str().unwrap())];
+    diff(
+        &DiffInput {
+            spec: &spec,
+            captures: &captures,
+            feed: None,
+        },
+        &mut reference,
+    )
+    .unwrap()
+}
+
+type Names = BTreeSet<(String, Option<u64>)>;
+
+fn expected(entry: &serde_json::Value) -> Names {
+    entry["expect"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["name"].as_str().unwrap().to_string(), f["slot"].as_u64()))
+        .collect()
+}
+
+fn found(report: &Report) -> Names {
+    report
+        .findings
+        .iter()
+        .map(|f| (f.name.as_str().to_string(), f.slot.map(|s| s as u64)))
+        .collect()
+}
+
+/// Runs every corpus entry of `case` and checks the findings are exactly the expected ones.
+fn check_case(case: &str) {
+    let entries: Vec<_> = manifest()
+        .into_iter()
+        .filter(|e| e["case"] == case)
+        .collect();
+    assert!(!entries.is_empty(), "no corpus entries for {case}");
+    for entry in &entries {
+        let (report, stats) = run_entry(entry);
+        let label = format!("{} {} {}", entry["arch"], case, entry["format"]);
+        assert_eq!(
+            found(&report),
+            expected(entry),
+            "{label}: {:#?}",
+            report.findings
+        );
+        let samples = entry["samples"].as_array().unwrap().len();
+        assert_eq!(stats.samples, samples, "{label}");
+        // Many samples of one kind collapse into one finding with a count.
+        for f in &report.findings {
+            assert_eq!(
+                f.count.unwrap_or(1),
+                samples,
+                "{label}: {}",
+                f.name.as_str()
+            );
+        }
+        if expected(entry).is_empty() {
+            assert_eq!(report.exit_code(), 0, "{label}");
+        } else {
+            assert_eq!(report.exit_code(), 1, "{label}");
+        }
+        // Where the manifest says which boundary each slot holds, identification agrees.
+        let truth = entry["found_boundaries"].as_array().unwrap();
+        for capture in &report.captures {
+            for slot in &capture.slots {
+                if let Some(b) = truth.get(slot.slot).and_then(|b| b.as_u64()) {
+                    assert_eq!(
+                        slot.found_boundary,
+                        Some(b as usize),
+                        "{label} {} slot {}",
+                        capture.file,
+                        slot.slot
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn clean_f32_samples_give_no_finding() {
+    check_case("clean-f32");
+}
+
+#[test]
+fn clean_bf16_samples_give_no_finding() {
+    check_case("clean-bf16");
+}
+
+#[test]
+fn clean_pre_norm_final_state_gives_no_finding() {
+    check_case("clean-final-pre");
+}
+
+/// The seed incident: [embedding, layer a, layer b] where training held three layer states.
+#[test]
+fn embedding_capture_is_named() {
+    check_case("embedding-capture");
+}
+
+#[test]
+fn off_by_one_is_named() {
+    check_case("off-by-one");
+}
+
+#[test]
+fn wrong_layer_is_named() {
+    check_case("wrong-layer");
+}
+
+#[test]
+fn order_is_named() {
+    check_case("order");
+}
+
+#[test]
+fn count_is_named() {
+    check_case("count");
+}
+
+/// nnsight issue 630: a fused-residual engine's `hidden_states` without `+ residual`.
+#[test]
+fn missing_residual_is_named() {
+    check_case("missing-residual");
+}
+
+#[test]
+fn token_shift_is_named() {
+    check_case("token-shift");
+}
+
+/// sglang PR 14280: aux states need an all-gather under expert/tensor parallelism.
+#[test]
+fn shard_is_named() {
+    check_case("shard");
+}
+
+/// NVIDIA's debug tooling found a 50.6x scale bug while cosine read 1.000003.
+#[test]
+fn scale_is_named() {
+    check_case("scale");
+}
+
+#[test]
+fn non_finite_is_named() {
+    check_case("non-finite");
+}
+
+#[test]
+fn unidentified_is_named() {
+    check_case("unidentified");
+}
+
+#[test]
+fn final_norm_side_is_named() {
+    check_case("final-norm");
+}
+
+/// Adjacent boundaries of a residual stream are strongly correlated; the margin between the
+/// true boundary and its neighbours is measured over every clean slot of the corpus.
+#[test]
+fn adjacent_boundaries_are_told_apart() {
+    let mut min_margin = f64::INFINITY;
+    for entry in manifest() {
+        let case = entry["case"].as_str().unwrap();
+        if !case.starts_with("clean") {
+            continue;
+        }
+        let (_, stats) = run_entry(&entry);
+        let m = stats.min_neighbour_margin.unwrap();
+        eprintln!(
+            "{} {case} {}: min neighbour margin {m:.4}",
+            entry["arch"], entry["format"]
+        );
+        min_margin = min_margin.min(m);
+    }
+    eprintln!("smallest true-vs-neighbour cosine margin over the clean corpus: {min_margin:.4}");
+    assert!(min_margin > 0.01, "{min_margin}");
+}
+
+/// The same diff through the binary, with the three-way table: vLLM reads the tiny llama
+/// draft's ids [1, 2, 3] raw, the training captures hold [2, 3, 4].
+#[test]
+fn three_way_table_through_the_binary() {
+    let out = eagle_check([
+        "diff",
+        "--spec",
+        "fixtures/captures/corpus/llama/spec.yaml",
+        "--target",
+        "fixtures/models/llama",
+        "--captures",
+        "fixtures/captures/corpus/llama/clean-f32",
+        "--draft",
+        "fixtures/models/llama-draft",
+        "--engine",
+        "vllm",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    let json = out.json();
+    let rows = json["three_way"].as_array().unwrap();
+    let col = |k: &str| {
+        rows.iter()
+            .map(|r| r[k].as_u64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(col("spec"), vec![2, 3, 4]);
+    assert_eq!(col("training"), vec![2, 3, 4]);
+    assert_eq!(col("inference"), vec![1, 2, 3]);
+    let names = out.finding_names();
+    assert!(names.iter().all(|n| n == "off-by-one"), "{names:?}");
+    assert_eq!(json["captures"][0]["slots"][0]["status"], "ok");
+    for key in [
+        "slot",
+        "expected_boundary",
+        "found_boundary",
+        "state",
+        "cosine",
+        "rel_err",
+        "norm_ratio",
+        "margin",
+        "status",
+    ] {
+        assert!(json["captures"][0]["slots"][0].get(key).is_some(), "{key}");
+    }
+
+    let ok = eagle_check([
+        "diff",
+        "--spec",
+        "fixtures/captures/corpus/llama/spec.yaml",
+        "--target",
+        "fixtures/models/llama",
+        "--captures",
+        "fixtures/captures/corpus/llama/clean-f32",
+        "--draft",
+        "fixtures/models/llama-draft",
+        "--engine",
+        "sglang",
+    ]);
+    assert_eq!(ok.code, 0, "{}", ok.stdout);
+    assert!(ok.stdout.contains("training b"), "{}", ok.stdout);
+}
+
+/// `--reference` takes the boundaries from an all-layer dump instead of running the target:
+/// here eagle-check's own `run --dump` of the same tokens stands in for an engine's dump.
+#[test]
+fn reference_dump_is_a_second_source_of_the_same_boundaries() {
+    let entry = manifest()
+        .into_iter()
+        .find(|e| e["arch"] == "llama" && e["case"] == "off-by-one" && e["format"] == "specforge")
+        .unwrap();
+    let dir = scratch("diff-reference");
+    for (i, sample) in entry["samples"].as_array().unwrap().iter().enumerate() {
+        let file = root().join(sample["file"].as_str().unwrap());
+        let s = &eagle_check::readers::read_capture_path(&file).unwrap()[0];
+        let ids: Vec<String> = s
+            .token_ids
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        let out = eagle_check([
+            "run",
+            "--target",
+            "fixtures/models/llama",
+            "--engine",
+            "sglang",
+            "--tokens",
+            &ids.join(","),
+            "--dump",
+            &p(&dir.join(format!("ref_{i}.safetensors"))),
+        ]);
+        assert_eq!(out.code, 0, "{}", out.stderr);
+    }
+    let spec = Spec::load(&root().join(entry["spec"].as_str().unwrap())).unwrap();
+    let mut reference = DumpReference::open(&dir).unwrap();
+    let captures: Vec<PathBuf> = vec![root().join(entry["path"].as_str().unwrap())];
+    let (report, _) = diff(
+        &DiffInput {
+            spec: &spec,
+            captures: &captures,
+            feed: None,
+        },
+        &mut reference,
+    )
+    .unwrap();
+    assert_eq!(found(&report), expected(&entry));
+    // And a feed from a dump source answers the same three-way question.
+    let feed = resolve(Engine::Sglang, Some(&[1, 2, 3]), 5);
+    let (report, _) = diff(
+        &DiffInput {
+            spec: &spec,
+            captures: &captures,
+            feed: Some(&feed),
+        },
+        &mut reference,
+    )
+    .unwrap();
+    assert_eq!(
+        report
+            .three_way
+            .iter()
+            .map(|r| r.training)
+            .collect::<Vec<_>>(),
+        vec![Some(1), Some(2), Some(3)]
+    );
+}
+
+/// An evil .pt (a pickle that calls os.system) is refused with a clear error; nothing runs.
+#[test]
+fn evil_pickle_is_refused_and_nothing_runs() {
+    let marker = std::path::Path::new("/tmp/eagle_check_pwned");
+    let _ = std::fs::remove_file(marker);
+    let evil = fixture("captures/readers/evil");
+    let files: Vec<_> = std::fs::read_dir(&evil)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.to_string_lossy().contains("os_system") && p.extension().is_some_and(|x| x == "pt")
+        })
+        .collect();
+    assert!(!files.is_empty());
+    for file in files {
+        let out = eagle_check([
+            "diff",
+            "--spec",
+            "fixtures/captures/corpus/llama/spec.yaml",
+            "--target",
+            "fixtures/models/llama",
+            "--captures",
+            &p(&file),
+        ]);
+        assert_eq!(out.code, 2, "{}", out.stdout);
+        assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+        assert!(
+            out.stderr.contains("system") && out.stderr.contains("not allowed"),
+            "{}",
+            out.stderr
+        );
+        assert!(
+            out.stderr
+                .contains(&file.file_name().unwrap().to_string_lossy().to_string())
+        );
+    }
+    assert!(!marker.exists(), "the pickle's payload ran");
+}
