@@ -76,7 +76,8 @@ pub fn load_target(
     dtype: DType,
     device: &Device,
 ) -> Result<Box<dyn Target>> {
-    let vb = source::Vb::new(src, dtype, device);
+    let mut vb = source::Vb::new(src, dtype, device);
+    vb.fp8_block = cfg.fp8_block;
     match cfg.arch {
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
             Ok(Box::new(llama::Llama::load(cfg, &vb)?))

@@ -76,6 +76,9 @@ pub struct Vb<'a> {
     prefix: String,
     pub dtype: DType,
     pub device: Device,
+    /// The checkpoint's declared FP8 block (`quantization_config.weight_block_size`); when
+    /// absent the block is inferred from the weight and scale shapes.
+    pub fp8_block: Option<[usize; 2]>,
 }
 
 impl<'a> Vb<'a> {
@@ -85,6 +88,7 @@ impl<'a> Vb<'a> {
             prefix: String::new(),
             dtype,
             device: device.clone(),
+            fp8_block: None,
         }
     }
 
@@ -138,8 +142,11 @@ impl<'a> Vb<'a> {
         let scale_name = format!("{full}_scale_inv");
         let t = if raw.dtype() == DType::F8E4M3 && self.src.shape(&scale_name).is_some() {
             let scale = self.src.load(&scale_name, &self.device)?;
-            crate::model::fp8::dequantize_blocks(&raw, &scale)
-                .ctx(|| format!("dequantising {full}"))?
+            match self.fp8_block {
+                Some(block) => crate::model::fp8::dequantize_blocks_with(&raw, &scale, block),
+                None => crate::model::fp8::dequantize_blocks(&raw, &scale),
+            }
+            .ctx(|| format!("dequantising {full}"))?
         } else {
             raw
         };

@@ -1,0 +1,183 @@
+//! `cargo bench --bench diff`: the diff engine over many samples of T = 512, H = 1024, k = 3 on
+//! the CPU, with the time split between the target forward (the peer every sample pays) and the
+//! identification scoring. A random 3-layer Llama (H 1024, GQA 8/2, MLP 1024) stands in for the
+//! target; captures hold its true boundaries [1, 2, 3], so every slot is identified in full.
+//! Samples: EAGLE_CHECK_BENCH_SAMPLES (default 1000); 10 distinct sequences, hard-linked.
+
+use candle_core::{DType, Device, Tensor};
+use eagle_check::diff::reference::{ReferenceSource, RunnerReference};
+use eagle_check::diff::{DiffInput, diff};
+use eagle_check::model::{CaptureRequest, Progress};
+use eagle_check::runner::open_target;
+use eagle_check::spec::Spec;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+const H: usize = 1024;
+const T: usize = 512;
+const L: usize = 3;
+const VOCAB: usize = 512;
+
+/// A small deterministic generator, so the bench needs no extra crate.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    }
+
+    fn tensor(&mut self, shape: &[usize], scale: f32) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| self.next() * scale).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+}
+
+fn write_target(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let (heads, kv, hd, inter) = (8usize, 2usize, 128usize, 1024usize);
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+        "num_hidden_layers": L, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "head_dim": hd, "intermediate_size": inter, "vocab_size": VOCAB, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": true, "hidden_act": "silu"
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let mut rng = Lcg(7);
+    let mut w: HashMap<String, Tensor> = HashMap::new();
+    w.insert(
+        "model.embed_tokens.weight".into(),
+        rng.tensor(&[VOCAB, H], 2.0),
+    );
+    w.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(H, DType::F32, &Device::Cpu).unwrap(),
+    );
+    let s = 2.0 / (H as f32).sqrt();
+    for i in 0..L {
+        let p = format!("model.layers.{i}");
+        for (name, shape) in [
+            ("self_attn.q_proj", [heads * hd, H]),
+            ("self_attn.k_proj", [kv * hd, H]),
+            ("self_attn.v_proj", [kv * hd, H]),
+            ("self_attn.o_proj", [H, heads * hd]),
+            ("mlp.gate_proj", [inter, H]),
+            ("mlp.up_proj", [inter, H]),
+            ("mlp.down_proj", [H, inter]),
+        ] {
+            w.insert(format!("{p}.{name}.weight"), rng.tensor(&shape, s));
+        }
+        for norm in ["input_layernorm", "post_attention_layernorm"] {
+            w.insert(
+                format!("{p}.{norm}.weight"),
+                Tensor::ones(H, DType::F32, &Device::Cpu).unwrap(),
+            );
+        }
+    }
+    candle_core::safetensors::save(&w, dir.join("model.safetensors")).unwrap();
+}
+
+fn main() {
+    let samples: usize = std::env::var("EAGLE_CHECK_BENCH_SAMPLES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1000);
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench-scratch/diff");
+    let _ = std::fs::remove_dir_all(&root);
+    let target = root.join("target");
+    write_target(&target);
+    let loaded = open_target(&target, DType::F32, &Device::Cpu).unwrap();
+
+    // 10 distinct sequences with their true boundaries [1, 2, 3] as aux states.
+    let captures = root.join("captures");
+    std::fs::create_dir_all(&captures).unwrap();
+    let distinct = 10.min(samples);
+    let mut rng = Lcg(11);
+    for d in 0..distinct {
+        let ids: Vec<u32> = (0..T)
+            .map(|_| ((rng.next() + 0.5) * VOCAB as f32) as u32 % VOCAB as u32)
+            .collect();
+        let want = CaptureRequest {
+            boundaries: Some(vec![1, 2, 3]),
+            final_pre_norm: false,
+            logits: false,
+            layer_outputs: false,
+        };
+        let cap = loaded
+            .model
+            .forward(&ids, &want, &mut Progress::hidden())
+            .unwrap();
+        let aux = Tensor::cat(&[&cap.hidden[&1], &cap.hidden[&2], &cap.hidden[&3]], 1).unwrap();
+        let ids64: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
+        let mut out: HashMap<String, Tensor> = HashMap::new();
+        out.insert(
+            "input_ids".into(),
+            Tensor::new(ids64.as_slice(), &Device::Cpu).unwrap(),
+        );
+        out.insert("aux_hidden_states".into(), aux);
+        candle_core::safetensors::save(&out, captures.join(format!("s{d:04}.safetensors")))
+            .unwrap();
+    }
+    for i in distinct..samples {
+        std::fs::hard_link(
+            captures.join(format!("s{:04}.safetensors", i % distinct)),
+            captures.join(format!("s{i:04}.safetensors")),
+        )
+        .unwrap();
+    }
+    let spec_path = root.join("spec.yaml");
+    std::fs::write(&spec_path, format!("name: bench\ntarget: {{ num_hidden_layers: {L}, hidden_size: {H} }}\ncapture: {{ boundaries: [1, 2, 3] }}\n")).unwrap();
+    let spec = Spec::load(&spec_path).unwrap();
+
+    let mut reference = RunnerReference {
+        target: loaded,
+        path: target,
+        forward_seconds: 0.0,
+    };
+    let start = Instant::now();
+    let (report, stats) = diff(
+        &DiffInput {
+            spec: &spec,
+            captures: &[captures],
+            feed: None,
+        },
+        &mut reference,
+    )
+    .unwrap();
+    let wall = start.elapsed().as_secs_f64();
+    assert_eq!(report.exit_code(), 0, "bench captures must be consistent");
+    assert_eq!(stats.samples, samples);
+    let _ = reference.num_layers();
+    println!(
+        "diff: {samples} samples, T = {T}, H = {H}, k = 3, target L = {L} (CPU, {} threads)",
+        candle_core::utils::get_num_threads()
+    );
+    println!(
+        "  wall:                {wall:>8.1} s   ({:.2} samples/s)",
+        samples as f64 / wall
+    );
+    println!(
+        "  target forward:      {:>8.1} s   ({:.0}% of wall)",
+        stats.reference_seconds,
+        100.0 * stats.reference_seconds / wall
+    );
+    println!(
+        "  scoring:             {:>8.1} s   ({:.0}% of wall)",
+        stats.scoring_seconds,
+        100.0 * stats.scoring_seconds / wall
+    );
+    println!(
+        "  reading captures:    {:>8.1} s   ({:.0}% of wall)",
+        stats.read_seconds,
+        100.0 * stats.read_seconds / wall
+    );
+    println!(
+        "  scoring / forward:   {:>8.3}",
+        stats.scoring_seconds / stats.reference_seconds
+    );
+}
