@@ -124,3 +124,30 @@ fn run_rejects_bad_input_with_exit_2() {
     assert_eq!(out.code, 2);
     assert!(out.stderr.contains("--engine"), "{}", out.stderr);
 }
+
+/// An HF cache entry (`models--org--name` with `refs/main` and `snapshots/<rev>`) loads the
+/// snapshot refs/main names, not another one beside it.
+#[test]
+fn hf_cache_entry_resolves_to_the_refs_main_snapshot() {
+    let dir = scratch("hf-cache");
+    let entry = dir.join("models--tiny--llama");
+    let good = entry.join("snapshots").join("abc123");
+    let stale = entry.join("snapshots").join("old999");
+    for snap in [&good, &stale] {
+        std::fs::create_dir_all(snap).unwrap();
+    }
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("models/llama").join(file), good.join(file)).unwrap();
+    }
+    std::fs::write(stale.join("config.json"), "{ not json").unwrap();
+    std::fs::create_dir_all(entry.join("refs")).unwrap();
+    std::fs::write(entry.join("refs").join("main"), "abc123\n").unwrap();
+    let out = eagle_check(["run", "--target", &p(&entry), "--engine", "vllm", "--tokens", &reference_ids(), "--format", "json"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.json()["subject"]["target"].as_str().unwrap().contains("models--tiny--llama"));
+    // Without refs/main two snapshots are ambiguous: exit 2, naming the entry.
+    std::fs::remove_file(entry.join("refs").join("main")).unwrap();
+    let out = eagle_check(["run", "--target", &p(&entry), "--engine", "vllm", "--tokens", "1,2,3"]);
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("snapshots"), "{}", out.stderr);
+}
