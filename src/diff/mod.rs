@@ -6,7 +6,7 @@ pub mod identify;
 pub mod reference;
 pub mod score;
 
-use crate::boundary::{Boundary, FinalNorm, format_list};
+use crate::boundary::{Boundary, Convention, FinalNorm, format_list};
 use crate::engine::Feed;
 use crate::error::{Error, Result};
 use crate::gate::{check_feed, classify_layout, classify_layout_as};
@@ -337,7 +337,8 @@ fn identify_sample(
                 Finding::error(
                     FindingName::NonFinite,
                     format!("slot {s} holds {} NaN/Inf values", id.non_finite),
-                ),
+                )
+                .with_fix("recapture; NaN/Inf in aux states usually means overflow in a half-precision path"),
                 &mut named,
             );
         }
@@ -385,7 +386,8 @@ fn identify_sample(
                         "slot {s} is b = {} scaled by {:.3} (cosine {:.6}, norm ratio {:.3}): cosine alone would call it a match",
                         found.boundary, id.score.norm_ratio, id.score.cosine, id.score.norm_ratio
                     ),
-                ),
+                )
+                .with_fix("find the extra multiplier on this slot's capture path (an embedding scale applied twice, a stray normalisation)"),
                 &mut named,
             );
         }
@@ -405,7 +407,10 @@ fn identify_sample(
                         format!(
                             "slot {s} holds b = {l} {side}; the spec says training used it {want}"
                         ),
-                    ),
+                    )
+                    .with_fix(format!(
+                        "capture the last layer's state {want} the final norm"
+                    )),
                     &mut named,
                 );
             }
@@ -441,6 +446,9 @@ fn identify_sample(
                      a tensor-parallel shard was saved without an all-gather",
                     hidden / tp
                 ),
+            )
+            .with_fix(
+                "all-gather the aux hidden states across ranks before saving (sglang PR 14280)",
             ),
             &mut named,
         );
@@ -462,7 +470,20 @@ fn identify_sample(
             for n in named.iter_mut() {
                 n.get_or_insert(name);
             }
-            emit(slot, Finding::error(name, msg), &mut named);
+            let fix = format!(
+                "capture b = {} in this order: layer ids {:?} where ids name layer outputs (SpecForge, ModelOpt, TensorRT-LLM), \
+                 {:?} where they name layer inputs (vLLM); or, if inference feeds what these captures hold, fix the spec",
+                format_list(&spec.boundaries),
+                spec.boundaries
+                    .iter()
+                    .map(|&b| Convention::Out.to_id(b))
+                    .collect::<Vec<_>>(),
+                spec.boundaries
+                    .iter()
+                    .map(|&b| Convention::In.to_id(b))
+                    .collect::<Vec<_>>(),
+            );
+            emit(slot, Finding::error(name, msg).with_fix(fix), &mut named);
         }
     } else {
         for (s, f) in found.iter().enumerate() {
