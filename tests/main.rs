@@ -3,6 +3,7 @@
 mod support;
 
 mod deepseek;
+mod deepseek_cli;
 mod diff;
 mod gate;
 mod run_cli;
