@@ -8,7 +8,7 @@ use crate::error::{CandleContext, Error, Result};
 use crate::model::llama::decoder_prefix;
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
-use crate::model::{Capture, CaptureRequest, Progress, Target, ids_tensor};
+use crate::model::{Capture, CaptureRequest, Progress, Target, finish_capture, ids_tensor};
 use candle_core::{D, DType, Device, Tensor};
 
 /// transformers' `yarn_get_mscale`.
@@ -501,7 +501,7 @@ impl Target for Deepseek {
             if want.wants(i) {
                 capture.hidden.insert(i, xs.clone());
             }
-            let step = || -> candle_core::Result<(Tensor, Option<Vec<Routed>>)> {
+            let step = || -> candle_core::Result<(Tensor, Tensor, Option<Vec<Routed>>)> {
                 let a = layer
                     .attn
                     .forward(&layer.input_norm.forward(&xs)?, &rope, &mask)?;
@@ -514,9 +514,12 @@ impl Target for Deepseek {
                         (f, Some(r))
                     }
                 };
-                Ok(((xs + f)?, routing))
+                Ok(((xs + &f)?, f, routing))
             };
-            let (next, routing) = step().ctx(|| format!("decoder layer {i}"))?;
+            let (next, ffn_out, routing) = step().ctx(|| format!("decoder layer {i}"))?;
+            if want.layer_outputs {
+                capture.extras.insert(format!("mlp_out.{i}"), ffn_out);
+            }
             xs = next;
             if let Some(routing) = routing {
                 let (idx, w) =
@@ -527,20 +530,7 @@ impl Target for Deepseek {
             progress.tick(i + 1, n);
         }
         progress.finish();
-        if want.final_pre_norm {
-            capture.final_pre_norm = Some(xs.clone());
-        }
-        let normed = self.norm.forward(&xs).ctx(|| "final norm".to_string())?;
-        if want.logits {
-            capture.logits = Some(
-                normed
-                    .matmul(&self.lm_head.t().ctx(|| "lm_head".into())?)
-                    .ctx(|| "lm_head".into())?,
-            );
-        }
-        if want.wants(n) {
-            capture.hidden.insert(n, normed);
-        }
+        finish_capture(&mut capture, xs, &self.norm, &self.lm_head, want, n)?;
         Ok(capture)
     }
 }

@@ -6,7 +6,7 @@ use crate::config::ModelConfig;
 use crate::error::{CandleContext, Result};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
-use crate::model::{Capture, CaptureRequest, Progress, Target, ids_tensor};
+use crate::model::{Capture, CaptureRequest, Progress, Target, finish_capture, ids_tensor};
 use candle_core::{DType, Tensor};
 
 struct Attention {
@@ -176,20 +176,7 @@ impl Target for Llama {
             progress.tick(i + 1, n);
         }
         progress.finish();
-        if want.final_pre_norm {
-            capture.final_pre_norm = Some(xs.clone());
-        }
-        let normed = self.norm.forward(&xs).ctx(|| "final norm".to_string())?;
-        if want.logits {
-            capture.logits = Some(
-                normed
-                    .matmul(&self.lm_head.t().ctx(|| "lm_head".into())?)
-                    .ctx(|| "lm_head".into())?,
-            );
-        }
-        if want.wants(n) {
-            capture.hidden.insert(n, normed);
-        }
+        finish_capture(&mut capture, xs, &self.norm, &self.lm_head, want, n)?;
         Ok(capture)
     }
 }

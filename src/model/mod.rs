@@ -86,6 +86,33 @@ pub fn load_target(
     }
 }
 
+/// The common end of every target forward: keep the pre-norm state, apply the final norm, the
+/// logits, and `b = L` (post-norm, HF semantics) as asked.
+pub(crate) fn finish_capture(
+    capture: &mut Capture,
+    xs: Tensor,
+    norm: &nn::RmsNorm,
+    lm_head: &Tensor,
+    want: &CaptureRequest,
+    num_layers: usize,
+) -> Result<()> {
+    let normed = norm.forward(&xs).ctx(|| "final norm".to_string())?;
+    if want.final_pre_norm {
+        capture.final_pre_norm = Some(xs);
+    }
+    if want.logits {
+        let logits = lm_head
+            .t()
+            .and_then(|w| normed.matmul(&w))
+            .ctx(|| "lm_head".to_string())?;
+        capture.logits = Some(logits);
+    }
+    if want.wants(num_layers) {
+        capture.hidden.insert(num_layers, normed);
+    }
+    Ok(())
+}
+
 /// Token ids as a [T] u32 tensor.
 pub fn ids_tensor(ids: &[u32], device: &Device) -> Result<Tensor> {
     Tensor::new(ids, device).ctx(|| "token ids".to_string())
