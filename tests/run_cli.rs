@@ -142,12 +142,35 @@ fn hf_cache_entry_resolves_to_the_refs_main_snapshot() {
     std::fs::write(stale.join("config.json"), "{ not json").unwrap();
     std::fs::create_dir_all(entry.join("refs")).unwrap();
     std::fs::write(entry.join("refs").join("main"), "abc123\n").unwrap();
-    let out = eagle_check(["run", "--target", &p(&entry), "--engine", "vllm", "--tokens", &reference_ids(), "--format", "json"]);
+    let out = eagle_check([
+        "run",
+        "--target",
+        &p(&entry),
+        "--engine",
+        "vllm",
+        "--tokens",
+        &reference_ids(),
+        "--format",
+        "json",
+    ]);
     assert_eq!(out.code, 0, "{}", out.stderr);
-    assert!(out.json()["subject"]["target"].as_str().unwrap().contains("models--tiny--llama"));
+    assert!(
+        out.json()["subject"]["target"]
+            .as_str()
+            .unwrap()
+            .contains("models--tiny--llama")
+    );
     // Without refs/main two snapshots are ambiguous: exit 2, naming the entry.
     std::fs::remove_file(entry.join("refs").join("main")).unwrap();
-    let out = eagle_check(["run", "--target", &p(&entry), "--engine", "vllm", "--tokens", "1,2,3"]);
+    let out = eagle_check([
+        "run",
+        "--target",
+        &p(&entry),
+        "--engine",
+        "vllm",
+        "--tokens",
+        "1,2,3",
+    ]);
     assert_eq!(out.code, 2);
     assert!(out.stderr.contains("snapshots"), "{}", out.stderr);
 }
