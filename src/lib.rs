@@ -15,4 +15,5 @@ pub mod readers;
 pub mod report;
 pub mod runner;
 pub mod spec;
+pub mod tokenize;
 pub mod weights;

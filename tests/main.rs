@@ -6,5 +6,6 @@ mod deepseek;
 mod deepseek_cli;
 mod diff;
 mod gate;
+mod gguf;
 mod run_cli;
 mod runner;

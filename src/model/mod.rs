@@ -4,6 +4,7 @@
 pub mod deepseek;
 pub mod draft;
 pub mod fp8;
+pub mod gguf;
 pub mod llama;
 pub mod nn;
 pub mod source;

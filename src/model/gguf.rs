@@ -1,0 +1,778 @@
+//! GGUF targets (llama.cpp files of the `llama`, `qwen2` and `qwen3` architectures), dequantised
+//! to f32 on load, served under HF tensor names, with a [`ModelConfig`] resolved from the metadata.
+//!
+//! Three things differ from an HF checkpoint, and each is undone here, once, at the edge:
+//! - **Names.** `token_embd` -> `model.embed_tokens`, `blk.{i}.attn_q` -> `model.layers.{i}.self_attn.q_proj`,
+//!   ... (the table is [`hf_name`]), following llama.cpp's `gguf-py/gguf/tensor_mapping.py`.
+//! - **Shapes.** GGUF lists dimensions innermost first (`ne[0]` is the row length); candle's
+//!   reader already reverses them, so a `[out, in]` linear reads as `[out, in]`, as in HF.
+//! - **Q/K rows, llama architecture only.** `convert_hf_to_gguf.py` (`LlamaModel.permute`) reorders
+//!   the rows of `q_proj` / `k_proj` (weights and biases) within each head from HF's
+//!   "rotate half" layout `[x_0..x_{d/2}, y_0..y_{d/2}]` to llama.cpp's interleaved pairs
+//!   `[x_0, y_0, x_1, y_1, ...]`. We invert it (transformers' `reverse_permute_weights` in
+//!   `integrations/ggml.py` does the same), so the shared rotate-half rope applies unchanged.
+//!   qwen2 / qwen3 files are written unpermuted (their converters skip `LlamaModel.permute`).
+//!
+//! The file is untrusted: every size comes from checked arithmetic, every tensor's bytes must lie
+//! inside the file, unknown tensors are refused rather than silently ignored, and the metadata
+//! goes through the same [`ModelConfig::resolve`] as a `config.json`.
+
+use crate::config::{ConfigFile, ModelConfig};
+use crate::error::{CandleContext, Error, Result};
+use crate::model::source::WeightSource;
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::{Device, Tensor};
+use memmap2::Mmap;
+use std::collections::{BTreeMap, HashMap};
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+
+/// `general.architecture` values this loader maps to HF names, with the HF `model_type` each becomes.
+const ARCHS: &[(&str, &str)] = &[("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")];
+
+/// The smallest GGUF: magic, version, two counts.
+const MIN_FILE_LEN: u64 = 4 + 4 + 8 + 8;
+
+/// One GGUF tensor as served under its HF name.
+#[derive(Debug, Clone)]
+struct Entry {
+    gguf_name: String,
+    /// HF order (`[out, in]` for a linear).
+    shape: Vec<usize>,
+    /// llama.cpp's Q/K row interleave to undo, over this many heads.
+    unpermute_heads: Option<usize>,
+}
+
+/// A GGUF file opened for weight loading: the header parsed and validated, the data mapped.
+pub struct GgufSource {
+    path: PathBuf,
+    mmap: Mmap,
+    content: Content,
+    arch: String,
+    /// HF name -> GGUF tensor.
+    tensors: BTreeMap<String, Entry>,
+}
+
+/// Opens a GGUF target: validates the header, resolves the config from the metadata, and maps
+/// every tensor to its HF name.
+pub fn open_gguf(path: &Path) -> Result<(ModelConfig, GgufSource)> {
+    let (mmap, content) = read_header(path)?;
+    let arch = match content.metadata.get("general.architecture") {
+        Some(Value::String(a)) => a.clone(),
+        Some(_) => return Err(meta_err(path, "general.architecture", "is not a string")),
+        None => return Err(meta_err(path, "general.architecture", "is missing")),
+    };
+    let Some(&(_, model_type)) = ARCHS.iter().find(|(a, _)| *a == arch) else {
+        let known: Vec<&str> = ARCHS.iter().map(|(a, _)| *a).collect();
+        return Err(Error::config(
+            path,
+            format!(
+                "GGUF architecture `{arch}` is not supported (supported: {})",
+                known.join(", ")
+            ),
+        ));
+    };
+    validate_tensor_extents(path, &content, mmap.len())?;
+    let meta = Meta {
+        path,
+        arch: &arch,
+        md: &content.metadata,
+    };
+    let raw = config_file(&meta, model_type, &content, &mmap)?;
+    let cfg = ModelConfig::resolve(&raw, path)?;
+    let mut tensors = BTreeMap::new();
+    for (gguf_name, info) in &content.tensor_infos {
+        if gguf_name == "rope_freqs.weight" {
+            // Folded into the config's rope scaling above.
+            continue;
+        }
+        let Some(hf) = hf_name(gguf_name, cfg.num_layers) else {
+            return Err(Error::weights(
+                path,
+                format!(
+                    "GGUF tensor `{gguf_name}` has no HF counterpart in a dense {arch} model \
+                     (MoE, vision and other extra tensors are not supported)"
+                ),
+            ));
+        };
+        let unpermute_heads = match (arch.as_str(), hf.rsplit('.').nth(1)) {
+            ("llama", Some("q_proj")) => Some(cfg.num_heads),
+            ("llama", Some("k_proj")) => Some(cfg.num_kv_heads),
+            _ => None,
+        };
+        tensors.insert(
+            hf,
+            Entry {
+                gguf_name: gguf_name.clone(),
+                shape: info.shape.dims().to_vec(),
+                unpermute_heads,
+            },
+        );
+    }
+    Ok((
+        cfg,
+        GgufSource {
+            path: path.to_path_buf(),
+            mmap,
+            content,
+            arch,
+            tensors,
+        },
+    ))
+}
+
+impl GgufSource {
+    /// `general.architecture` (`llama`, `qwen2`, `qwen3`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// The raw metadata (the tokenizer reads `tokenizer.ggml.*` from it).
+    pub fn metadata(&self) -> &HashMap<String, Value> {
+        &self.content.metadata
+    }
+
+    /// The HF names this file serves, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.tensors.keys()
+    }
+
+    /// The GGUF name behind an HF name.
+    pub fn gguf_name(&self, hf_name: &str) -> Option<&str> {
+        self.tensors.get(hf_name).map(|e| e.gguf_name.as_str())
+    }
+}
+
+impl WeightSource for GgufSource {
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.tensors.get(name).map(|e| e.shape.clone())
+    }
+
+    /// Dequantises to f32 (on the CPU, then moves to `device`), rows un-permuted where needed.
+    fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
+        let entry = self.tensors.get(name).ok_or_else(|| Error::MissingTensor {
+            path: self.path.clone(),
+            name: name.to_string(),
+        })?;
+        let what = || {
+            format!(
+                "{}: GGUF tensor {} ({name})",
+                self.path.display(),
+                entry.gguf_name
+            )
+        };
+        let t = dequantize(&self.content, &self.mmap, &entry.gguf_name).ctx(what)?;
+        let t = match entry.unpermute_heads {
+            Some(heads) => unpermute_rows(&self.path, name, &t, heads)?,
+            None => t,
+        };
+        t.to_device(device).ctx(what)
+    }
+
+    fn origin(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Maps the file and parses the header with candle's reader.
+fn read_header(path: &Path) -> Result<(Mmap, Content)> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    if len < MIN_FILE_LEN {
+        return Err(Error::weights(
+            path,
+            format!("{len} bytes is too short for a GGUF file (header alone is {MIN_FILE_LEN})"),
+        ));
+    }
+    // SAFETY: mapped read-only; eagle-check never writes model files, and every read below is
+    // bounds-checked against the mapping's length.
+    let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    // candle's reader bounds every count and string by the file size, but divides by the
+    // file's `general.alignment` unchecked; catch that (and any other panic on hostile input)
+    // and report it as a bad file instead of aborting the run.
+    let parsed = std::panic::catch_unwind(|| Content::read(&mut Cursor::new(&mmap[..])));
+    let content = match parsed {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            return Err(Error::weights(
+                path,
+                format!("not a readable GGUF file: {e}"),
+            ));
+        }
+        Err(_) => {
+            return Err(Error::weights(
+                path,
+                "not a readable GGUF file: the header reader panicked (malformed alignment or counts)",
+            ));
+        }
+    };
+    Ok((mmap, content))
+}
+
+/// Every tensor's element count, byte size and extent, in checked arithmetic, before any read.
+fn validate_tensor_extents(path: &Path, content: &Content, file_len: usize) -> Result<()> {
+    for (name, info) in &content.tensor_infos {
+        let dims = info.shape.dims();
+        let bad = |msg: String| Error::weights(path, format!("GGUF tensor `{name}`: {msg}"));
+        let elems = dims
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| bad(format!("shape {dims:?} overflows")))?;
+        let block = info.ggml_dtype.block_size();
+        // ggml quantises along rows (the last HF dimension), one block never spans two rows.
+        let row = dims.last().copied().unwrap_or(1);
+        if block == 0 || row % block != 0 {
+            return Err(bad(format!(
+                "rows of {row} elements do not divide into {:?} blocks of {block}",
+                info.ggml_dtype
+            )));
+        }
+        let bytes = (elems / block)
+            .checked_mul(info.ggml_dtype.type_size())
+            .ok_or_else(|| bad(format!("shape {dims:?} overflows")))?;
+        let end = content
+            .tensor_data_offset
+            .checked_add(info.offset)
+            .and_then(|start| start.checked_add(bytes as u64))
+            .ok_or_else(|| bad(format!("offset {} overflows", info.offset)))?;
+        if end > file_len as u64 {
+            return Err(bad(format!(
+                "data ends at byte {end}, past the end of the file ({file_len} bytes)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn dequantize(content: &Content, mmap: &Mmap, gguf_name: &str) -> candle_core::Result<Tensor> {
+    let q = content.tensor(&mut Cursor::new(&mmap[..]), gguf_name, &Device::Cpu)?;
+    q.dequantize(&Device::Cpu)
+}
+
+/// Inverts `LlamaModel.permute` of llama.cpp's convert_hf_to_gguf.py:
+/// `w.reshape(n_head, 2, rows / n_head / 2, *rest).swapaxes(1, 2).reshape(w.shape)`.
+/// `t`: [rows, cols] or [rows] (a bias), rows = heads * head_dim.
+fn unpermute_rows(path: &Path, name: &str, t: &Tensor, heads: usize) -> Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let rows = dims.first().copied().unwrap_or(0);
+    if heads == 0 || rows % (2 * heads) != 0 {
+        return Err(Error::weights(
+            path,
+            format!("{name}: {rows} rows do not split into {heads} heads of even size"),
+        ));
+    }
+    let half = rows / heads / 2;
+    let rest: usize = dims[1..].iter().product();
+    let undo = || -> candle_core::Result<Tensor> {
+        t.reshape((heads, half, 2, rest))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape(dims.as_slice())
+    };
+    undo().ctx(|| format!("{}: un-permuting {name}", path.display()))
+}
+
+/// HF name for a GGUF tensor name; `None` for names outside the dense decoder.
+fn hf_name(gguf: &str, num_layers: usize) -> Option<String> {
+    let fixed = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(name) = fixed {
+        return Some(name.to_string());
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    // A canonical decimal index (no sign, no leading zeros) below the block count.
+    if layer.is_empty() || !layer.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    if layer.len() > 1 && layer.starts_with('0') {
+        return None;
+    }
+    let i: usize = layer.parse().ok()?;
+    if i >= num_layers {
+        return None;
+    }
+    let hf = match rest {
+        "attn_norm.weight" => "input_layernorm.weight",
+        "attn_q.weight" => "self_attn.q_proj.weight",
+        "attn_k.weight" => "self_attn.k_proj.weight",
+        "attn_v.weight" => "self_attn.v_proj.weight",
+        "attn_q.bias" => "self_attn.q_proj.bias",
+        "attn_k.bias" => "self_attn.k_proj.bias",
+        "attn_v.bias" => "self_attn.v_proj.bias",
+        "attn_output.weight" => "self_attn.o_proj.weight",
+        "attn_q_norm.weight" => "self_attn.q_norm.weight",
+        "attn_k_norm.weight" => "self_attn.k_norm.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "ffn_gate.weight" => "mlp.gate_proj.weight",
+        "ffn_up.weight" => "mlp.up_proj.weight",
+        "ffn_down.weight" => "mlp.down_proj.weight",
+        _ => return None,
+    };
+    Some(format!("model.layers.{i}.{hf}"))
+}
+
+/// Typed access to `{arch}.*` metadata, with errors that name the file and the key.
+struct Meta<'a> {
+    path: &'a Path,
+    arch: &'a str,
+    md: &'a HashMap<String, Value>,
+}
+
+fn meta_err(path: &Path, key: &str, what: &str) -> Error {
+    Error::config(path, format!("GGUF metadata `{key}` {what}"))
+}
+
+fn value_u64(v: &Value) -> Option<u64> {
+    match *v {
+        Value::U8(x) => Some(x.into()),
+        Value::U16(x) => Some(x.into()),
+        Value::U32(x) => Some(x.into()),
+        Value::U64(x) => Some(x),
+        Value::I8(x) => u64::try_from(x).ok(),
+        Value::I16(x) => u64::try_from(x).ok(),
+        Value::I32(x) => u64::try_from(x).ok(),
+        Value::I64(x) => u64::try_from(x).ok(),
+        _ => None,
+    }
+}
+
+fn value_f64(v: &Value) -> Option<f64> {
+    match *v {
+        Value::F32(x) => Some(x.into()),
+        Value::F64(x) => Some(x),
+        _ => value_u64(v).map(|x| x as f64),
+    }
+}
+
+impl Meta<'_> {
+    fn key(&self, suffix: &str) -> String {
+        format!("{}.{suffix}", self.arch)
+    }
+
+    fn usize_opt(&self, suffix: &str) -> Result<Option<usize>> {
+        let key = self.key(suffix);
+        match self.md.get(&key) {
+            None => Ok(None),
+            Some(v) => value_u64(v)
+                .and_then(|x| usize::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    meta_err(
+                        self.path,
+                        &key,
+                        &format!("is not a non-negative integer: {v:?}"),
+                    )
+                }),
+        }
+    }
+
+    fn usize(&self, suffix: &str) -> Result<usize> {
+        self.usize_opt(suffix)?
+            .ok_or_else(|| meta_err(self.path, &self.key(suffix), "is missing"))
+    }
+
+    fn f64_opt(&self, suffix: &str) -> Result<Option<f64>> {
+        let key = self.key(suffix);
+        match self.md.get(&key) {
+            None => Ok(None),
+            Some(v) => match value_f64(v) {
+                Some(x) if x.is_finite() => Ok(Some(x)),
+                _ => Err(meta_err(
+                    self.path,
+                    &key,
+                    &format!("is not a finite number: {v:?}"),
+                )),
+            },
+        }
+    }
+
+    fn str_opt(&self, suffix: &str) -> Result<Option<&str>> {
+        let key = self.key(suffix);
+        match self.md.get(&key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(meta_err(
+                self.path,
+                &key,
+                &format!("is not a string: {v:?}"),
+            )),
+        }
+    }
+}
+
+/// The `config.json` the GGUF metadata stands for.
+fn config_file(
+    meta: &Meta,
+    model_type: &str,
+    content: &Content,
+    mmap: &Mmap,
+) -> Result<ConfigFile> {
+    let path = meta.path;
+    if meta.usize_opt("expert_count")?.unwrap_or(0) > 0 {
+        return Err(Error::config(
+            path,
+            format!(
+                "GGUF metadata `{}` > 0: MoE GGUF targets are not supported",
+                meta.key("expert_count")
+            ),
+        ));
+    }
+    let hidden = meta.usize("embedding_length")?;
+    let heads = meta.usize("attention.head_count")?;
+    let kv_heads = meta.usize_opt("attention.head_count_kv")?;
+    let key_len = meta.usize_opt("attention.key_length")?;
+    let value_len = meta.usize_opt("attention.value_length")?;
+    if let (Some(k), Some(v)) = (key_len, value_len)
+        && k != v
+    {
+        return Err(Error::config(
+            path,
+            format!(
+                "GGUF attention.key_length {k} differs from attention.value_length {v}; not supported"
+            ),
+        ));
+    }
+    let head_dim = key_len.or(value_len);
+    let effective_head_dim = head_dim.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
+    if let Some(rot) = meta.usize_opt("rope.dimension_count")?
+        && rot != effective_head_dim
+    {
+        return Err(Error::config(
+            path,
+            format!(
+                "GGUF {} {rot} differs from the head dimension {effective_head_dim}: \
+                 partial rotary embeddings are not supported",
+                meta.key("rope.dimension_count")
+            ),
+        ));
+    }
+
+    // The embedding table fixes the vocabulary; the tokenizer may list fewer tokens (padding
+    // rows), never more.
+    let embd = content
+        .tensor_infos
+        .get("token_embd.weight")
+        .ok_or_else(|| Error::weights(path, "GGUF tensor `token_embd.weight` is missing"))?;
+    let vocab = match embd.shape.dims() {
+        [v, h] if *h == hidden => *v,
+        dims => {
+            return Err(Error::weights(
+                path,
+                format!(
+                    "GGUF tensor `token_embd.weight` has shape {dims:?}, expected [vocab, {hidden}] \
+                     ({} = {hidden})",
+                    meta.key("embedding_length")
+                ),
+            ));
+        }
+    };
+    if let Some(v) = meta.usize_opt("vocab_size")?
+        && v != vocab
+    {
+        return Err(Error::config(
+            path,
+            format!(
+                "GGUF {} {v} differs from token_embd.weight's {vocab} rows",
+                meta.key("vocab_size")
+            ),
+        ));
+    }
+    if let Some(Value::Array(tokens)) = meta.md.get("tokenizer.ggml.tokens")
+        && tokens.len() > vocab
+    {
+        return Err(Error::config(
+            path,
+            format!(
+                "GGUF tokenizer.ggml.tokens lists {} tokens but token_embd.weight has only {vocab} rows",
+                tokens.len()
+            ),
+        ));
+    }
+
+    let theta = meta.f64_opt("rope.freq_base")?;
+    let mut rope_scaling = rope_scaling_from_meta(meta)?;
+    if content.tensor_infos.contains_key("rope_freqs.weight") {
+        if rope_scaling.is_some() {
+            return Err(Error::config(
+                path,
+                "GGUF has both rope scaling metadata and a rope_freqs.weight tensor; not supported",
+            ));
+        }
+        let factors = dequantize(content, mmap, "rope_freqs.weight")
+            .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+            .ctx(|| format!("{}: GGUF tensor rope_freqs.weight", path.display()))?;
+        rope_scaling = llama3_from_rope_freqs(
+            path,
+            &factors,
+            theta.unwrap_or(10000.0),
+            effective_head_dim,
+            meta.usize_opt("rope.scaling.original_context_length")?,
+        )?;
+    }
+
+    Ok(ConfigFile {
+        model_type: Some(model_type.to_string()),
+        hidden_size: Some(hidden),
+        num_hidden_layers: Some(meta.usize("block_count")?),
+        num_attention_heads: Some(heads),
+        num_key_value_heads: kv_heads,
+        head_dim,
+        intermediate_size: Some(meta.usize("feed_forward_length")?),
+        vocab_size: Some(vocab),
+        rms_norm_eps: Some(
+            meta.f64_opt("attention.layer_norm_rms_epsilon")?
+                .ok_or_else(|| {
+                    meta_err(
+                        path,
+                        &meta.key("attention.layer_norm_rms_epsilon"),
+                        "is missing",
+                    )
+                })?,
+        ),
+        rope_theta: theta,
+        rope_scaling,
+        // llama.cpp ties by leaving `output.weight` out (convert_hf_to_gguf.py skips a tied lm_head).
+        tie_word_embeddings: Some(!content.tensor_infos.contains_key("output.weight")),
+        attention_bias: Some(content.tensor_infos.contains_key("blk.0.attn_q.bias")),
+        max_position_embeddings: meta.usize_opt("context_length")?,
+        ..ConfigFile::default()
+    })
+}
+
+/// `{arch}.rope.scaling.*` (or the older `rope.scale_linear`) as an HF `rope_scaling` object.
+fn rope_scaling_from_meta(meta: &Meta) -> Result<Option<serde_json::Value>> {
+    let factor = meta.f64_opt("rope.scaling.factor")?;
+    let kind = meta.str_opt("rope.scaling.type")?;
+    let orig = meta.usize_opt("rope.scaling.original_context_length")?;
+    let need_factor = || {
+        factor.ok_or_else(|| meta_err(meta.path, &meta.key("rope.scaling.factor"), "is missing"))
+    };
+    Ok(match kind {
+        None | Some("none") => match meta.f64_opt("rope.scale_linear")? {
+            Some(f) if f != 1.0 => Some(serde_json::json!({"rope_type": "linear", "factor": f})),
+            _ => None,
+        },
+        Some("linear") => {
+            Some(serde_json::json!({"rope_type": "linear", "factor": need_factor()?}))
+        }
+        Some("yarn") => {
+            let mut p = serde_json::json!({
+                "rope_type": "yarn",
+                "factor": need_factor()?,
+                "original_max_position_embeddings": orig.ok_or_else(|| meta_err(
+                    meta.path,
+                    &meta.key("rope.scaling.original_context_length"),
+                    "is missing (needed by yarn)",
+                ))?,
+            });
+            for (gguf_key, hf_key) in [
+                ("rope.scaling.yarn_beta_fast", "beta_fast"),
+                ("rope.scaling.yarn_beta_slow", "beta_slow"),
+            ] {
+                if let Some(x) = meta.f64_opt(gguf_key)? {
+                    p[hf_key] = serde_json::json!(x);
+                }
+            }
+            Some(p)
+        }
+        Some(other) => {
+            return Err(Error::config(
+                meta.path,
+                format!(
+                    "GGUF {} `{other}` is not supported (none, linear, yarn)",
+                    meta.key("rope.scaling.type")
+                ),
+            ));
+        }
+    })
+}
+
+/// Recovers Llama 3.x rope scaling from the `rope_freqs.weight` llama.cpp writes instead of
+/// metadata (`LlamaModel.generate_extra_tensors`: one divisor per rotary frequency). The
+/// parameters are not stored, so we take `factor` = the largest divisor and Llama 3's
+/// `low_freq_factor` 1 / `high_freq_factor` 4, try each plausible original context length, and
+/// accept one only if it reproduces every stored divisor.
+fn llama3_from_rope_freqs(
+    path: &Path,
+    factors: &[f32],
+    theta: f64,
+    head_dim: usize,
+    meta_orig: Option<usize>,
+) -> Result<Option<serde_json::Value>> {
+    if factors.len() != head_dim / 2 || factors.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+        return Err(Error::weights(
+            path,
+            format!(
+                "GGUF tensor rope_freqs.weight: expected {} positive finite factors (head_dim {head_dim} / 2), found {}",
+                head_dim / 2,
+                factors.len()
+            ),
+        ));
+    }
+    // f32 storage of values computed in Python floats.
+    const TOL: f64 = 1e-5;
+    if factors.iter().all(|&f| (f as f64 - 1.0).abs() <= TOL) {
+        return Ok(None);
+    }
+    let factor = factors.iter().fold(0f64, |m, &f| m.max(f as f64));
+    let (low, high) = (1.0, 4.0);
+    let wavelen = |i: usize| {
+        let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+        2.0 * std::f64::consts::PI / freq
+    };
+    let mut candidates: Vec<f64> = meta_orig.map(|o| o as f64).into_iter().collect();
+    candidates.push(8192.0);
+    for (i, &f) in factors.iter().enumerate() {
+        let f = f as f64;
+        if f > 1.0 + TOL && f < factor - TOL {
+            // In the smooth band: 1/f = (1 - s)/factor + s, s = (orig/wavelen - low)/(high - low).
+            let s = (1.0 / f - 1.0 / factor) / (1.0 - 1.0 / factor);
+            let orig = wavelen(i) * (low + s * (high - low));
+            candidates.push(if (orig - orig.round()).abs() < 1e-3 * orig {
+                orig.round()
+            } else {
+                orig
+            });
+        }
+    }
+    let predict = |orig: f64, i: usize| {
+        let wl = wavelen(i);
+        if wl < orig / high {
+            1.0
+        } else if wl > orig / low {
+            factor
+        } else {
+            let s = (orig / wl - low) / (high - low);
+            1.0 / ((1.0 - s) / factor + s)
+        }
+    };
+    for orig in candidates {
+        let fits = factors
+            .iter()
+            .enumerate()
+            .all(|(i, &f)| (predict(orig, i) - f as f64).abs() <= TOL * factor);
+        if fits {
+            return Ok(Some(serde_json::json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": orig,
+            })));
+        }
+    }
+    Err(Error::weights(
+        path,
+        format!(
+            "GGUF tensor rope_freqs.weight does not match Llama 3 rope scaling (factor {factor}, \
+             low_freq_factor 1, high_freq_factor 4) for any original context length; not supported"
+        ),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_map_to_hf_and_refuse_what_they_do_not_know() {
+        assert_eq!(
+            hf_name("blk.3.attn_q.weight", 4).as_deref(),
+            Some("model.layers.3.self_attn.q_proj.weight")
+        );
+        assert_eq!(
+            hf_name("blk.0.ffn_norm.weight", 1).as_deref(),
+            Some("model.layers.0.post_attention_layernorm.weight")
+        );
+        assert_eq!(
+            hf_name("output.weight", 1).as_deref(),
+            Some("lm_head.weight")
+        );
+        assert_eq!(
+            hf_name("blk.4.attn_q.weight", 4),
+            None,
+            "layer past block_count"
+        );
+        assert_eq!(
+            hf_name("blk.01.attn_q.weight", 4),
+            None,
+            "non-canonical index"
+        );
+        assert_eq!(hf_name("blk.+1.attn_q.weight", 4), None);
+        assert_eq!(hf_name("blk.0.ffn_gate_exps.weight", 4), None);
+        assert_eq!(hf_name("blk.0.attn_output.bias", 4), None);
+    }
+
+    /// The inverse of llama.cpp's `LlamaModel.permute`, applied to its output, is the identity.
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        let (heads, hd, cols) = (3usize, 8usize, 5usize);
+        let rows = heads * hd;
+        let w = Tensor::arange(0f32, (rows * cols) as f32, &Device::Cpu)
+            .and_then(|t| t.reshape((rows, cols)))
+            .unwrap_or_else(|e| panic!("{e}"));
+        // permute: reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2).reshape(rows, cols)
+        let permuted = w
+            .reshape((heads, 2, hd / 2, cols))
+            .and_then(|t| t.transpose(1, 2))
+            .and_then(|t| t.contiguous())
+            .and_then(|t| t.reshape((rows, cols)))
+            .unwrap_or_else(|e| panic!("{e}"));
+        // Row 1 of a permuted head is HF row hd/2 (the first "y" of the rotate-half pair).
+        let row1: Vec<f32> = permuted
+            .get(1)
+            .and_then(|r| r.to_vec1())
+            .unwrap_or_default();
+        assert_eq!(row1[0], ((hd / 2) * cols) as f32);
+        let back = unpermute_rows(Path::new("x.gguf"), "q", &permuted, heads)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let diff: f32 = (back - &w)
+            .and_then(|d| d.abs()?.sum_all()?.to_scalar())
+            .unwrap_or(f32::NAN);
+        assert_eq!(diff, 0.0);
+        let bias =
+            Tensor::arange(0f32, rows as f32, &Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
+        assert!(unpermute_rows(Path::new("x.gguf"), "q", &bias, heads).is_ok());
+        assert!(unpermute_rows(Path::new("x.gguf"), "q", &bias, 5).is_err());
+    }
+
+    #[test]
+    fn llama3_scaling_is_recovered_from_rope_freqs() {
+        // What convert_hf_to_gguf.py writes for Llama 3.1 (theta 5e5, head_dim 128, factor 8).
+        let (theta, dim, orig) = (500000.0f64, 128usize, 8192.0f64);
+        let factors: Vec<f32> = (0..dim / 2)
+            .map(|i| {
+                let freq = 1.0 / theta.powf((2 * i) as f64 / dim as f64);
+                let wl = 2.0 * std::f64::consts::PI / freq;
+                if wl < orig / 4.0 {
+                    1.0
+                } else if wl > orig {
+                    8.0
+                } else {
+                    let s = (orig / wl - 1.0) / 3.0;
+                    (1.0 / ((1.0 - s) / 8.0 + s)) as f32
+                }
+            })
+            .collect();
+        let got = llama3_from_rope_freqs(Path::new("x.gguf"), &factors, theta, dim, None)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_default();
+        assert_eq!(got["rope_type"], "llama3");
+        assert_eq!(got["factor"], 8.0);
+        assert_eq!(got["original_max_position_embeddings"], 8192.0);
+        let ones = vec![1.0f32; dim / 2];
+        assert!(matches!(
+            llama3_from_rope_freqs(Path::new("x.gguf"), &ones, theta, dim, None),
+            Ok(None)
+        ));
+        let mut odd = factors.clone();
+        odd[0] = 3.0;
+        let err = llama3_from_rope_freqs(Path::new("x.gguf"), &odd, theta, dim, None);
+        assert!(err.is_err());
+    }
+}
