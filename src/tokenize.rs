@@ -70,10 +70,7 @@ impl Tokenizer {
 
     /// The tokenizer inside a GGUF file (reads the header only).
     pub fn from_gguf_file(path: &Path) -> Result<Tokenizer> {
-        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        let mut reader = std::io::BufReader::new(file);
-        let content = candle_core::quantized::gguf_file::Content::read(&mut reader)
-            .map_err(|e| Error::weights(path, format!("not a readable GGUF file: {e}")))?;
+        let (_, content) = crate::model::gguf::read_header(path)?;
         Tokenizer::from_gguf_metadata(&content.metadata, path)
     }
 

@@ -476,6 +476,9 @@ fn gguf_corrupt_bytes_are_refused_without_panicking() {
     parts.set("general.alignment", Value::U32(0));
     let e = open_err(&parts, "alignment0");
     assert!(e.contains("not a readable GGUF file"), "{e}");
+    let path = root().join("target/test-scratch/gguf-evil-alignment0/evil.gguf");
+    let e = Tokenizer::open(&path).unwrap_err().to_string();
+    assert!(e.contains("not a readable GGUF file"), "{e}");
 }
 
 #[test]
@@ -573,6 +576,44 @@ fn gguf_gpt2_tokenizer_from_metadata() {
     );
     let e = Tokenizer::from_gguf_metadata(&md, path).unwrap_err();
     assert!(e.to_string().contains("merges[0]"), "{e}");
+}
+
+/// An HF `tokenizer.json` (byte-level BPE, Llama-3-style template that adds BOS): `encode`
+/// follows the file's post-processor, `encode_plain` adds nothing.
+#[test]
+fn tokenizer_json_follows_its_post_processor() {
+    let json = serde_json::json!({
+        "version": "1.0",
+        "added_tokens": [{"id": 0, "content": "<s>", "single_word": false, "lstrip": false,
+                          "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                          "use_regex": true},
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                       {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                    "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": {"<s>": 0, "a": 1, "b": 2, "Ġ": 3, "ab": 4, "Ġab": 5},
+                  "merges": ["a b", "Ġ ab"]}
+    });
+    let dir = scratch("tokenizer-json");
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    let tok = Tokenizer::open(&dir).unwrap();
+    assert_eq!(tok.encode("ab ab").unwrap(), vec![0, 4, 5]);
+    assert_eq!(tok.encode_plain("ab ab").unwrap(), vec![4, 5]);
+    assert_eq!(tok.decode(&[4, 5]).unwrap(), "ab ab");
+    std::fs::write(dir.join("tokenizer.json"), "{").unwrap();
+    let e = Tokenizer::open(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("tokenizer.json: not a usable tokenizer.json"),
+        "{e}"
+    );
 }
 
 /// An `.npy` (format 1.0) as `numpy.save` writes it: header padded to a multiple of 64.

@@ -174,8 +174,9 @@ impl WeightSource for GgufSource {
     }
 }
 
-/// Maps the file and parses the header with candle's reader.
-fn read_header(path: &Path) -> Result<(Mmap, Content)> {
+/// Maps the file and parses the header with candle's reader (the tokenizer reads its
+/// metadata through here too).
+pub(crate) fn read_header(path: &Path) -> Result<(Mmap, Content)> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     if len < MIN_FILE_LEN {
