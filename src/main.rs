@@ -12,6 +12,7 @@ use eagle_check::gate::{GateInput, gate};
 use eagle_check::report::Report;
 use eagle_check::runner::{Bundle, RunInput, open_target};
 use eagle_check::spec::{Spec, engine_names};
+use eagle_check::tokenize::{Tokenizer, read_token_file};
 use eagle_check::weights::WeightIndex;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -85,6 +86,9 @@ enum Command {
         /// Write input_ids, hidden_states.{b}, final_pre_norm and fc_input to a safetensors file.
         #[arg(long)]
         dump: Option<PathBuf>,
+        /// Also generate N greedy tokens after the input and show them (a sanity check).
+        #[arg(long, default_value_t = 0)]
+        generate: usize,
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
@@ -166,23 +170,6 @@ fn default_tokens(vocab: usize) -> Vec<u32> {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             ((x >> 33) % vocab.max(1) as u64) as u32
-        })
-        .collect()
-}
-
-fn read_token_text(path: &Path) -> Result<Vec<u32>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
-    text.split(|c: char| c.is_whitespace() || c == ',')
-        .filter(|w| !w.is_empty())
-        .enumerate()
-        .map(|(i, w)| {
-            w.parse::<u32>().with_context(|| {
-                format!(
-                    "{}: entry {} (`{w}`) is not a token id",
-                    path.display(),
-                    i + 1
-                )
-            })
         })
         .collect()
 }
@@ -288,6 +275,7 @@ fn run(cli: Cli) -> Result<u8> {
             device: device_arg,
             dtype,
             dump,
+            generate,
             format,
         } => {
             let bundle = bundle.as_deref().map(Bundle::open).transpose()?;
@@ -309,16 +297,19 @@ fn run(cli: Cli) -> Result<u8> {
             };
             let tokens = match (tokens, token_file, prompt) {
                 (Some(t), _, _) => t,
-                (None, Some(file), _) => read_token_text(&file)?,
-                (None, None, Some(_)) => {
-                    bail!("--prompt needs a tokenizer, which this build cannot load yet")
+                (None, Some(file), _) => read_token_file(&file)?,
+                (None, None, Some(text)) => {
+                    let dir = eagle_check::runner::resolve_model_dir(&target)?;
+                    let tokenizer = Tokenizer::open(&dir)?;
+                    let ids = tokenizer.encode(&text)?;
+                    if ids.is_empty() {
+                        bail!("--prompt: the text encodes to no tokens");
+                    }
+                    ids
                 }
                 (None, None, None) => match bundle.as_ref().and_then(|b| b.tokens.clone()) {
-                    Some(file) => read_token_text(&file)?,
-                    None => {
-                        let dir = eagle_check::runner::resolve_model_dir(&target)?;
-                        default_tokens(ModelConfig::load(&dir)?.vocab_size)
-                    }
+                    Some(file) => read_token_file(&file)?,
+                    None => default_tokens(eagle_check::runner::target_config(&target)?.vocab_size),
                 },
             };
             let report = eagle_check::runner::run(&RunInput {
@@ -330,6 +321,7 @@ fn run(cli: Cli) -> Result<u8> {
                 device: device(device_arg)?,
                 dtype: dtype.dtype(),
                 dump,
+                generate,
             })?;
             Ok(emit(&report, format))
         }

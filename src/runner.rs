@@ -76,6 +76,21 @@ pub fn resolve_model_dir(path: &Path) -> Result<PathBuf> {
     }
 }
 
+/// A `.gguf` file (llama.cpp's format) rather than an HF directory.
+pub fn is_gguf(path: &Path) -> bool {
+    path.is_file() && path.extension().is_some_and(|x| x == "gguf")
+}
+
+/// The target's config, from `config.json` or from GGUF metadata.
+pub fn target_config(path: &Path) -> Result<ModelConfig> {
+    let dir = resolve_model_dir(path)?;
+    if is_gguf(&dir) {
+        Ok(crate::model::gguf::open_gguf(&dir)?.0)
+    } else {
+        ModelConfig::load(&dir)
+    }
+}
+
 /// A loaded target with its config.
 pub struct LoadedTarget {
     pub cfg: ModelConfig,
@@ -86,18 +101,15 @@ pub struct LoadedTarget {
 pub fn open_target(path: &Path, dtype: DType, device: &Device) -> Result<LoadedTarget> {
     let mut progress = Progress::new("loading target");
     let dir = resolve_model_dir(path)?;
-    let (cfg, src): (ModelConfig, Box<dyn WeightSource>) =
-        if dir.extension().is_some_and(|x| x == "gguf") {
-            return Err(Error::Usage(format!(
-                "{}: GGUF targets are not supported yet",
-                dir.display()
-            )));
-        } else {
-            (
-                ModelConfig::load(&dir)?,
-                Box::new(SafetensorsSource::open(&dir)?),
-            )
-        };
+    let (cfg, src): (ModelConfig, Box<dyn WeightSource>) = if is_gguf(&dir) {
+        let (cfg, src) = crate::model::gguf::open_gguf(&dir)?;
+        (cfg, Box::new(src))
+    } else {
+        (
+            ModelConfig::load(&dir)?,
+            Box::new(SafetensorsSource::open(&dir)?),
+        )
+    };
     let model = load_target(&cfg, src.as_ref(), dtype, device)?;
     progress.finish();
     Ok(LoadedTarget { cfg, model })
@@ -113,6 +125,8 @@ pub struct RunInput {
     pub device: Device,
     pub dtype: DType,
     pub dump: Option<PathBuf>,
+    /// Greedy tokens to generate after the input, to see that the target makes sense.
+    pub generate: usize,
 }
 
 /// The `fc` input `feed` assembles from a capture: [T, k*H], slots in feed order. `b = L` is
@@ -214,6 +228,14 @@ pub fn run(input: &RunInput) -> Result<Report> {
             &mut report,
         )?;
     }
+    if input.generate > 0 {
+        let new = greedy_continuation(target.model.as_ref(), &input.tokens, input.generate)?;
+        let text = match tokenizer_for(&input.target) {
+            Some(tok) => format!("{:?}", tok.decode(&new)?),
+            None => format!("{new:?}"),
+        };
+        report.fact("greedy_continuation", text);
+    }
     if let Some(path) = &input.dump {
         write_dump(path, &input.tokens, &capture, fc_input.as_ref(), l)?;
         report.fact("dump", path.display().to_string());
@@ -286,6 +308,38 @@ fn run_draft(
         );
     }
     Ok(())
+}
+
+/// The target's tokenizer, when the model ships one (tokenizer.json or GGUF metadata).
+pub fn tokenizer_for(target: &Path) -> Option<crate::tokenize::Tokenizer> {
+    let dir = resolve_model_dir(target).ok()?;
+    crate::tokenize::Tokenizer::open(&dir).ok()
+}
+
+/// `n` greedy tokens after `tokens` (a full forward per token: this is a sanity check, not a
+/// generator).
+pub fn greedy_continuation(model: &dyn Target, tokens: &[u32], n: usize) -> Result<Vec<u32>> {
+    let want = CaptureRequest {
+        boundaries: Some(Vec::new()),
+        final_pre_norm: false,
+        logits: true,
+        layer_outputs: false,
+    };
+    let mut seq = tokens.to_vec();
+    for _ in 0..n {
+        let cap = model.forward(&seq, &want, &mut Progress::hidden())?;
+        let logits = cap
+            .logits
+            .ok_or_else(|| Error::Usage("the target returned no logits".into()))?;
+        let last = logits
+            .get(seq.len() - 1)
+            .and_then(|row| row.argmax(0))
+            .and_then(|a| a.to_dtype(DType::U32))
+            .and_then(|a| a.to_scalar::<u32>())
+            .ctx(|| "greedy token".to_string())?;
+        seq.push(last);
+    }
+    Ok(seq[tokens.len()..].to_vec())
 }
 
 /// Writes the `--dump` safetensors: `input_ids` i64 [T], `hidden_states.{b}` f32 [T, H] for

@@ -18,6 +18,7 @@ use eagle_check::config::{ModelConfig, RopeScaling};
 use eagle_check::model::gguf::{GgufSource, open_gguf};
 use eagle_check::model::source::WeightSource;
 use eagle_check::model::{CaptureRequest, Progress, Target, load_target};
+use eagle_check::runner::greedy_continuation;
 use eagle_check::tokenize::{Tokenizer, read_token_file};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -785,17 +786,7 @@ fn smollm2_greedy_continuation_is_sensible_text() {
     let mut ids = tok.encode(prompt).unwrap();
     assert_eq!(ids, ids_of(&r["greedy.prompt_ids"]));
     let want = ids_of(&r["greedy.ids"]);
-    let mut logits_only = CaptureRequest::all();
-    logits_only.boundaries = Some(vec![]);
-    logits_only.final_pre_norm = false;
-    for _ in 0..want.len() {
-        let cap = model
-            .forward(&ids, &logits_only, &mut Progress::hidden())
-            .unwrap();
-        let logits = cap.logits.unwrap();
-        let last = logits.get(ids.len() - 1).unwrap();
-        ids.push(last.argmax(0).unwrap().to_scalar::<u32>().unwrap());
-    }
+    ids.extend(greedy_continuation(model.as_ref(), &ids, want.len()).unwrap());
     let prompt_len = r["greedy.prompt_ids"].dim(0).unwrap();
     let text = tok.decode(&ids).unwrap();
     eprintln!("SmolLM2 greedy: {text:?}");
@@ -811,6 +802,31 @@ fn smollm2_greedy_continuation_is_sensible_text() {
         "vs transformers: {:?}",
         md["greedy_text"]
     );
+}
+
+/// The README's real-model check through the binary: a GGUF target, --prompt through its own
+/// tokenizer, and a greedy continuation that makes sense.
+#[test]
+fn smollm2_runs_from_the_command_line_with_a_prompt() {
+    let Some(path) = smollm2() else { return };
+    let out = crate::support::eagle_check([
+        "run",
+        "--target",
+        &crate::support::p(&path),
+        "--engine",
+        "sglang",
+        "--prompt",
+        "The capital of France is",
+        "--generate",
+        "8",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let json = out.json();
+    let text = json["subject"]["greedy_continuation"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{text}");
+    assert_eq!(json["subject"]["fed_b"], "[2, 15, 27]");
 }
 
 #[test]
