@@ -377,3 +377,42 @@ fn evil_pickle_is_refused_and_nothing_runs() {
     }
     assert!(!marker.exists(), "the pickle's payload ran");
 }
+
+/// A SpecForge output directory also holds vocab_mapping.pt (d2t, t2d): it is skipped, not
+/// judged; a directory with nothing but such files is "could not check".
+#[test]
+fn files_without_hidden_states_are_skipped() {
+    let dir = scratch("diff-skip");
+    let src = fixture("captures/corpus/llama/clean-f32/specforge/rows_0-2/data_0.ckpt");
+    std::fs::copy(&src, dir.join("data_0.ckpt")).unwrap();
+    let mut vocab = std::collections::HashMap::new();
+    vocab.insert(
+        "d2t".to_string(),
+        candle_core::Tensor::new(&[0i64, 1, 2], &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&vocab, dir.join("vocab_mapping.safetensors")).unwrap();
+    let run = |captures: &std::path::Path| {
+        eagle_check([
+            "diff",
+            "--spec",
+            "fixtures/captures/corpus/llama/spec.yaml",
+            "--target",
+            "fixtures/models/llama",
+            "--captures",
+            &p(captures),
+            "--format",
+            "json",
+        ])
+    };
+    let out = run(&dir);
+    assert_eq!(out.code, 0, "{}", out.stdout);
+    assert_eq!(out.json()["subject"]["samples"], "1");
+    std::fs::remove_file(dir.join("data_0.ckpt")).unwrap();
+    let out = run(&dir);
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr.contains("no captured hidden states"),
+        "{}",
+        out.stderr
+    );
+}

@@ -17,7 +17,7 @@ use identify::{SlotId, State, Tolerance, identify_slot, no_residual_deltas};
 use reference::ReferenceSource;
 use score::View;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 /// What `diff` reads besides the reference.
@@ -32,6 +32,8 @@ pub struct DiffInput<'a> {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct DiffStats {
     pub samples: usize,
+    /// Entries that hold no hidden states (a vocab mapping beside the data, say).
+    pub skipped: usize,
     pub files: usize,
     pub read_seconds: f64,
     pub reference_seconds: f64,
@@ -174,6 +176,12 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
             let mut worst: BTreeMap<usize, (SlotId, Option<FindingName>)> = BTreeMap::new();
             let mut format = String::new();
             for sample in &samples {
+                // Files beside the data that hold no hidden states (SpecForge's
+                // vocab_mapping.pt with d2t/t2d, say) are skipped, not judged.
+                if sample.aux.is_none() && sample.layers.is_none() {
+                    stats.skipped += 1;
+                    continue;
+                }
                 format = sample.format.name().to_string();
                 stats.samples += 1;
                 let ids = identify_sample(
@@ -201,6 +209,9 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
                     }
                 }
             }
+            if worst.is_empty() {
+                continue;
+            }
             report.captures.push(CaptureReport {
                 file: file.display().to_string(),
                 format,
@@ -222,8 +233,21 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
             });
         }
     }
+    if stats.samples == 0 {
+        return Err(Error::Usage(format!(
+            "{}: no captured hidden states in {} file(s) (expected aux_hidden_state(s) or a vLLM hidden_states [T, n, H])",
+            describe_paths(input.captures),
+            stats.files
+        )));
+    }
     report.findings.extend(collector.findings.into_values());
     report.fact("samples", stats.samples.to_string());
+    if stats.skipped > 0 {
+        report.fact(
+            "skipped",
+            format!("{} entries without hidden states", stats.skipped),
+        );
+    }
 
     if let Some(feed) = input.feed {
         let (rows, findings) = check_feed(feed, spec, l);
@@ -507,23 +531,11 @@ fn identify_sample(
     Ok(ids.into_iter().zip(named).collect())
 }
 
-/// Reads the capture paths only to list them, for messages.
+/// The capture paths, for messages.
 pub fn describe_paths(paths: &[PathBuf]) -> String {
     paths
         .iter()
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-/// The default reference location check: a dump directory or file must exist.
-pub fn check_exists(path: &Path) -> Result<()> {
-    if path.exists() {
-        Ok(())
-    } else {
-        Err(Error::Usage(format!(
-            "{}: no such file or directory",
-            path.display()
-        )))
-    }
 }
