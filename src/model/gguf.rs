@@ -191,7 +191,7 @@ pub(crate) fn read_header(path: &Path) -> Result<(Mmap, Content)> {
     // candle's reader bounds every count and string by the file size, but divides by the
     // file's `general.alignment` unchecked; catch that (and any other panic on hostile input)
     // and report it as a bad file instead of aborting the run.
-    let parsed = std::panic::catch_unwind(|| Content::read(&mut Cursor::new(&mmap[..])));
+    let parsed = catch_quietly(|| Content::read(&mut Cursor::new(&mmap[..])));
     let content = match parsed {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
@@ -674,6 +674,16 @@ fn llama3_from_rope_freqs(
              low_freq_factor 1, high_freq_factor 4) for any original context length; not supported"
         ),
     ))
+}
+
+/// `catch_unwind` without the default hook's message on stderr: a hostile file must give one
+/// line naming it, not a panic report. The hook is process-wide, so it is restored right after.
+fn catch_quietly<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> std::thread::Result<R> {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(f);
+    std::panic::set_hook(previous);
+    result
 }
 
 #[cfg(test)]
