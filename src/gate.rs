@@ -341,20 +341,27 @@ fn check_draft_weights(
             }
         }
     }
-    if draft.kind != DraftKind::Eagle3Mla {
-        for proj in ["q_proj", "k_proj", "v_proj"] {
-            if let Some((name, shape)) = find(weights, &format!("midlayer.self_attn.{proj}.weight"))
-                && shape.get(1) != Some(&(2 * h))
-            {
-                out.push(shape_err(
-                    name,
-                    format!(
-                        "input width {:?} should be 2H = {} (cat of embedding and fc output)",
-                        shape.get(1),
-                        2 * h
-                    ),
-                ));
-            }
+    // The projections that read the draft layer's `cat(embedding, fc output)` input. MLA: the
+    // query path's first projection (`q_a_proj`, or `q_proj` when q_lora_rank is null) and
+    // `kv_a_proj_with_mqa` (TorchSpec torchspec/models/draft/deepseek_eagle.py
+    // `DeepSeekMLAAttention`: `input_dim = hidden_size * 2`).
+    let wide: &[&str] = if draft.kind == DraftKind::Eagle3Mla {
+        &["q_a_proj", "q_proj", "kv_a_proj_with_mqa"]
+    } else {
+        &["q_proj", "k_proj", "v_proj"]
+    };
+    for proj in wide {
+        if let Some((name, shape)) = find(weights, &format!("midlayer.self_attn.{proj}.weight"))
+            && shape.get(1) != Some(&(2 * h))
+        {
+            out.push(shape_err(
+                name,
+                format!(
+                    "input width {:?} should be 2H = {} (cat of embedding and fc output)",
+                    shape.get(1),
+                    2 * h
+                ),
+            ));
         }
     }
     let dv = draft.draft_vocab_size;

@@ -415,3 +415,46 @@ fn table_output_names_the_verdict() {
     assert!(out.stdout.contains("off-by-one"));
     assert!(out.stdout.contains("verdict: MISMATCH"));
 }
+
+/// The MLA draft's q/kv down projections read `cat(embedding, fc output)`: 2H wide. A draft
+/// whose `q_a_proj` or `kv_a_proj_with_mqa` takes H (a target layer's width) is a shape error
+/// naming the tensor.
+#[test]
+fn mla_draft_down_projections_must_take_2h() {
+    const KIMI: &str = "real-configs/draft_eagle3_kimi-k2.5-mla__TorchSpec.json";
+    let (h, fc_in) = (7168, 3 * 7168);
+    let dir = scratch("mla-draft-shapes");
+    let cfg = fixture(KIMI);
+    let good = synth::mla_draft_dir(&dir.join("good"), &cfg, fc_in, 2 * h, 2 * h);
+    let narrow_q = synth::mla_draft_dir(&dir.join("narrow-q"), &cfg, fc_in, h, 2 * h);
+    let narrow_kv = synth::mla_draft_dir(&dir.join("narrow-kv"), &cfg, fc_in, 2 * h, h);
+    let run = |d: &std::path::Path| {
+        eagle_check([
+            "gate",
+            "--spec",
+            "specs/kimi-k2.5-mla-torchspec.yaml",
+            "--draft",
+            &p(d),
+            "--engine",
+            "sglang",
+            "--format",
+            "json",
+        ])
+    };
+    let out = run(&good);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    for (d, proj) in [(&narrow_q, "q_a_proj"), (&narrow_kv, "kv_a_proj_with_mqa")] {
+        let out = run(d);
+        assert_eq!(out.code, 1, "{proj}: {}", out.stdout);
+        assert_eq!(out.finding_names(), vec!["shape"], "{proj}");
+        let msg = out.json()["findings"][0]["message"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            msg.contains(&format!("midlayer.self_attn.{proj}.weight"))
+                && msg.contains("2H = 14336"),
+            "{msg}"
+        );
+    }
+}

@@ -7,5 +7,6 @@ mod deepseek_cli;
 mod diff;
 mod gate;
 mod gguf;
+mod mla_draft;
 mod run_cli;
 mod runner;

@@ -3,7 +3,7 @@
 //! Reference: transformers 5.24 `models/deepseek_v3/modeling_deepseek_v3.py`
 //! (`DeepseekV3Attention`, `DeepseekV3TopkRouter`, `DeepseekV3MoE`, `DeepseekV3DecoderLayer`).
 
-use crate::config::{MlaConfig, ModelConfig, MoeConfig, RopeScaling};
+use crate::config::{MlaConfig, ModelConfig, MoeConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
 use crate::model::llama::decoder_prefix;
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
@@ -23,8 +23,13 @@ fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
 /// The attention softmax scale: `qk_head_dim^-0.5`, times `mscale^2` when YaRN sets
 /// `mscale_all_dim` (transformers `yarn_apply_mscale`; DeepSeek's own `MLA.__init__` does the same).
 pub fn softmax_scale(cfg: &ModelConfig, mla: &MlaConfig) -> f64 {
+    softmax_scale_for(&cfg.rope, mla)
+}
+
+/// [`softmax_scale`] from the rope settings alone (an MLA draft has no [`ModelConfig`]).
+pub fn softmax_scale_for(rope: &Rope, mla: &MlaConfig) -> f64 {
     let base = ((mla.qk_nope_head_dim + mla.qk_rope_head_dim) as f64).powf(-0.5);
-    match cfg.rope.scaling {
+    match rope.scaling {
         RopeScaling::Yarn {
             factor,
             mscale_all_dim,
@@ -52,7 +57,37 @@ impl QProj {
     }
 }
 
-struct Mla {
+/// What an MLA block needs besides its [`MlaConfig`]. The input width is the decoder's hidden
+/// size for a target layer and twice the draft's for the EAGLE-3 MLA draft, whose `q_a_proj`
+/// (or `q_proj`) and `kv_a_proj_with_mqa` read `cat(embedding, hidden)` (TorchSpec
+/// torchspec/models/draft/deepseek_eagle.py `DeepSeekMLAAttention`: `input_dim = hidden_size * 2`;
+/// sglang python/sglang/srt/models/deepseek_eagle3.py widens `fused_qkv_a_proj_with_mqa` the same
+/// way). `o_proj` always writes `hidden`.
+pub(crate) struct MlaDims {
+    pub in_dim: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    /// Used for `q_a_layernorm` and `kv_a_layernorm` too, as DeepSeek, TorchSpec and sglang do.
+    pub eps: f64,
+    pub bias: bool,
+    pub scale: f64,
+}
+
+impl MlaDims {
+    /// A target decoder layer: input and output are the hidden size.
+    fn target(cfg: &ModelConfig, mla: &MlaConfig) -> MlaDims {
+        MlaDims {
+            in_dim: cfg.hidden_size,
+            hidden: cfg.hidden_size,
+            heads: cfg.num_heads,
+            eps: cfg.rms_norm_eps,
+            bias: cfg.attention_bias,
+            scale: softmax_scale(cfg, mla),
+        }
+    }
+}
+
+pub(crate) struct Mla {
     q: QProj,
     kv_a: Linear,
     kv_norm: RmsNorm,
@@ -68,10 +103,9 @@ struct Mla {
 }
 
 impl Mla {
-    fn load(cfg: &ModelConfig, mla: &MlaConfig, vb: &Vb) -> Result<Mla> {
-        let (h, nh, eps) = (cfg.hidden_size, cfg.num_heads, cfg.rms_norm_eps);
+    pub(crate) fn load(dims: &MlaDims, mla: &MlaConfig, vb: &Vb) -> Result<Mla> {
+        let (h, nh, eps, bias) = (dims.in_dim, dims.heads, dims.eps, dims.bias);
         let qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim;
-        let bias = cfg.attention_bias;
         // transformers puts `attention_bias` on q_a_proj and kv_a_proj_with_mqa only.
         let q = match mla.q_lora_rank {
             None => QProj::Plain(Linear::load(&vb.pp("q_proj"), nh * qk, h, false)?),
@@ -96,14 +130,14 @@ impl Mla {
                 mla.kv_lora_rank,
                 false,
             )?,
-            o: Linear::load(&vb.pp("o_proj"), h, nh * mla.v_head_dim, bias)?,
+            o: Linear::load(&vb.pp("o_proj"), dims.hidden, nh * mla.v_head_dim, bias)?,
             heads: nh,
             nope: mla.qk_nope_head_dim,
             rope: mla.qk_rope_head_dim,
             v_dim: mla.v_head_dim,
             kv_rank: mla.kv_lora_rank,
             interleave: mla.rope_interleave,
-            scale: softmax_scale(cfg, mla),
+            scale: dims.scale,
         })
     }
 
@@ -115,8 +149,8 @@ impl Mla {
         }
     }
 
-    /// `xs`: [T, H] -> [T, H]
-    fn forward(
+    /// `xs`: [T, in_dim] -> [T, hidden]
+    pub(crate) fn forward(
         &self,
         xs: &Tensor,
         rope: &RopeTables,
@@ -426,7 +460,7 @@ impl Deepseek {
             };
             layers.push(Layer {
                 input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
-                attn: Mla::load(cfg, mla, &l.pp("self_attn"))?,
+                attn: Mla::load(&MlaDims::target(cfg, mla), mla, &l.pp("self_attn"))?,
                 post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
                 ffn,
             });

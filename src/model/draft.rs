@@ -1,13 +1,99 @@
-//! The EAGLE-3 draft forward (`LlamaForCausalLMEagle3`): fc over the captured target states,
-//! then one decoder layer whose attention sees `cat(input_layernorm(embed), hidden_norm(fc))`.
-//! References: sglang `python/sglang/srt/models/llama_eagle3.py`, SpecForge
-//! `specforge/modeling/draft/llama3_eagle.py`; layout in docs/eagle3-capture.md section 4.
+//! The EAGLE-3 draft forward: fc over the captured target states, then one decoder layer whose
+//! attention sees `cat(input_layernorm(embed), hidden_norm(fc))`. The attention is Llama's GQA
+//! (`LlamaForCausalLMEagle3`; sglang `python/sglang/srt/models/llama_eagle3.py`, SpecForge
+//! `specforge/modeling/draft/llama3_eagle.py`) or DeepSeek's MLA (`Eagle3DeepseekV2ForCausalLM`;
+//! TorchSpec `torchspec/models/draft/deepseek_eagle.py`, sglang
+//! `python/sglang/srt/models/deepseek_eagle3.py`). Layout in docs/eagle3-capture.md section 4;
+//! the MLA draft's weights in fixtures/gen_mla_draft.py.
 
-use crate::config::{DraftConfig, DraftKind};
+use crate::config::DraftConfig;
 use crate::error::{CandleContext, Error, Result};
+use crate::model::deepseek::{Mla, MlaDims, softmax_scale_for};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
 use candle_core::{DType, Tensor};
+
+/// The draft layer's attention over the `[T, 2H]` input.
+enum DraftAttention {
+    /// Llama GQA with rotate-half rope over the whole head.
+    Gqa {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+    },
+    /// DeepSeek MLA, the target's own block with 2H-wide down projections; rope on the
+    /// `qk_rope_head_dim` part, interleaved when the config says so.
+    Mla(Mla),
+}
+
+impl DraftAttention {
+    fn load(cfg: &DraftConfig, sa: &Vb) -> Result<DraftAttention> {
+        let (h, nh, nkv, hd) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let Some(mla) = &cfg.mla else {
+            return Ok(DraftAttention::Gqa {
+                q: Linear::load(&sa.pp("q_proj"), nh * hd, 2 * h, false)?,
+                k: Linear::load(&sa.pp("k_proj"), nkv * hd, 2 * h, false)?,
+                v: Linear::load(&sa.pp("v_proj"), nkv * hd, 2 * h, false)?,
+                o: Linear::load(&sa.pp("o_proj"), h, nh * hd, false)?,
+            });
+        };
+        if mla.qk_rope_head_dim == 0 || mla.qk_rope_head_dim % 2 != 0 {
+            return Err(Error::config(
+                &cfg.path,
+                format!(
+                    "qk_rope_head_dim must be even and positive, found {}",
+                    mla.qk_rope_head_dim
+                ),
+            ));
+        }
+        // No biases: TorchSpec builds every MLA projection with bias=False and sglang's fused
+        // 2H-input qkv_a projection likewise.
+        let dims = MlaDims {
+            in_dim: 2 * h,
+            hidden: h,
+            heads: nh,
+            eps: cfg.rms_norm_eps,
+            bias: false,
+            scale: softmax_scale_for(&cfg.rope, mla),
+        };
+        Ok(DraftAttention::Mla(Mla::load(&dims, mla, sa)?))
+    }
+
+    /// How many dimensions of each head rope rotates.
+    fn rope_dim(cfg: &DraftConfig) -> usize {
+        cfg.mla
+            .as_ref()
+            .map_or(cfg.head_dim, |m| m.qk_rope_head_dim)
+    }
+
+    /// `x`: [T, 2H] -> [T, H]
+    fn forward(
+        &self,
+        cfg: &DraftConfig,
+        x: &Tensor,
+        rope: &RopeTables,
+        mask: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        match self {
+            DraftAttention::Gqa { q, k, v, o } => {
+                let (t, nh, nkv, hd) = (x.dim(0)?, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+                let split =
+                    |y: Tensor, n: usize| y.reshape((t, n, hd))?.transpose(0, 1)?.contiguous();
+                let q = rope.apply_half(&split(q.forward(x)?, nh)?)?;
+                let k = rope.apply_half(&split(k.forward(x)?, nkv)?)?;
+                let v = split(v.forward(x)?, nkv)?;
+                o.forward(&attention(&q, &k, &v, mask, 1.0 / (hd as f64).sqrt())?)
+            }
+            DraftAttention::Mla(mla) => mla.forward(x, rope, mask),
+        }
+    }
+}
 
 pub struct Eagle3Draft {
     pub cfg: DraftConfig,
@@ -15,10 +101,7 @@ pub struct Eagle3Draft {
     hidden_norm: RmsNorm,
     input_norm: RmsNorm,
     post_norm: RmsNorm,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
+    attn: DraftAttention,
     mlp: Mlp,
     norm: RmsNorm,
     lm_head: Linear,
@@ -44,12 +127,6 @@ impl Eagle3Draft {
         target_hidden: usize,
         k_slots: usize,
     ) -> Result<Eagle3Draft> {
-        if cfg.kind == DraftKind::Eagle3Mla {
-            return Err(Error::config(
-                &cfg.path,
-                "the MLA draft (Eagle3DeepseekV2ForCausalLM) cannot be run yet",
-            ));
-        }
         if cfg.norm_before_fc {
             return Err(Error::config(
                 &cfg.path,
@@ -68,13 +145,7 @@ impl Eagle3Draft {
         } else {
             root.pp("layers.0")
         };
-        let (h, nh, nkv, hd, eps) = (
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.rms_norm_eps,
-        );
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let dv = cfg.draft_vocab_size;
         let d2t_name = if root.contains("d2t") {
             "d2t"
@@ -115,10 +186,7 @@ impl Eagle3Draft {
             hidden_norm: RmsNorm::load(&layer.pp("hidden_norm"), h, eps)?,
             input_norm: RmsNorm::load(&layer.pp("input_layernorm"), h, eps)?,
             post_norm: RmsNorm::load(&layer.pp("post_attention_layernorm"), h, eps)?,
-            q: Linear::load(&sa.pp("q_proj"), nh * hd, 2 * h, false)?,
-            k: Linear::load(&sa.pp("k_proj"), nkv * hd, 2 * h, false)?,
-            v: Linear::load(&sa.pp("v_proj"), nkv * hd, 2 * h, false)?,
-            o: Linear::load(&sa.pp("o_proj"), h, nh * hd, false)?,
+            attn: DraftAttention::load(cfg, &sa)?,
             mlp: Mlp::load(&layer.pp("mlp"), h, cfg.intermediate_size)?,
             norm: RmsNorm::load(&root.pp("norm"), h, eps)?,
             lm_head: Linear::load(&root.pp("lm_head"), dv, h, false)?,
@@ -141,8 +209,8 @@ impl Eagle3Draft {
         let embed = self.embed.as_ref().unwrap_or(target_embed);
         let device = embed.device();
         let t = ids.len();
-        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
-        let rope = RopeTables::new(&self.cfg.rope, hd, t, self.dtype, device)?;
+        let rope_dim = DraftAttention::rope_dim(&self.cfg);
+        let rope = RopeTables::new(&self.cfg.rope, rope_dim, t, self.dtype, device)?;
         let mask = causal_mask(t, None, self.dtype, device)?;
         let run = || -> candle_core::Result<Tensor> {
             let embeds = embed.index_select(&Tensor::new(ids, device)?, 0)?;
@@ -155,13 +223,7 @@ impl Eagle3Draft {
                 fc_out
             };
             let x = Tensor::cat(&[&self.input_norm.forward(&embeds)?, &hidden], 1)?; // [T, 2H]
-            let split = |y: Tensor, n: usize| y.reshape((t, n, hd))?.transpose(0, 1)?.contiguous();
-            let q = rope.apply_half(&split(self.q.forward(&x)?, nh)?)?;
-            let k = rope.apply_half(&split(self.k.forward(&x)?, nkv)?)?;
-            let v = split(self.v.forward(&x)?, nkv)?;
-            let attn = self
-                .o
-                .forward(&attention(&q, &k, &v, &mask, 1.0 / (hd as f64).sqrt())?)?;
+            let attn = self.attn.forward(&self.cfg, &x, &rope, &mask)?;
             let x = (residual + attn)?;
             let m = self.mlp.forward(&self.post_norm.forward(&x)?)?;
             let x = (x + m)?;

@@ -237,3 +237,60 @@ pub fn draft_dir(dir: &Path, config: &Path, fc_in: usize) -> PathBuf {
     write_sparse(&dir.join("model.safetensors"), &tensors);
     dir.to_path_buf()
 }
+
+/// An MLA draft directory (`Eagle3DeepseekV2ForCausalLM`, TorchSpec `midlayer.` names) with the
+/// real config and sparse weights; `q_in` / `kv_in` are the input widths of `q_a_proj` and
+/// `kv_a_proj_with_mqa` (2H in a well-formed draft).
+pub fn mla_draft_dir(
+    dir: &Path,
+    config: &Path,
+    fc_in: usize,
+    q_in: usize,
+    kv_in: usize,
+) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::copy(config, dir.join("config.json")).unwrap();
+    let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(config).unwrap()).unwrap();
+    let get = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let (h, heads, inter, v, dv) = (
+        get("hidden_size"),
+        get("num_attention_heads"),
+        get("intermediate_size"),
+        get("vocab_size"),
+        get("draft_vocab_size"),
+    );
+    let (q_rank, kv_rank, nope, rope, vdim) = (
+        get("q_lora_rank"),
+        get("kv_lora_rank"),
+        get("qk_nope_head_dim"),
+        get("qk_rope_head_dim"),
+        get("v_head_dim"),
+    );
+    let a = |n: &str| format!("midlayer.self_attn.{n}.weight");
+    let tensors = vec![
+        t("fc.weight".into(), "BF16", &[h, fc_in]),
+        t("midlayer.hidden_norm.weight".into(), "BF16", &[h]),
+        t("midlayer.input_layernorm.weight".into(), "BF16", &[h]),
+        t(
+            "midlayer.post_attention_layernorm.weight".into(),
+            "BF16",
+            &[h],
+        ),
+        t(a("q_a_proj"), "BF16", &[q_rank, q_in]),
+        t(a("q_a_layernorm"), "BF16", &[q_rank]),
+        t(a("q_b_proj"), "BF16", &[heads * (nope + rope), q_rank]),
+        t(a("kv_a_proj_with_mqa"), "BF16", &[kv_rank + rope, kv_in]),
+        t(a("kv_a_layernorm"), "BF16", &[kv_rank]),
+        t(a("kv_b_proj"), "BF16", &[heads * (nope + vdim), kv_rank]),
+        t(a("o_proj"), "BF16", &[h, heads * vdim]),
+        t("midlayer.mlp.gate_proj.weight".into(), "BF16", &[inter, h]),
+        t("midlayer.mlp.up_proj.weight".into(), "BF16", &[inter, h]),
+        t("midlayer.mlp.down_proj.weight".into(), "BF16", &[h, inter]),
+        t("norm.weight".into(), "BF16", &[h]),
+        t("lm_head.weight".into(), "BF16", &[dv, h]),
+        t("d2t".into(), "I64", &[dv]),
+        t("t2d".into(), "BOOL", &[v]),
+    ];
+    write_sparse(&dir.join("model.safetensors"), &tensors);
+    dir.to_path_buf()
+}
