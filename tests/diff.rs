@@ -416,3 +416,68 @@ fn files_without_hidden_states_are_skipped() {
         out.stderr
     );
 }
+
+/// A vLLM `extract_hidden_states` file of every layer (ids 0..L-1, raw b = id, then the final
+/// pre-norm state) is a reference too: built here from eagle-check's own dump of the tokens.
+#[test]
+fn vllm_all_layer_dump_is_a_reference() {
+    let entry = manifest()
+        .into_iter()
+        .find(|e| e["arch"] == "llama" && e["case"] == "order" && e["format"] == "specforge")
+        .unwrap();
+    let dir = scratch("diff-vllm-reference");
+    for (i, sample) in entry["samples"].as_array().unwrap().iter().enumerate() {
+        let file = root().join(sample["file"].as_str().unwrap());
+        let s = &eagle_check::readers::read_capture_path(&file).unwrap()[0];
+        let ids: Vec<String> = s
+            .token_ids
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        let dump = dir.join(format!("ours_{i}.safetensors"));
+        let out = eagle_check([
+            "run",
+            "--target",
+            "fixtures/models/llama",
+            "--engine",
+            "vllm",
+            "--tokens",
+            &ids.join(","),
+            "--dump",
+            &p(&dump),
+        ]);
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        let d = candle_core::safetensors::load(&dump, &Device::Cpu).unwrap();
+        let mut slots: Vec<&candle_core::Tensor> =
+            (0..5).map(|b| &d[&format!("hidden_states.{b}")]).collect();
+        slots.push(&d["final_pre_norm"]);
+        let stacked = candle_core::Tensor::stack(&slots, 1).unwrap(); // [T, L + 1, H]
+        let mut out = std::collections::HashMap::new();
+        out.insert("token_ids".to_string(), d["input_ids"].clone());
+        out.insert("hidden_states".to_string(), stacked);
+        let vllm_dir = dir.join("vllm");
+        std::fs::create_dir_all(&vllm_dir).unwrap();
+        candle_core::safetensors::save(&out, vllm_dir.join(format!("hs_{i}.safetensors"))).unwrap();
+    }
+    let out = eagle_check([
+        "diff",
+        "--spec",
+        entry["spec"].as_str().unwrap(),
+        "--reference",
+        &p(&dir.join("vllm")),
+        "--captures",
+        entry["path"].as_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.finding_names(), vec!["order"]);
+    assert!(
+        out.json()["subject"]["reference"]
+            .as_str()
+            .unwrap()
+            .starts_with("dump:")
+    );
+}
