@@ -118,6 +118,13 @@ fn slots_of(sample: &Sample, hidden: usize, k_spec: usize) -> std::result::Resul
         });
     }
     if let Some(layers) = &sample.layers {
+        if let [_, _, h] = layers.dims()
+            && *h != hidden
+        {
+            return Err(format!(
+                "hidden_states rows are {h} wide, the target's hidden size is {hidden}"
+            ));
+        }
         let [rows, n, h] = layers.dims() else {
             return Err(format!(
                 "hidden_states have shape {:?}, expected [T, n, H]",

@@ -228,12 +228,24 @@ fn dump_states(sample: &crate::readers::Sample, file: &Path) -> Result<RefStates
     }
     let h = boundaries[0].len() / t.max(1);
     let l = boundaries.len() - 1;
+    let final_pre_norm = sample.tensor("final_pre_norm").map(|t| t.to_f32_vec());
+    // Every state must be [T, H] with the same H, or scoring would read past a row.
+    if h == 0
+        || boundaries
+            .iter()
+            .chain(final_pre_norm.iter())
+            .any(|b| b.len() != t * h)
+    {
+        return Err(bad(format!(
+            "reference states disagree on [T, H] (T = {t})"
+        )));
+    }
     Ok(RefStates {
         tokens,
         hidden_size: h,
         num_layers: l,
         boundaries: boundaries.into_iter().map(Some).collect(),
-        final_pre_norm: sample.tensor("final_pre_norm").map(|t| t.to_f32_vec()),
+        final_pre_norm,
         no_residual: vec![None; l + 1],
     })
 }
