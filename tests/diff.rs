@@ -481,3 +481,39 @@ fn vllm_all_layer_dump_is_a_reference() {
             .starts_with("dump:")
     );
 }
+
+/// Captures the target cannot be re-run on are "could not check", one line naming the file.
+#[test]
+fn captures_that_cannot_be_checked_exit_2_naming_the_file() {
+    for (file, words) in [
+        ("captures/readers/modelopt/17.pt", "vocabulary"),
+        ("captures/readers/plain/aux_f32.npy", "no token ids"),
+        (
+            "captures/readers/torch/tensors.pt",
+            "no captured hidden states",
+        ),
+        ("captures/readers/evil/truncated.pt", "truncated.pt"),
+    ] {
+        let out = eagle_check([
+            "diff",
+            "--spec",
+            "fixtures/captures/corpus/llama/spec.yaml",
+            "--target",
+            "fixtures/models/llama",
+            "--captures",
+            &p(&fixture(file)),
+        ]);
+        assert_eq!(out.code, 2, "{file}: {}", out.stdout);
+        assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+        let name = std::path::Path::new(file)
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .to_string();
+        assert!(
+            out.stderr.contains(&name) && out.stderr.contains(words),
+            "{}",
+            out.stderr
+        );
+    }
+}

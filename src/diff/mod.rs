@@ -327,7 +327,9 @@ fn identify_sample(
         .map(|t| t.dtype);
     let tol = Tolerance::for_dtype(dtype.unwrap_or(crate::readers::DType::F32));
     let start = Instant::now();
-    let refs = reference.states(tokens)?;
+    let refs = reference
+        .states(tokens)
+        .map_err(|e| Error::Usage(format!("{label}: sample {}: {e}", sample.index)))?;
     stats.reference_seconds += start.elapsed().as_secs_f64();
     let start = Instant::now();
     let deltas = no_residual_deltas(&refs);
