@@ -8,7 +8,9 @@ use crate::error::{CandleContext, Error, Result};
 use crate::model::llama::decoder_prefix;
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
-use crate::model::{Capture, CaptureRequest, Progress, Target, finish_capture, ids_tensor};
+use crate::model::{
+    Capture, CaptureRequest, LayerStep, Progress, Target, finish_capture, run_decoder,
+};
 use candle_core::{D, DType, Device, Tensor};
 
 /// transformers' `yarn_get_mscale`.
@@ -525,21 +527,14 @@ impl Target for Deepseek {
         let t = ids.len();
         let rope = RopeTables::new(&self.cfg.rope, self.rope_dim(), t, self.dtype, device)?;
         let mask = causal_mask(t, None, self.dtype, device)?;
-        let mut capture = Capture::default();
-        let mut xs = self
-            .embed
-            .index_select(&ids_tensor(ids, device)?, 0)
-            .ctx(|| "embedding lookup".to_string())?;
         let n = self.layers.len();
-        for (i, layer) in self.layers.iter().enumerate() {
-            if want.wants(i) {
-                capture.hidden.insert(i, xs.clone());
-            }
+        let (mut capture, xs) = run_decoder(&self.embed, ids, n, want, progress, |i, xs| {
+            let layer = &self.layers[i];
             let step = || -> candle_core::Result<(Tensor, Tensor, Option<Vec<Routed>>)> {
                 let a = layer
                     .attn
-                    .forward(&layer.input_norm.forward(&xs)?, &rope, &mask)?;
-                let xs = (&xs + a)?;
+                    .forward(&layer.input_norm.forward(xs)?, &rope, &mask)?;
+                let xs = (xs + a)?;
                 let normed = layer.post_norm.forward(&xs)?;
                 let (f, routing) = match &layer.ffn {
                     Ffn::Dense(mlp) => (mlp.forward(&normed)?, None),
@@ -551,19 +546,19 @@ impl Target for Deepseek {
                 Ok(((xs + &f)?, f, routing))
             };
             let (next, ffn_out, routing) = step().ctx(|| format!("decoder layer {i}"))?;
-            if want.layer_outputs {
-                capture.extras.insert(format!("mlp_out.{i}"), ffn_out);
-            }
-            xs = next;
+            let mut extras = Vec::new();
             if let Some(routing) = routing {
                 let (idx, w) =
                     routing_tensors(&routing, device).ctx(|| format!("router {i} capture"))?;
-                capture.extras.insert(format!("router.{i}.topk_idx"), idx);
-                capture.extras.insert(format!("router.{i}.topk_weight"), w);
+                extras.push((format!("router.{i}.topk_idx"), idx));
+                extras.push((format!("router.{i}.topk_weight"), w));
             }
-            progress.tick(i + 1, n);
-        }
-        progress.finish();
+            Ok(LayerStep {
+                next,
+                ffn_out,
+                extras,
+            })
+        })?;
         finish_capture(&mut capture, xs, &self.norm, &self.lm_head, want, n)?;
         Ok(capture)
     }

@@ -6,7 +6,9 @@ use crate::config::ModelConfig;
 use crate::error::{CandleContext, Result};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
-use crate::model::{Capture, CaptureRequest, Progress, Target, finish_capture, ids_tensor};
+use crate::model::{
+    Capture, CaptureRequest, LayerStep, Progress, Target, finish_capture, run_decoder,
+};
 use candle_core::{DType, Tensor};
 
 struct Attention {
@@ -150,32 +152,23 @@ impl Target for Llama {
         let t = ids.len();
         let rope = RopeTables::new(&self.cfg.rope, self.cfg.head_dim, t, self.dtype, device)?;
         let mask = causal_mask(t, self.cfg.sliding_window, self.dtype, device)?;
-        let mut capture = Capture::default();
-        let mut xs = self
-            .embed
-            .index_select(&ids_tensor(ids, device)?, 0)
-            .ctx(|| "embedding lookup".to_string())?;
         let n = self.layers.len();
-        for (i, layer) in self.layers.iter().enumerate() {
-            if want.wants(i) {
-                capture.hidden.insert(i, xs.clone());
-            }
-            let step = || -> candle_core::Result<(Tensor, Tensor)> {
+        let (mut capture, xs) = run_decoder(&self.embed, ids, n, want, progress, |i, xs| {
+            let layer = &self.layers[i];
+            let step = || -> candle_core::Result<LayerStep> {
                 let h = layer
                     .attn
-                    .forward(&layer.input_norm.forward(&xs)?, &rope, &mask)?;
-                let xs = (&xs + h)?;
+                    .forward(&layer.input_norm.forward(xs)?, &rope, &mask)?;
+                let xs = (xs + h)?;
                 let m = layer.mlp.forward(&layer.post_norm.forward(&xs)?)?;
-                Ok(((xs + &m)?, m))
+                Ok(LayerStep {
+                    next: (xs + &m)?,
+                    ffn_out: m,
+                    extras: Vec::new(),
+                })
             };
-            let (next, mlp_out) = step().ctx(|| format!("decoder layer {i}"))?;
-            if want.layer_outputs {
-                capture.extras.insert(format!("mlp_out.{i}"), mlp_out);
-            }
-            xs = next;
-            progress.tick(i + 1, n);
-        }
-        progress.finish();
+            step().ctx(|| format!("decoder layer {i}"))
+        })?;
         finish_capture(&mut capture, xs, &self.norm, &self.lm_head, want, n)?;
         Ok(capture)
     }

@@ -87,6 +87,44 @@ pub fn load_target(
     }
 }
 
+/// What one decoder layer produced: the residual stream after it, what its FFN added (the
+/// tensor a fused-residual engine returns as `hidden_states`), and model-specific observables.
+pub(crate) struct LayerStep {
+    pub next: Tensor,
+    pub ffn_out: Tensor,
+    pub extras: Vec<(String, Tensor)>,
+}
+
+/// The common body of every target forward: embed, then run `step` per layer, capturing the
+/// boundaries asked for on the way. Returns the capture and the state after the last layer.
+pub(crate) fn run_decoder(
+    embed: &Tensor,
+    ids: &[u32],
+    num_layers: usize,
+    want: &CaptureRequest,
+    progress: &mut Progress,
+    mut step: impl FnMut(usize, &Tensor) -> Result<LayerStep>,
+) -> Result<(Capture, Tensor)> {
+    let mut capture = Capture::default();
+    let mut xs = embed
+        .index_select(&ids_tensor(ids, embed.device())?, 0)
+        .ctx(|| "embedding lookup".to_string())?;
+    for i in 0..num_layers {
+        if want.wants(i) {
+            capture.hidden.insert(i, xs.clone());
+        }
+        let out = step(i, &xs)?;
+        if want.layer_outputs {
+            capture.extras.insert(format!("mlp_out.{i}"), out.ffn_out);
+        }
+        capture.extras.extend(out.extras);
+        xs = out.next;
+        progress.tick(i + 1, num_layers);
+    }
+    progress.finish();
+    Ok((capture, xs))
+}
+
 /// The common end of every target forward: keep the pre-norm state, apply the final norm, the
 /// logits, and `b = L` (post-norm, HF semantics) as asked.
 pub(crate) fn finish_capture(
