@@ -190,6 +190,15 @@ fn map_id(engine: Engine, rule: Rule, id: i64, num_layers: usize) -> Result<Boun
     }
 }
 
+/// Engines that capture by membership in the layer loop (`if i in layers_to_capture`) capture a
+/// repeated boundary once; list-indexing pipelines feed it twice.
+fn collapses_duplicates(engine: Engine) -> bool {
+    matches!(
+        engine,
+        Engine::Sglang | Engine::SglangLegacy | Engine::Vllm | Engine::Speculators
+    )
+}
+
 /// Resolves what `engine` feeds to `fc` for a draft with `ids` on a target of `num_layers`.
 pub fn resolve(engine: Engine, ids: Option<&[i64]>, num_layers: usize) -> Feed {
     let defaults = || -> Vec<FedSlot> {
@@ -213,10 +222,16 @@ pub fn resolve(engine: Engine, ids: Option<&[i64]>, num_layers: usize) -> Feed {
     let Some(ids) = ids else {
         // Every engine's default names the same boundaries: OUT [1, L//2-1, L-4] (SpecForge,
         // TensorRT-LLM, ModelOpt) = IN [2, L//2, L-3] (sglang, vLLM, speculators).
+        // On small targets the defaults collide (L = 5: [2, 2, 2]); layer-loop engines then
+        // capture the boundary once.
+        let mut slots = defaults();
+        if collapses_duplicates(engine) {
+            slots.dedup_by_key(|s| s.boundary);
+        }
         return Feed {
             engine,
             rule: Rule::DefaultFallback,
-            slots: defaults(),
+            slots,
             problems,
         };
     };
@@ -260,12 +275,7 @@ pub fn resolve(engine: Engine, ids: Option<&[i64]>, num_layers: usize) -> Feed {
     if ids.windows(2).any(|w| w[0] > w[1]) {
         problems.push(IdProblem::Unsorted { ids: ids.to_vec() });
     }
-    // Engines that capture by membership in the layer loop (`if i in layers_to_capture`)
-    // capture a duplicated id once; list-indexing pipelines feed it twice.
-    let collapses = matches!(
-        engine,
-        Engine::Sglang | Engine::SglangLegacy | Engine::Vllm | Engine::Speculators
-    );
+    let collapses = collapses_duplicates(engine);
     let mut seen = Vec::new();
     let mut slots = Vec::new();
     for &id in ids {

@@ -5,7 +5,7 @@ use crate::boundary::{FinalNorm, format_list};
 use crate::config::{DraftConfig, ModelConfig};
 use crate::engine::{Engine, Feed, resolve};
 use crate::error::{CandleContext, Error, Result};
-use crate::gate::{GateInput, gate};
+use crate::gate::{GateInput, check_feed, gate};
 use crate::model::draft::Eagle3Draft;
 use crate::model::source::{SafetensorsSource, Vb, WeightSource};
 use crate::model::{Capture, CaptureRequest, Progress, Target, load_target};
@@ -215,6 +215,12 @@ pub fn run(input: &RunInput) -> Result<Report> {
     let mut progress = Progress::new("target forward");
     let capture = target.model.forward(&input.tokens, &want, &mut progress)?;
     report.fact("fed_b", format_list(&feed.boundaries()));
+    // A spec without a draft: judge what the engine feeds when no draft config names ids.
+    if let (Some(spec), None) = (&input.spec, &draft_cfg) {
+        let (rows, findings) = check_feed(&feed, spec, l);
+        report.slots.extend(rows);
+        report.findings.extend(findings);
+    }
 
     let fc_input = assemble_fc_input(&feed, &capture, l).ok();
     if let (Some(draft), Some(dir), Some(fc_input)) = (&draft_cfg, &input.draft, &fc_input) {

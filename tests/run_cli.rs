@@ -174,3 +174,27 @@ fn hf_cache_entry_resolves_to_the_refs_main_snapshot() {
     assert_eq!(out.code, 2);
     assert!(out.stderr.contains("snapshots"), "{}", out.stderr);
 }
+
+/// A spec and an engine without a draft: what the engine feeds by default is judged.
+#[test]
+fn spec_without_draft_judges_the_engine_default() {
+    let run = |engine: &str| {
+        eagle_check([
+            "run",
+            "--target",
+            &p(&fixture("models/llama")),
+            "--spec",
+            &p(&fixture("bundles/tiny-llama/spec.yaml")),
+            "--engine",
+            engine,
+            "--tokens",
+            "1,2,3,4",
+            "--format",
+            "json",
+        ])
+    };
+    // L = 5: the default is b = [2, L/2, L-3] = [2, 2, 2] against a spec of [2, 3, 4].
+    let out = run("vllm");
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert_eq!(out.finding_names(), vec!["default-fallback"]);
+}
