@@ -443,6 +443,12 @@ mod tests {
             resolve(Engine::Eagle, Some(&[5, 6, 7]), 32).rule,
             Rule::HardCoded
         );
+        // L = 5: the defaults collide; layer-loop engines capture b = 2 once.
+        assert_eq!(resolve(Engine::Vllm, None, 5).boundaries(), bs(&[2]));
+        assert_eq!(
+            resolve(Engine::Modelopt, None, 5).boundaries(),
+            bs(&[2, 2, 2])
+        );
     }
 
     #[test]
