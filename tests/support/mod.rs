@@ -42,6 +42,26 @@ impl Output {
     }
 }
 
+impl Output {
+    /// "Could not check": exit 2, nothing on stdout, one line on stderr holding every needle.
+    pub fn assert_could_not_check(&self, needles: &[&str]) {
+        assert_eq!(
+            self.code, 2,
+            "stdout: {}\nstderr: {}",
+            self.stdout, self.stderr
+        );
+        assert!(self.stdout.is_empty(), "{}", self.stdout);
+        assert_eq!(self.stderr.lines().count(), 1, "{}", self.stderr);
+        for needle in needles {
+            assert!(
+                self.stderr.contains(needle),
+                "`{needle}` not in {}",
+                self.stderr
+            );
+        }
+    }
+}
+
 pub fn eagle_check<I, S>(args: I) -> Output
 where
     I: IntoIterator<Item = S>,
