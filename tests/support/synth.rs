@@ -185,19 +185,29 @@ pub fn deepseek_v3_dir(dir: &Path, config: &Path, shards: usize) -> PathBuf {
     dir.to_path_buf()
 }
 
-/// A draft directory with the real config and sparse weights of the given fc input width.
-pub fn draft_dir(dir: &Path, config: &Path, fc_in: usize) -> PathBuf {
+/// Copies a draft config into `dir` and reads it back.
+fn draft_config(dir: &Path, config: &Path) -> serde_json::Value {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::copy(config, dir.join("config.json")).unwrap();
-    let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(config).unwrap()).unwrap();
-    let h = cfg["hidden_size"].as_u64().unwrap() as usize;
-    let heads = cfg["num_attention_heads"].as_u64().unwrap() as usize;
-    let kv = cfg["num_key_value_heads"].as_u64().unwrap() as usize;
-    let inter = cfg["intermediate_size"].as_u64().unwrap() as usize;
-    let v = cfg["vocab_size"].as_u64().unwrap() as usize;
-    let dv = cfg["draft_vocab_size"].as_u64().unwrap() as usize;
-    let hd = h / heads;
-    let tensors = vec![
+    serde_json::from_slice(&std::fs::read(config).unwrap()).unwrap()
+}
+
+/// Writes a draft's weights: fc, the layer's norms and MLP, the head and the vocab maps
+/// common to every EAGLE-3 draft, plus the given attention tensors (`midlayer.self_attn.*`).
+fn write_draft(
+    dir: &Path,
+    cfg: &serde_json::Value,
+    fc_in: usize,
+    attention: Vec<(&str, Vec<usize>)>,
+) -> PathBuf {
+    let get = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let (h, inter, v, dv) = (
+        get("hidden_size"),
+        get("intermediate_size"),
+        get("vocab_size"),
+        get("draft_vocab_size"),
+    );
+    let mut tensors = vec![
         t("fc.weight".into(), "BF16", &[h, fc_in]),
         t("midlayer.hidden_norm.weight".into(), "BF16", &[h]),
         t("midlayer.input_layernorm.weight".into(), "BF16", &[h]),
@@ -205,26 +215,6 @@ pub fn draft_dir(dir: &Path, config: &Path, fc_in: usize) -> PathBuf {
             "midlayer.post_attention_layernorm.weight".into(),
             "BF16",
             &[h],
-        ),
-        t(
-            "midlayer.self_attn.q_proj.weight".into(),
-            "BF16",
-            &[heads * hd, 2 * h],
-        ),
-        t(
-            "midlayer.self_attn.k_proj.weight".into(),
-            "BF16",
-            &[kv * hd, 2 * h],
-        ),
-        t(
-            "midlayer.self_attn.v_proj.weight".into(),
-            "BF16",
-            &[kv * hd, 2 * h],
-        ),
-        t(
-            "midlayer.self_attn.o_proj.weight".into(),
-            "BF16",
-            &[h, heads * hd],
         ),
         t("midlayer.mlp.gate_proj.weight".into(), "BF16", &[inter, h]),
         t("midlayer.mlp.up_proj.weight".into(), "BF16", &[inter, h]),
@@ -234,8 +224,34 @@ pub fn draft_dir(dir: &Path, config: &Path, fc_in: usize) -> PathBuf {
         t("d2t".into(), "I64", &[dv]),
         t("t2d".into(), "BOOL", &[v]),
     ];
+    for (name, shape) in attention {
+        tensors.push(t(
+            format!("midlayer.self_attn.{name}.weight"),
+            "BF16",
+            &shape,
+        ));
+    }
     write_sparse(&dir.join("model.safetensors"), &tensors);
     dir.to_path_buf()
+}
+
+/// A draft directory with the real config and sparse weights of the given fc input width.
+pub fn draft_dir(dir: &Path, config: &Path, fc_in: usize) -> PathBuf {
+    let cfg = draft_config(dir, config);
+    let get = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let (h, heads, kv) = (
+        get("hidden_size"),
+        get("num_attention_heads"),
+        get("num_key_value_heads"),
+    );
+    let hd = h / heads;
+    let attention = vec![
+        ("q_proj", vec![heads * hd, 2 * h]),
+        ("k_proj", vec![kv * hd, 2 * h]),
+        ("v_proj", vec![kv * hd, 2 * h]),
+        ("o_proj", vec![h, heads * hd]),
+    ];
+    write_draft(dir, &cfg, fc_in, attention)
 }
 
 /// An MLA draft directory (`Eagle3DeepseekV2ForCausalLM`, TorchSpec `midlayer.` names) with the
@@ -248,17 +264,9 @@ pub fn mla_draft_dir(
     q_in: usize,
     kv_in: usize,
 ) -> PathBuf {
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::copy(config, dir.join("config.json")).unwrap();
-    let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(config).unwrap()).unwrap();
+    let cfg = draft_config(dir, config);
     let get = |k: &str| cfg[k].as_u64().unwrap() as usize;
-    let (h, heads, inter, v, dv) = (
-        get("hidden_size"),
-        get("num_attention_heads"),
-        get("intermediate_size"),
-        get("vocab_size"),
-        get("draft_vocab_size"),
-    );
+    let (h, heads) = (get("hidden_size"), get("num_attention_heads"));
     let (q_rank, kv_rank, nope, rope, vdim) = (
         get("q_lora_rank"),
         get("kv_lora_rank"),
@@ -266,31 +274,14 @@ pub fn mla_draft_dir(
         get("qk_rope_head_dim"),
         get("v_head_dim"),
     );
-    let a = |n: &str| format!("midlayer.self_attn.{n}.weight");
-    let tensors = vec![
-        t("fc.weight".into(), "BF16", &[h, fc_in]),
-        t("midlayer.hidden_norm.weight".into(), "BF16", &[h]),
-        t("midlayer.input_layernorm.weight".into(), "BF16", &[h]),
-        t(
-            "midlayer.post_attention_layernorm.weight".into(),
-            "BF16",
-            &[h],
-        ),
-        t(a("q_a_proj"), "BF16", &[q_rank, q_in]),
-        t(a("q_a_layernorm"), "BF16", &[q_rank]),
-        t(a("q_b_proj"), "BF16", &[heads * (nope + rope), q_rank]),
-        t(a("kv_a_proj_with_mqa"), "BF16", &[kv_rank + rope, kv_in]),
-        t(a("kv_a_layernorm"), "BF16", &[kv_rank]),
-        t(a("kv_b_proj"), "BF16", &[heads * (nope + vdim), kv_rank]),
-        t(a("o_proj"), "BF16", &[h, heads * vdim]),
-        t("midlayer.mlp.gate_proj.weight".into(), "BF16", &[inter, h]),
-        t("midlayer.mlp.up_proj.weight".into(), "BF16", &[inter, h]),
-        t("midlayer.mlp.down_proj.weight".into(), "BF16", &[h, inter]),
-        t("norm.weight".into(), "BF16", &[h]),
-        t("lm_head.weight".into(), "BF16", &[dv, h]),
-        t("d2t".into(), "I64", &[dv]),
-        t("t2d".into(), "BOOL", &[v]),
+    let attention = vec![
+        ("q_a_proj", vec![q_rank, q_in]),
+        ("q_a_layernorm", vec![q_rank]),
+        ("q_b_proj", vec![heads * (nope + rope), q_rank]),
+        ("kv_a_proj_with_mqa", vec![kv_rank + rope, kv_in]),
+        ("kv_a_layernorm", vec![kv_rank]),
+        ("kv_b_proj", vec![heads * (nope + vdim), kv_rank]),
+        ("o_proj", vec![h, heads * vdim]),
     ];
-    write_sparse(&dir.join("model.safetensors"), &tensors);
-    dir.to_path_buf()
+    write_draft(dir, &cfg, fc_in, attention)
 }
