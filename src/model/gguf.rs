@@ -17,8 +17,9 @@
 //! inside the file, unknown tensors are refused rather than silently ignored, and the metadata
 //! goes through the same [`ModelConfig::resolve`] as a `config.json`.
 
-use crate::config::{ConfigFile, ModelConfig};
+use crate::config::{ConfigFile, ModelConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
+use crate::model::nn::inv_freq;
 use crate::model::source::WeightSource;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
@@ -641,22 +642,26 @@ fn llama3_from_rope_freqs(
             });
         }
     }
-    let predict = |orig: f64, i: usize| {
-        let wl = wavelen(i);
-        if wl < orig / high {
-            1.0
-        } else if wl > orig / low {
-            factor
-        } else {
-            let s = (orig / wl - low) / (high - low);
-            1.0 / ((1.0 - s) / factor + s)
-        }
+    // The divisors a candidate implies, computed by the runner's own llama3 rope (nn::inv_freq).
+    let divisors = |orig: f64| -> Vec<f64> {
+        let rope = |scaling| Rope { theta, scaling };
+        let (base, _) = inv_freq(&rope(RopeScaling::None), head_dim);
+        let (scaled, _) = inv_freq(
+            &rope(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: orig,
+            }),
+            head_dim,
+        );
+        base.iter().zip(&scaled).map(|(b, s)| b / s).collect()
     };
     for orig in candidates {
         let fits = factors
             .iter()
-            .enumerate()
-            .all(|(i, &f)| (predict(orig, i) - f as f64).abs() <= TOL * factor);
+            .zip(divisors(orig))
+            .all(|(&f, d)| (d - f as f64).abs() <= TOL * factor);
         if fits {
             return Ok(Some(serde_json::json!({
                 "rope_type": "llama3",
