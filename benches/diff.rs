@@ -7,8 +7,8 @@
 use candle_core::{DType, Device, Tensor};
 use eagle_check::diff::reference::{ReferenceSource, RunnerReference};
 use eagle_check::diff::{DiffInput, diff};
+use eagle_check::model::open_target;
 use eagle_check::model::{CaptureRequest, Progress};
-use eagle_check::runner::open_target;
 use eagle_check::spec::Spec;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -145,6 +145,7 @@ fn main() {
             spec: &spec,
             captures: &[captures],
             feed: None,
+            arch: None,
         },
         &mut reference,
     )

@@ -32,8 +32,34 @@ pub enum Error {
     },
     #[error("{path}: tensor {name} is missing")]
     MissingTensor { path: PathBuf, name: String },
+    /// Tensors the checkpoint holds that the architecture, as configured, never reads: running
+    /// without them would silently compute another model.
+    #[error(
+        "{path}: {count} tensor(s) in the checkpoint are never read by a {arch} model as configured \
+         (first: {first}){hint}"
+    )]
+    UnusedTensors {
+        path: PathBuf,
+        arch: String,
+        count: usize,
+        first: String,
+        hint: String,
+    },
+    /// A capture or reference file that decoded but cannot be checked as it is.
+    #[error("{path}: {message}")]
+    Capture { path: PathBuf, message: String },
+    /// Token ids that do not fit the target.
+    #[error("{origin}: {message}")]
+    Tokens { origin: String, message: String },
+    /// A capture file the readers refused (its message names the file).
+    #[error(transparent)]
+    Read(Box<crate::readers::ReadError>),
+    /// A command-line mistake.
     #[error("{0}")]
     Usage(String),
+    /// A device the build or the machine cannot provide.
+    #[error("{0}")]
+    Device(String),
     #[error("{context}: {source}")]
     Candle {
         context: String,
@@ -64,6 +90,12 @@ impl Error {
             path: path.into(),
             message: message.into(),
         }
+    }
+}
+
+impl From<crate::readers::ReadError> for Error {
+    fn from(e: crate::readers::ReadError) -> Self {
+        Error::Read(Box::new(e))
     }
 }
 

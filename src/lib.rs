@@ -1,7 +1,9 @@
 //! eagle-check: finds where an EAGLE-3 drafter's hidden-state capture disagrees with its training.
 //!
 //! Data flows one way: configs and spec are resolved ([`config`], [`spec`], [`engine`]) ->
-//! models compute captures -> the diff engine judges -> [`report`] renders.
+//! models compute captures ([`model`]) -> the [`judge`] decides -> [`report`] renders. The
+//! commands ([`gate`], [`runner`], [`diff`]) gather evidence and call the judge; none imports
+//! another.
 
 pub mod boundary;
 pub mod compare;
@@ -10,7 +12,10 @@ pub mod diff;
 pub mod engine;
 pub mod error;
 pub mod gate;
+pub mod judge;
+pub mod locate;
 pub mod model;
+pub mod naming;
 pub mod readers;
 pub mod report;
 pub mod runner;

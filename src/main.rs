@@ -3,15 +3,17 @@
 use anyhow::{Context, Result, bail};
 use candle_core::{DType, Device};
 use clap::{Parser, Subcommand, ValueEnum};
-use eagle_check::config::{DraftConfig, ModelConfig};
+use eagle_check::config::DraftConfig;
 use eagle_check::diff::reference::{DumpReference, ReferenceSource, RunnerReference};
 use eagle_check::diff::{DiffInput, diff};
-use eagle_check::engine::Engine;
-use eagle_check::engine::resolve;
-use eagle_check::gate::{GateInput, gate};
+use eagle_check::engine::{Engine, EngineSel, markdown_table, resolve};
+use eagle_check::gate::gate;
+use eagle_check::judge::StaticInput;
+use eagle_check::locate::{self, Bundle};
+use eagle_check::model::open_target;
 use eagle_check::report::Report;
-use eagle_check::runner::{Bundle, RunInput, open_target};
-use eagle_check::spec::{Spec, engine_names};
+use eagle_check::runner::RunInput;
+use eagle_check::spec::Spec;
 use eagle_check::tokenize::{Tokenizer, read_token_file};
 use eagle_check::weights::WeightIndex;
 use std::path::{Path, PathBuf};
@@ -47,8 +49,9 @@ enum Command {
         /// Target model directory or its config.json (else the spec's target block).
         #[arg(long)]
         target: Option<PathBuf>,
-        /// Engine to check (sglang, sglang-legacy, vllm, trtllm, specforge, eagle, modelopt,
-        /// speculators, or all). Default: the spec's `engine`, else all.
+        /// Engine to check: NAME[:PATH][@VERSION] (sglang, vllm, trtllm, specforge, eagle,
+        /// modelopt, speculators; e.g. sglang@0.5.10, vllm:v2, trtllm:two-model), or all.
+        /// Default: the spec's `engine`, else all. `eagle-check engines` lists the rules.
         #[arg(long)]
         engine: Option<String>,
         #[arg(long, value_enum, default_value = "table")]
@@ -91,6 +94,13 @@ enum Command {
         generate: usize,
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
+    },
+    /// The engine rule table: every engine, version, capture path and architecture eagle-check
+    /// knows, with the upstream file each rule was read from.
+    Engines {
+        /// Print the table as the README shows it.
+        #[arg(long)]
+        markdown: bool,
     },
     /// Identify what each slot of captured tensors (training data, engine dumps) really is.
     Diff {
@@ -153,11 +163,21 @@ fn device(arg: DeviceArg) -> Result<Device> {
             Ok(Device::Cpu)
         }
         DeviceArg::Cuda if !candle_core::utils::cuda_is_available() => {
-            bail!("--device cuda: this build of eagle-check has no CUDA support; use --device cpu")
+            Err(eagle_check::error::Error::Device(
+                "--device cuda: this build of eagle-check has no CUDA support; use --device cpu"
+                    .into(),
+            )
+            .into())
         }
         DeviceArg::Cpu => Ok(Device::Cpu),
         DeviceArg::Cuda | DeviceArg::Auto => Ok(Device::new_cuda(0)?),
     }
+}
+
+/// Parses `--engine` (or the spec's `engine:`) into a selection.
+fn engine_sel(name: &str) -> Result<EngineSel> {
+    EngineSel::parse(name)
+        .map_err(|e| eagle_check::error::Error::Usage(format!("--engine: {e}")).into())
 }
 
 /// Ids used when none are given and the bundle has no tokens.txt: a fixed, documented
@@ -197,18 +217,46 @@ fn run(cli: Cli) -> Result<u8> {
             let spec = Spec::load(&spec)?;
             let engines = pick_engines(engine.as_deref(), &spec)?;
             let draft_cfg = DraftConfig::load(&draft)?;
-            let target_cfg = target.as_deref().map(ModelConfig::load).transpose()?;
+            let target_info = target.as_deref().map(locate::target_info).transpose()?;
             let weights = model_weights(&draft)?;
             let target_weights = target.as_deref().map(model_weights).transpose()?.flatten();
-            let report = gate(&GateInput {
-                spec: &spec,
-                draft: &draft_cfg,
-                draft_weights: weights.as_ref(),
-                target: target_cfg.as_ref(),
-                target_weights: target_weights.as_ref(),
-                engines: &engines,
-            })?;
+            let report = gate(
+                &StaticInput {
+                    spec: &spec,
+                    draft: Some(&draft_cfg),
+                    draft_weights: weights.as_ref(),
+                    target: target_info.as_ref(),
+                    target_weights: target_weights.as_ref(),
+                },
+                &engines,
+            )?;
             Ok(emit(&report, format))
+        }
+        Command::Engines { markdown } => {
+            if markdown {
+                print!("{}", markdown_table());
+            } else {
+                for engine in Engine::ALL {
+                    let versions: Vec<String> =
+                        engine.versions().iter().map(|v| v.to_string()).collect();
+                    let paths: Vec<&str> = engine
+                        .paths()
+                        .into_iter()
+                        .filter(|p| !p.is_empty())
+                        .collect();
+                    println!(
+                        "{engine}: versions {}{}",
+                        versions.join(", "),
+                        if paths.is_empty() {
+                            String::new()
+                        } else {
+                            format!("; paths {}", paths.join(", "))
+                        }
+                    );
+                }
+                println!("\n{}", markdown_table());
+            }
+            Ok(0)
         }
         Command::Diff {
             spec,
@@ -231,23 +279,25 @@ fn run(cli: Cli) -> Result<u8> {
                 }),
                 (None, None) => bail!("diff needs --target or --reference"),
             };
+            let arch = target
+                .as_deref()
+                .map(locate::target_info)
+                .transpose()?
+                .map(|t| t.model_type)
+                .or_else(|| spec.target.as_ref().and_then(|t| t.model_type.clone()));
             let feed = match &draft {
                 Some(d) => {
                     let draft_cfg = DraftConfig::load(d)?;
-                    let engine = match engine.as_deref() {
-                        Some(name) => Engine::from_name(name).with_context(|| {
-                            format!(
-                                "--engine: unknown engine `{name}` (known: {})",
-                                engine_names()
-                            )
-                        })?,
+                    let sel = match engine.as_deref() {
+                        Some(name) => engine_sel(name)?,
                         None => spec.engine.context(
                             "--draft needs an engine: --engine NAME or `engine:` in the spec",
                         )?,
                     };
                     Some(resolve(
-                        engine,
-                        draft_cfg.aux_layer_ids.as_deref(),
+                        &sel,
+                        arch.as_deref(),
+                        &draft_cfg.ids,
                         source.num_layers(),
                     ))
                 }
@@ -258,6 +308,7 @@ fn run(cli: Cli) -> Result<u8> {
                     spec: &spec,
                     captures: &captures,
                     feed: feed.as_ref(),
+                    arch: arch.as_deref(),
                 },
                 source.as_mut(),
             )?;
@@ -288,28 +339,30 @@ fn run(cli: Cli) -> Result<u8> {
                 .map(|p| Spec::load(&p))
                 .transpose()?;
             let engine = match engine.as_deref() {
-                Some(name) => Engine::from_name(name)
-                    .with_context(|| format!("--engine: unknown engine `{name}` (known: {})", engine_names()))?,
+                Some(name) => engine_sel(name)?,
                 None => spec
                     .as_ref()
                     .and_then(|s| s.engine)
                     .context("name the engine that assembles the fc input: --engine NAME or `engine:` in the spec")?,
             };
-            let tokens = match (tokens, token_file, prompt) {
-                (Some(t), _, _) => t,
-                (None, Some(file), _) => read_token_file(&file)?,
+            let (tokens, tokens_origin) = match (tokens, token_file, prompt) {
+                (Some(t), _, _) => (t, "--tokens".to_string()),
+                (None, Some(file), _) => (read_token_file(&file)?, file.display().to_string()),
                 (None, None, Some(text)) => {
-                    let dir = eagle_check::runner::resolve_model_dir(&target)?;
+                    let dir = locate::resolve_model_dir(&target)?;
                     let tokenizer = Tokenizer::open(&dir)?;
                     let ids = tokenizer.encode(&text)?;
                     if ids.is_empty() {
                         bail!("--prompt: the text encodes to no tokens");
                     }
-                    ids
+                    (ids, "--prompt".to_string())
                 }
                 (None, None, None) => match bundle.as_ref().and_then(|b| b.tokens.clone()) {
-                    Some(file) => read_token_file(&file)?,
-                    None => default_tokens(eagle_check::runner::target_config(&target)?.vocab_size),
+                    Some(file) => (read_token_file(&file)?, file.display().to_string()),
+                    None => (
+                        default_tokens(locate::target_config(&target)?.vocab_size),
+                        "the default token sequence".to_string(),
+                    ),
                 },
             };
             let report = eagle_check::runner::run(&RunInput {
@@ -318,6 +371,7 @@ fn run(cli: Cli) -> Result<u8> {
                 spec,
                 engine,
                 tokens,
+                tokens_origin,
                 device: device(device_arg)?,
                 dtype: dtype.dtype(),
                 dump,
@@ -328,20 +382,14 @@ fn run(cli: Cli) -> Result<u8> {
     }
 }
 
-/// `--engine NAME` wins, then the spec's `engine:`, then every engine.
-fn pick_engines(flag: Option<&str>, spec: &Spec) -> Result<Vec<Engine>> {
+/// `--engine NAME` wins, then the spec's `engine:`, then every engine (newest versions).
+fn pick_engines(flag: Option<&str>, spec: &Spec) -> Result<Vec<EngineSel>> {
     match flag {
-        Some("all") => Ok(Engine::ALL.to_vec()),
-        Some(name) => match Engine::from_name(name) {
-            Some(e) => Ok(vec![e]),
-            None => bail!(
-                "--engine: unknown engine `{name}` (known: {}, all)",
-                engine_names()
-            ),
-        },
+        Some("all") => Ok(Engine::ALL.map(EngineSel::newest).to_vec()),
+        Some(name) => Ok(vec![engine_sel(name)?]),
         None => Ok(spec
             .engine
-            .map_or_else(|| Engine::ALL.to_vec(), |e| vec![e])),
+            .map_or_else(|| Engine::ALL.map(EngineSel::newest).to_vec(), |e| vec![e])),
     }
 }
 

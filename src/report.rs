@@ -1,6 +1,5 @@
 //! Findings and the one `Report` value every command returns; rendered as a table or JSON.
 
-use crate::engine::Engine;
 use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -28,6 +27,8 @@ pub enum FindingName {
     Duplicate,
     /// An engine or trainer refuses the config outright.
     Refused,
+    /// The draft config writes its ids where the engine does not read them.
+    IdsNotRead,
 }
 
 impl FindingName {
@@ -50,6 +51,7 @@ impl FindingName {
             FindingName::Unidentified => "unidentified",
             FindingName::Duplicate => "duplicate",
             FindingName::Refused => "refused",
+            FindingName::IdsNotRead => "ids-not-read",
         }
     }
 }
@@ -72,8 +74,9 @@ pub struct Finding {
     pub fix: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slot: Option<usize>,
+    /// The engine as its rule was read, e.g. `sglang@0.5.23`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub engine: Option<Engine>,
+    pub engine: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub file: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -115,8 +118,8 @@ impl Finding {
         self
     }
 
-    pub fn with_engine(mut self, engine: Engine) -> Finding {
-        self.engine = Some(engine);
+    pub fn with_engine(mut self, engine: &str) -> Finding {
+        self.engine = Some(engine.to_string());
         self
     }
 
@@ -141,7 +144,7 @@ pub enum Verdict {
 /// One row of the inference-side table: what an engine feeds to `fc` slot `slot`.
 #[derive(Debug, Clone, Serialize)]
 pub struct SlotRow {
-    pub engine: Engine,
+    pub engine: String,
     pub slot: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub id: Option<i64>,
@@ -317,8 +320,8 @@ impl Report {
             let mut table = new_table(&["finding", "severity", "where", "message", "fix"]);
             for f in &self.findings {
                 let mut place = Vec::new();
-                if let Some(e) = f.engine {
-                    place.push(e.to_string());
+                if let Some(e) = &f.engine {
+                    place.push(e.clone());
                 }
                 if let Some(file) = &f.file {
                     place.push(file.clone());
@@ -363,10 +366,10 @@ impl Report {
 impl Report {
     /// One engine: a row per fc slot. Several: a row per engine with the whole layout.
     fn slot_table(&self) -> Table {
-        let mut engines: Vec<Engine> = Vec::new();
+        let mut engines: Vec<&str> = Vec::new();
         for row in &self.slots {
-            if !engines.contains(&row.engine) {
-                engines.push(row.engine);
+            if !engines.contains(&row.engine.as_str()) {
+                engines.push(&row.engine);
             }
         }
         if engines.len() == 1 {

@@ -5,7 +5,7 @@
 //! (`out`: b = k + 1; `in`: b = k; `embedding: true` puts b = 0 first).
 
 use crate::boundary::{Boundary, Convention, FinalNorm};
-use crate::engine::Engine;
+use crate::engine::EngineSel;
 use crate::error::{Error, Result};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -23,12 +23,14 @@ struct SpecFile {
     fc: Option<FcExpect>,
 }
 
-/// Target dimensions a spec was written for; checked when a target is given.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+/// The target a spec was written for; checked when a target is given. `model_type` also picks
+/// an engine's per-architecture rule when no target config is at hand.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TargetExpect {
     pub num_hidden_layers: Option<usize>,
     pub hidden_size: Option<usize>,
+    pub model_type: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -134,7 +136,7 @@ pub struct Spec {
     pub path: PathBuf,
     pub name: String,
     /// The engine the spec is checked against when the command line names none.
-    pub engine: Option<Engine>,
+    pub engine: Option<EngineSel>,
     pub target: Option<TargetExpect>,
     /// Canonical boundaries in `fc` order.
     pub boundaries: Vec<Boundary>,
@@ -160,12 +162,8 @@ impl Spec {
         })?;
         let engine = match raw.engine.as_deref() {
             None => None,
-            Some(name) => Some(Engine::from_name(name).ok_or_else(|| {
-                spec_err(format!(
-                    "line {}: engine: unknown engine `{name}` (known: {})",
-                    key_line(text, "engine"),
-                    engine_names()
-                ))
+            Some(name) => Some(EngineSel::parse(name).map_err(|e| {
+                spec_err(format!("line {}: engine: {e}", key_line(text, "engine")))
             })?),
         };
         Ok(Spec {
@@ -178,14 +176,6 @@ impl Spec {
             fc_in_features: raw.fc.map(|fc| fc.in_features),
         })
     }
-}
-
-pub fn engine_names() -> String {
-    Engine::ALL
-        .iter()
-        .map(|e| e.name())
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// The 1-based line where `key` is written inside the `capture` block (or at top level),

@@ -80,13 +80,14 @@ fn deepseek_bundle_is_consistent() {
     let json = out.json();
     assert_eq!(json["verdict"], "consistent");
     assert!(out.finding_names().is_empty(), "{:?}", out.finding_names());
-    assert_eq!(json["subject"]["engine"], "sglang-legacy");
+    assert_eq!(json["subject"]["engine"], "sglang@0.5.10");
     assert_eq!(json["subject"]["spec_b"], "[1, 2, 3]");
     assert_eq!(json["subject"]["fed_b"], "[1, 2, 3]");
 }
 
-/// The seed's local patch: -1 prepended, the last id dropped. sglang-legacy feeds
-/// [embedding, b1, b2]; the finding names it and the fix restores the trained ids.
+/// The seed's local patch: -1 prepended, the last id dropped. Stock sglang 0.5.10 crashes on
+/// it at layer 0; the patched engine fed [embedding, b1, b2]. The findings say both and the fix
+/// restores the trained ids.
 #[test]
 fn seed_patch_bundle_is_embedding_capture_with_the_fix() {
     let out = eagle_check([
@@ -96,10 +97,17 @@ fn seed_patch_bundle_is_embedding_capture_with_the_fix() {
         "json",
     ]);
     assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
-    assert_eq!(out.finding_names(), vec!["embedding-capture"]);
+    assert_eq!(out.finding_names(), vec!["refused", "embedding-capture"]);
     let json = out.json();
     assert_eq!(json["verdict"], "mismatch");
-    assert_eq!(json["subject"]["fed_b"], "[0, 1, 2]");
+    assert!(
+        json["subject"]["fed_b"]
+            .as_str()
+            .unwrap()
+            .ends_with("(patched to capture the embedding: [0, 1, 2])"),
+        "{}",
+        json["subject"]
+    );
     assert_eq!(json["subject"]["spec_b"], "[1, 2, 3]");
     assert!(
         json["subject"]["draft_ids"]
@@ -109,7 +117,7 @@ fn seed_patch_bundle_is_embedding_capture_with_the_fix() {
         "{}",
         json["subject"]
     );
-    let f = &json["findings"][0];
+    let f = &json["findings"][1];
     assert_eq!(f["severity"], "error");
     assert_eq!(f["slot"], 0);
     let fix = f["fix"].as_str().unwrap();
@@ -231,7 +239,10 @@ fn three_way_table_shows_the_seed_incident() {
     assert_eq!(col("inference"), vec![0, 1, 2]);
     let names = out.finding_names();
     assert!(
-        !names.is_empty() && names.iter().all(|n| n == "embedding-capture"),
+        names.contains(&"embedding-capture".to_string())
+            && names
+                .iter()
+                .all(|n| n == "embedding-capture" || n == "refused"),
         "{names:?}"
     );
 

@@ -6,9 +6,9 @@ use crate::support::{eagle_check, fixture, p, root, scratch};
 use candle_core::{DType, Device};
 use eagle_check::diff::reference::{DumpReference, RunnerReference};
 use eagle_check::diff::{DiffInput, DiffStats, diff};
-use eagle_check::engine::{Engine, resolve};
+use eagle_check::engine::{DraftIds, Engine, EngineSel, resolve};
+use eagle_check::model::open_target;
 use eagle_check::report::Report;
-use eagle_check::runner::open_target;
 use eagle_check::spec::Spec;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -33,6 +33,7 @@ fn run_entry(entry: &serde_json::Value) -> (Report, DiffStats) {
             spec: &spec,
             captures: &captures,
             feed: None,
+            arch: None,
         },
         &mut reference,
     )
@@ -224,7 +225,7 @@ fn three_way_table_through_the_binary() {
         "--draft",
         "fixtures/models/llama-draft",
         "--engine",
-        "vllm",
+        "vllm:v1",
         "--format",
         "json",
     ]);
@@ -320,18 +321,25 @@ fn reference_dump_is_a_second_source_of_the_same_boundaries() {
             spec: &spec,
             captures: &captures,
             feed: None,
+            arch: None,
         },
         &mut reference,
     )
     .unwrap();
     assert_eq!(found(&report), expected(&entry));
     // And a feed from a dump source answers the same three-way question.
-    let feed = resolve(Engine::Sglang, Some(&[1, 2, 3]), 5);
+    let feed = resolve(
+        &EngineSel::newest(Engine::Sglang),
+        Some("llama"),
+        &DraftIds::nested(&[1, 2, 3]),
+        5,
+    );
     let (report, _) = diff(
         &DiffInput {
             spec: &spec,
             captures: &captures,
             feed: Some(&feed),
+            arch: Some("llama"),
         },
         &mut reference,
     )

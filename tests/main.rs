@@ -7,6 +7,7 @@ mod deepseek_cli;
 mod diff;
 mod gate;
 mod gguf;
+mod incidents;
 mod mla_draft;
 mod run_cli;
 mod runner;

@@ -49,16 +49,26 @@ pub enum DraftKind {
     Eagle3Mla,
 }
 
-/// Where the draft's layer ids came from, in the engines' lookup order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum IdsSource {
+/// The ids a draft config holds, by where they are written.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DraftIds {
+    /// Top-level `eagle_aux_hidden_state_layer_ids`.
+    pub top: Option<Vec<i64>>,
     /// `eagle_config.eagle_aux_hidden_state_layer_ids`.
-    EagleConfig,
-    /// A top-level `eagle_aux_hidden_state_layer_ids` (vLLM, speculators).
-    TopLevel,
-    /// No ids anywhere: every engine falls back to its default.
-    Absent,
+    pub nested: Option<Vec<i64>>,
+}
+
+impl DraftIds {
+    pub fn nested(ids: &[i64]) -> DraftIds {
+        DraftIds {
+            top: None,
+            nested: Some(ids.to_vec()),
+        }
+    }
+
+    pub fn any(&self) -> Option<&[i64]> {
+        self.nested.as_deref().or(self.top.as_deref())
+    }
 }
 
 /// A resolved draft config.
@@ -78,8 +88,9 @@ pub struct DraftConfig {
     pub rope: Rope,
     /// The target's hidden size as the draft declares it; `None` means "same as the draft's".
     pub target_hidden_size: Option<usize>,
-    pub aux_layer_ids: Option<Vec<i64>>,
-    pub ids_source: IdsSource,
+    /// The layer ids as written: top level and under `eagle_config` (engines read different
+    /// ones: see `engine::rules::IdsFrom`).
+    pub ids: DraftIds,
     pub num_aux_hidden_states: Option<usize>,
     pub norm_before_fc: bool,
     pub norm_before_residual: bool,
@@ -141,15 +152,12 @@ impl DraftConfig {
             "num_key_value_heads",
         )?;
         let vocab_size = need(model.vocab_size, "vocab_size")?;
-        let (aux_layer_ids, ids_source) = match (
-            raw.eagle_config
+        let ids = DraftIds {
+            top: raw.eagle_aux_hidden_state_layer_ids.clone(),
+            nested: raw
+                .eagle_config
                 .as_ref()
                 .and_then(|e| e.eagle_aux_hidden_state_layer_ids.clone()),
-            raw.eagle_aux_hidden_state_layer_ids.clone(),
-        ) {
-            (Some(ids), _) => (Some(ids), IdsSource::EagleConfig),
-            (None, Some(ids)) => (Some(ids), IdsSource::TopLevel),
-            (None, None) => (None, IdsSource::Absent),
         };
         let mla = match (kind, model.kv_lora_rank) {
             (DraftKind::Eagle3Mla, Some(kv_lora_rank)) => Some(MlaConfig {
@@ -182,8 +190,7 @@ impl DraftConfig {
             rms_norm_eps: model.rms_norm_eps.unwrap_or(1e-6),
             rope: resolve_rope(model, path)?,
             target_hidden_size: raw.target_hidden_size,
-            aux_layer_ids,
-            ids_source,
+            ids,
             num_aux_hidden_states: raw.num_aux_hidden_states,
             norm_before_fc: raw.norm_before_fc.unwrap_or(false),
             norm_before_residual: raw.norm_before_residual.unwrap_or(false),

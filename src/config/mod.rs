@@ -7,7 +7,7 @@
 
 pub mod draft;
 
-pub use draft::{DraftConfig, DraftKind, IdsSource};
+pub use draft::{DraftConfig, DraftIds, DraftKind};
 
 use crate::error::{Error, Result};
 use serde::Deserialize;
@@ -168,13 +168,73 @@ pub struct ModelConfig {
     pub rms_norm_eps: f64,
     pub rope: Rope,
     pub tie_word_embeddings: bool,
+    /// Biases on q/k/v (Qwen2 always; Llama and Qwen3 when `attention_bias`).
     pub attention_bias: bool,
+    /// A bias on o_proj: transformers' Llama and Qwen3 build it from `attention_bias`, Qwen2
+    /// and Mistral never (`modeling_{llama,qwen2,qwen3,mistral}.py`).
+    pub o_bias: bool,
+    /// Biases on the MLP projections (Llama's `mlp_bias`).
+    pub mlp_bias: bool,
     pub qk_norm: bool,
     pub sliding_window: Option<usize>,
     pub mla: Option<MlaConfig>,
     pub moe: Option<MoeConfig>,
     /// FP8 block-quantised weights: the `weight_block_size` of `quantization_config`.
     pub fp8_block: Option<[usize; 2]>,
+}
+
+/// What the static checks need of a target, from any `config.json` that states its layer count
+/// and hidden size: the gate needs no runner for an architecture (gpt-oss, MiniMax, GLM, Gemma...),
+/// only these numbers and the `model_type` that picks an engine's per-architecture rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TargetInfo {
+    pub path: PathBuf,
+    pub model_type: String,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub vocab_size: Option<usize>,
+}
+
+impl TargetInfo {
+    /// Loads a target config leniently (a directory or a `config.json`).
+    pub fn load(path: &Path) -> Result<TargetInfo> {
+        let (file, raw) = read_config_file(path)?;
+        TargetInfo::resolve(&raw, &file)
+    }
+
+    pub fn resolve(raw: &ConfigFile, path: &Path) -> Result<TargetInfo> {
+        let raw = match &raw.text_config {
+            Some(text) => merged_text_config(raw, text),
+            None => raw.clone(),
+        };
+        Ok(TargetInfo {
+            path: path.to_path_buf(),
+            model_type: need(raw.model_type.clone(), path, "model_type")?,
+            num_layers: positive(
+                need(raw.num_hidden_layers, path, "num_hidden_layers")?,
+                path,
+                "num_hidden_layers",
+            )?,
+            hidden_size: positive(
+                need(raw.hidden_size, path, "hidden_size")?,
+                path,
+                "hidden_size",
+            )?,
+            vocab_size: raw.vocab_size,
+        })
+    }
+}
+
+impl From<&ModelConfig> for TargetInfo {
+    fn from(cfg: &ModelConfig) -> TargetInfo {
+        TargetInfo {
+            path: cfg.path.clone(),
+            model_type: cfg.model_type.clone(),
+            num_layers: cfg.num_layers,
+            hidden_size: cfg.hidden_size,
+            vocab_size: Some(cfg.vocab_size),
+        }
+    }
 }
 
 /// Reads a `config.json`, or the `config.json` inside a directory.
@@ -300,7 +360,14 @@ impl ModelConfig {
             // LlamaConfig, Qwen2Config and DeepseekV3Config all default to untied.
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             // Qwen2 always has q/k/v bias (transformers' Qwen2Attention hard-codes bias=True).
-            attention_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
+            attention_bias: match arch {
+                Arch::Qwen2 => true,
+                Arch::Mistral => false,
+                _ => raw.attention_bias.unwrap_or(false),
+            },
+            o_bias: matches!(arch, Arch::Llama | Arch::Qwen3)
+                && raw.attention_bias.unwrap_or(false),
+            mlp_bias: arch == Arch::Llama && raw.mlp_bias.unwrap_or(false),
             qk_norm: arch == Arch::Qwen3,
             sliding_window,
             mla,

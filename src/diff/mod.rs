@@ -9,7 +9,7 @@ pub mod score;
 use crate::boundary::{Boundary, Convention, FinalNorm, format_list};
 use crate::engine::Feed;
 use crate::error::{Error, Result};
-use crate::gate::{check_feed, classify_layout, classify_layout_as};
+use crate::judge::{check_feed, classify};
 use crate::readers::{HostTensor, Sample, capture_files, read_capture_path};
 use crate::report::{CaptureReport, CaptureSlot, Finding, FindingName, Report, ThreeWayRow};
 use crate::spec::Spec;
@@ -26,6 +26,8 @@ pub struct DiffInput<'a> {
     pub captures: &'a [PathBuf],
     /// The inference side (what `run` would feed), for the three-way comparison.
     pub feed: Option<&'a Feed>,
+    /// The target's `model_type`, for the feed's fix.
+    pub arch: Option<&'a str>,
 }
 
 /// Where the time went, for the benchmark.
@@ -153,13 +155,16 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     report.fact("spec_b", format_list(&spec.boundaries));
     if let Some(sl) = spec
         .target
+        .as_ref()
         .and_then(|t| t.num_hidden_layers)
         .filter(|&sl| sl != l)
     {
-        return Err(Error::Usage(format!(
-            "{}: the spec was written for a {sl}-layer target, the reference has {l} layers",
-            spec.path.display()
-        )));
+        return Err(Error::Spec {
+            path: spec.path.clone(),
+            message: format!(
+                "the spec was written for a {sl}-layer target, the reference has {l} layers"
+            ),
+        });
     }
 
     let mut stats = DiffStats::default();
@@ -168,16 +173,16 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     let mut training: BTreeMap<usize, BTreeMap<usize, usize>> = BTreeMap::new();
 
     for path in input.captures {
-        let files = capture_files(path).map_err(|e| Error::Usage(e.to_string()))?;
+        let files = capture_files(path)?;
         if files.is_empty() {
-            return Err(Error::Usage(format!(
-                "{}: no capture files found",
-                path.display()
-            )));
+            return Err(Error::Capture {
+                path: path.clone(),
+                message: "no capture files found".into(),
+            });
         }
         for file in files {
             let start = Instant::now();
-            let samples = read_capture_path(&file).map_err(|e| Error::Usage(e.to_string()))?;
+            let samples = read_capture_path(&file)?;
             stats.read_seconds += start.elapsed().as_secs_f64();
             stats.files += 1;
             let mut worst: BTreeMap<usize, (SlotId, Option<FindingName>)> = BTreeMap::new();
@@ -241,11 +246,13 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
         }
     }
     if stats.samples == 0 {
-        return Err(Error::Usage(format!(
-            "{}: no captured hidden states in {} file(s) (expected aux_hidden_state(s) or a vLLM hidden_states [T, n, H])",
-            describe_paths(input.captures),
-            stats.files
-        )));
+        return Err(Error::Capture {
+            path: describe_paths(input.captures).into(),
+            message: format!(
+                "no captured hidden states in {} file(s) (expected aux_hidden_state(s) or a vLLM hidden_states [T, n, H])",
+                stats.files
+            ),
+        });
     }
     report.findings.extend(collector.findings.into_values());
     report.fact("samples", stats.samples.to_string());
@@ -257,10 +264,10 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     }
 
     if let Some(feed) = input.feed {
-        let (rows, findings) = check_feed(feed, spec, l);
-        report.slots.extend(rows);
-        report.findings.extend(findings);
-        let fed = feed.boundaries();
+        let checked = check_feed(feed, spec, input.arch, l);
+        report.slots.extend(checked.rows);
+        report.findings.extend(checked.findings);
+        let fed: Vec<Boundary> = feed.fed_slots().iter().map(|s| s.boundary).collect();
         let n = spec.boundaries.len().max(fed.len()).max(training.len());
         for slot in 0..n {
             let spec_b = spec.boundaries.get(slot).map(|b| b.index());
@@ -283,11 +290,11 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
             .map(Boundary)
             .collect();
         if trained.len() == report.three_way.len()
-            && let Some((name, msg)) = classify_layout(&fed, &trained)
+            && let Some((name, msg)) = classify(&fed, &trained, ("fed", "trained on"))
         {
             report.findings.push(
                 Finding::error(name, format!("inference and training disagree: {msg}"))
-                    .with_engine(feed.engine),
+                    .with_engine(&feed.engine_label()),
             );
         }
     }
@@ -307,11 +314,12 @@ fn identify_sample(
 ) -> Result<Vec<(SlotId, Option<FindingName>)>> {
     let label = sample_label(sample);
     let at = |f: Finding| f.with_file(label.clone()).with_sample(sample.index);
-    let tokens = sample.token_ids.as_ref().ok_or_else(|| {
-        Error::Usage(format!(
-            "{label}: sample {} has no token ids: cannot re-run the target",
+    let tokens = sample.token_ids.as_ref().ok_or_else(|| Error::Capture {
+        path: sample.file.clone(),
+        message: format!(
+            "sample {} has no token ids: cannot re-run the target",
             sample.index
-        ))
+        ),
     })?;
     let slots = match slots_of(sample, hidden, spec.boundaries.len()) {
         Ok(s) => s,
@@ -327,9 +335,10 @@ fn identify_sample(
         .map(|t| t.dtype);
     let tol = Tolerance::for_dtype(dtype.unwrap_or(crate::readers::DType::F32));
     let start = Instant::now();
-    let refs = reference
-        .states(tokens)
-        .map_err(|e| Error::Usage(format!("{label}: sample {}: {e}", sample.index)))?;
+    let refs = reference.states(tokens).map_err(|e| Error::Capture {
+        path: sample.file.clone(),
+        message: format!("sample {}: {e}", sample.index),
+    })?;
     stats.reference_seconds += start.elapsed().as_secs_f64();
     let start = Instant::now();
     let deltas = no_residual_deltas(&refs);
@@ -493,9 +502,7 @@ fn identify_sample(
         .collect();
     if found.iter().all(Option::is_some) {
         let found: Vec<Boundary> = found.into_iter().flatten().collect();
-        if let Some((name, msg)) =
-            classify_layout_as(&found, &spec.boundaries, ("captured", "spec"))
-        {
+        if let Some((name, msg)) = classify(&found, &spec.boundaries, ("captured", "spec")) {
             // A wrong layer is a slot's fault; the other layout faults belong to the whole list.
             let slot = (name == FindingName::WrongLayer)
                 .then(|| found.iter().zip(&spec.boundaries).position(|(f, e)| f != e))

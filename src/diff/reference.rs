@@ -2,9 +2,9 @@
 //! from a dump a distributed engine made of every layer. Both are one interface.
 
 use crate::error::{CandleContext, Error, Result};
+use crate::model::LoadedTarget;
 use crate::model::{Capture, CaptureRequest, Progress};
 use crate::readers::{Format, read_capture_path};
-use crate::runner::LoadedTarget;
 use candle_core::{DType, Tensor};
 use std::path::{Path, PathBuf};
 
@@ -79,11 +79,12 @@ impl ReferenceSource for RunnerReference {
                     .filter(|&t| (t as usize) < cfg.vocab_size)
             })
             .collect::<Option<Vec<u32>>>()
-            .ok_or_else(|| {
-                Error::Usage(format!(
+            .ok_or_else(|| Error::Tokens {
+                origin: self.path.display().to_string(),
+                message: format!(
                     "token ids outside the target's vocabulary (vocab_size {})",
                     cfg.vocab_size
-                ))
+                ),
             })?;
         let want = CaptureRequest {
             boundaries: None,
@@ -136,29 +137,29 @@ pub struct DumpReference {
 
 impl DumpReference {
     pub fn open(path: &Path) -> Result<DumpReference> {
-        let files = crate::readers::capture_files(path).map_err(|e| Error::Usage(e.to_string()))?;
+        let files = crate::readers::capture_files(path)?;
         let mut entries = Vec::new();
         for file in &files {
-            for sample in read_capture_path(file).map_err(|e| Error::Usage(e.to_string()))? {
+            for sample in read_capture_path(file)? {
                 entries.push(dump_states(&sample, file)?);
             }
         }
-        let first = entries
-            .first()
-            .ok_or_else(|| Error::Usage(format!("{}: no reference dump found", path.display())))?;
+        let first = entries.first().ok_or_else(|| Error::Capture {
+            path: path.to_path_buf(),
+            message: "no reference dump found".into(),
+        })?;
         let (num_layers, hidden_size) = (first.num_layers, first.hidden_size);
         if let Some(bad) = entries
             .iter()
             .find(|e| e.num_layers != num_layers || e.hidden_size != hidden_size)
         {
-            return Err(Error::Usage(format!(
-                "{}: reference dumps disagree on the target ({} layers x {} vs {} x {})",
-                path.display(),
-                num_layers,
-                hidden_size,
-                bad.num_layers,
-                bad.hidden_size
-            )));
+            return Err(Error::Capture {
+                path: path.to_path_buf(),
+                message: format!(
+                    "reference dumps disagree on the target ({} layers x {} vs {} x {})",
+                    num_layers, hidden_size, bad.num_layers, bad.hidden_size
+                ),
+            });
         }
         Ok(DumpReference {
             path: path.to_path_buf(),
@@ -170,7 +171,10 @@ impl DumpReference {
 }
 
 fn dump_states(sample: &crate::readers::Sample, file: &Path) -> Result<RefStates> {
-    let bad = |msg: String| Error::Usage(format!("{}: {msg}", file.display()));
+    let bad = |message: String| Error::Capture {
+        path: file.to_path_buf(),
+        message,
+    };
     let tokens = sample
         .token_ids
         .clone()
@@ -273,12 +277,12 @@ impl ReferenceSource for DumpReference {
             .entries
             .iter()
             .find(|e| e.tokens.len() >= tokens.len() && e.tokens[..tokens.len()] == *tokens)
-            .ok_or_else(|| {
-                Error::Usage(format!(
-                    "{}: no reference sequence starts with the capture's {} tokens",
-                    self.path.display(),
+            .ok_or_else(|| Error::Capture {
+                path: self.path.clone(),
+                message: format!(
+                    "no reference sequence starts with the capture's {} tokens",
                     tokens.len()
-                ))
+                ),
             })?;
         let (t, h) = (tokens.len(), entry.hidden_size);
         let cut = |v: &Option<Vec<f32>>| v.as_ref().map(|v| v[..t * h].to_vec());

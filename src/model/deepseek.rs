@@ -5,7 +5,7 @@
 
 use crate::config::{MlaConfig, ModelConfig, MoeConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
-use crate::model::llama::decoder_prefix;
+use crate::model::llama::{decoder_prefix, output_head};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
 use crate::model::{
@@ -467,17 +467,7 @@ impl Deepseek {
                 ffn,
             });
         }
-        let head_names = ["lm_head.weight", "language_model.lm_head.weight"];
-        let lm_head = match head_names.iter().find(|n| vb.contains(n)) {
-            Some(name) => vb.get(name, &[v, h])?,
-            None if cfg.tie_word_embeddings => embed.clone(),
-            None => {
-                return Err(Error::MissingTensor {
-                    path: vb.origin().to_path_buf(),
-                    name: "lm_head.weight".into(),
-                });
-            }
-        };
+        let lm_head = output_head(cfg, vb, &embed)?;
         Ok(Deepseek {
             cfg: cfg.clone(),
             norm: RmsNorm::load(&m.pp("norm"), h, eps)?,

@@ -11,6 +11,7 @@ use crate::error::{CandleContext, Error, Result};
 use crate::model::deepseek::{Mla, MlaDims, softmax_scale_for};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
+use crate::naming;
 use candle_core::{DType, Tensor};
 
 /// The draft layer's attention over the `[T, 2H]` input.
@@ -111,6 +112,57 @@ pub struct Eagle3Draft {
     dtype: DType,
 }
 
+/// `t2d` must flag exactly the target ids `d2t` maps the draft vocabulary onto, and those ids
+/// must lie inside the target vocabulary: a draft whose two maps disagree predicts tokens it
+/// was never trained to.
+fn check_vocab_map(cfg: &DraftConfig, root: &Vb, d2t: &[i64]) -> Result<()> {
+    let v = cfg.vocab_size;
+    let targets: Vec<i64> = d2t
+        .iter()
+        .enumerate()
+        .map(|(d, &off)| d as i64 + off)
+        .collect();
+    if let Some((d, &t)) = targets
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t < 0 || t as usize >= v)
+    {
+        return Err(Error::weights(
+            root.origin(),
+            format!("d2t maps draft token {d} to target id {t}, outside the vocabulary 0..{v}"),
+        ));
+    }
+    let Some(shape) = root.shape_of("t2d") else {
+        return Ok(());
+    };
+    if shape != [v] {
+        return Err(Error::Shape {
+            path: root.origin().to_path_buf(),
+            name: root.path("t2d"),
+            expected: vec![v],
+            got: shape,
+        });
+    }
+    let t2d: Vec<u8> = root
+        .get_raw("t2d")?
+        .to_dtype(DType::U8)
+        .and_then(|t| t.to_vec1::<u8>())
+        .ctx(|| "reading t2d".to_string())?;
+    let marked = t2d.iter().filter(|&&x| x != 0).count();
+    let agree = targets.iter().all(|&t| t2d[t as usize] != 0);
+    if !agree || marked != targets.len() {
+        return Err(Error::weights(
+            root.origin(),
+            format!(
+                "t2d flags {marked} target ids but d2t maps the {} draft tokens onto {} of them: the two maps disagree",
+                targets.len(),
+                targets.iter().filter(|&&t| t2d[t as usize] != 0).count()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// What one draft forward produced.
 pub struct DraftOutput {
     /// [T, draft_vocab]
@@ -133,25 +185,15 @@ impl Eagle3Draft {
                 "norm_before_fc drafts cannot be run yet",
             ));
         }
-        // SpecForge saves without a prefix; some exports add `model.`.
-        let root = if vb.contains("fc.weight") {
-            vb.clone()
-        } else {
-            vb.pp("model")
-        };
-        // vLLM renames `midlayer.` to `layers.0.`.
-        let layer = if root.contains("midlayer.hidden_norm.weight") {
-            root.pp("midlayer")
-        } else {
-            root.pp("layers.0")
-        };
+        let has = |n: &str| vb.contains(n);
+        let root = vb.pp(naming::draft_root(&has).unwrap_or(""));
+        let layer = root.pp(naming::draft_layer(&root.path(""), &has).unwrap_or("midlayer"));
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let dv = cfg.draft_vocab_size;
-        let d2t_name = if root.contains("d2t") {
-            "d2t"
-        } else {
-            "draft_id_to_target_id"
-        };
+        let d2t_name = naming::DRAFT_D2T
+            .into_iter()
+            .find(|n| root.contains(n))
+            .unwrap_or("d2t");
         let d2t = match root.shape_of(d2t_name) {
             Some(shape) if shape == [dv] => root
                 .get_raw(d2t_name)?
@@ -175,8 +217,9 @@ impl Eagle3Draft {
                 });
             }
         };
+        check_vocab_map(cfg, &root, &d2t)?;
         let sa = layer.pp("self_attn");
-        Ok(Eagle3Draft {
+        let draft = Eagle3Draft {
             fc: Linear::load(
                 &root.pp("fc"),
                 h,
@@ -194,7 +237,18 @@ impl Eagle3Draft {
             d2t,
             cfg: cfg.clone(),
             dtype: vb.dtype,
-        })
+        };
+        let unread = vb.unread();
+        if let Some(first) = unread.first() {
+            return Err(Error::UnusedTensors {
+                path: vb.origin().to_path_buf(),
+                arch: cfg.architecture.clone(),
+                count: unread.len(),
+                first: first.clone(),
+                hint: String::new(),
+            });
+        }
+        Ok(draft)
     }
 
     /// One draft step over a sequence. `ids`: [T] tokens whose embeddings enter (token t+1 of the

@@ -173,6 +173,10 @@ impl WeightSource for GgufSource {
     fn origin(&self) -> &Path {
         &self.path
     }
+
+    fn names(&self) -> Vec<String> {
+        self.tensors.keys().cloned().collect()
+    }
 }
 
 /// Maps the file and parses the header with candle's reader (the tokenizer reads its

@@ -3,12 +3,13 @@
 //! Reference: transformers `models/{llama,mistral,qwen2,qwen3}/modeling_*.py`.
 
 use crate::config::ModelConfig;
-use crate::error::{CandleContext, Result};
+use crate::error::{CandleContext, Error, Result};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
 use crate::model::{
     Capture, CaptureRequest, LayerStep, Progress, Target, finish_capture, run_decoder,
 };
+use crate::naming;
 use candle_core::{DType, Tensor};
 
 struct Attention {
@@ -44,7 +45,7 @@ impl Attention {
             q: Linear::load(&vb.pp("q_proj"), nh * hd, h, bias)?,
             k: Linear::load(&vb.pp("k_proj"), nkv * hd, h, bias)?,
             v: Linear::load(&vb.pp("v_proj"), nkv * hd, h, bias)?,
-            o: Linear::load(&vb.pp("o_proj"), h, nh * hd, false)?,
+            o: Linear::load(&vb.pp("o_proj"), h, nh * hd, cfg.o_bias)?,
             q_norm,
             k_norm,
             heads: nh,
@@ -92,14 +93,28 @@ pub struct Llama {
     dtype: DType,
 }
 
-/// Where the decoder lives in the checkpoint: plain HF, or a multimodal wrapper's text model.
+/// Where the decoder lives in the checkpoint ([`naming::decoder_prefix`]); `model` when none
+/// matches, so the missing embedding is reported under its usual name.
 pub fn decoder_prefix<'a>(vb: &Vb<'a>) -> Vb<'a> {
-    for prefix in ["model", "model.language_model", "language_model.model"] {
-        if vb.pp(prefix).contains("embed_tokens.weight") {
-            return vb.pp(prefix);
-        }
+    vb.pp(naming::decoder_prefix(&|n| vb.contains(n)).unwrap_or("model"))
+}
+
+/// The output head: the embeddings when tied (transformers ties `lm_head` to them and ignores
+/// a stored copy), else the checkpoint's head under any [`naming::LM_HEAD_NAMES`].
+pub fn output_head(cfg: &ModelConfig, vb: &Vb, embed: &Tensor) -> Result<Tensor> {
+    let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+    if cfg.tie_word_embeddings {
+        return Ok(embed.clone());
     }
-    vb.pp("model")
+    match naming::lm_head_name(&|n| vb.contains(n)) {
+        Some(name) => vb.get(name, &[v, h]),
+        None => Err(Error::MissingTensor {
+            path: vb.origin().to_path_buf(),
+            name:
+                "lm_head.weight (tie_word_embeddings is false, so the head is not the embeddings)"
+                    .to_string(),
+        }),
+    }
 }
 
 impl Llama {
@@ -114,14 +129,10 @@ impl Llama {
                 input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
                 attn: Attention::load(cfg, &l.pp("self_attn"))?,
                 post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
-                mlp: Mlp::load(&l.pp("mlp"), h, cfg.intermediate_size)?,
+                mlp: Mlp::load_biased(&l.pp("mlp"), h, cfg.intermediate_size, cfg.mlp_bias)?,
             });
         }
-        // Tied checkpoints often omit lm_head; untied ones must carry it.
-        let lm_head = match vb.get_opt("lm_head.weight", &[v, h])? {
-            Some(w) => w,
-            None => embed.clone(),
-        };
+        let lm_head = output_head(cfg, vb, &embed)?;
         Ok(Llama {
             cfg: cfg.clone(),
             norm: RmsNorm::load(&m.pp("norm"), h, eps)?,

@@ -9,11 +9,16 @@ pub mod llama;
 pub mod nn;
 pub mod source;
 
+use crate::boundary::FinalNorm;
 use crate::config::{Arch, ModelConfig};
-use crate::error::{CandleContext, Result};
+use crate::engine::Feed;
+use crate::error::{CandleContext, Error, Result};
+use crate::locate::{is_gguf, resolve_model_dir};
+use crate::naming;
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
+use std::path::Path;
 use std::time::Instant;
 
 /// What a forward pass should keep. Boundaries not asked for are dropped as soon as the next
@@ -70,7 +75,9 @@ pub trait Target {
     ) -> Result<Capture>;
 }
 
-/// Loads a target of any supported architecture from a weight source.
+/// Loads a target of any supported architecture from a weight source. A tensor the checkpoint
+/// holds and the architecture (as configured) never reads is an error: running without it would
+/// compute another model than the checkpoint's (a Llama with `mlp_bias` run without its biases).
 pub fn load_target(
     cfg: &ModelConfig,
     src: &dyn source::WeightSource,
@@ -79,12 +86,84 @@ pub fn load_target(
 ) -> Result<Box<dyn Target>> {
     let mut vb = source::Vb::new(src, dtype, device);
     vb.fp8_block = cfg.fp8_block;
-    match cfg.arch {
+    let model: Box<dyn Target> = match cfg.arch {
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
-            Ok(Box::new(llama::Llama::load(cfg, &vb)?))
+            Box::new(llama::Llama::load(cfg, &vb)?)
         }
-        Arch::DeepseekV3 => Ok(Box::new(deepseek::Deepseek::load(cfg, &vb)?)),
+        Arch::DeepseekV3 => Box::new(deepseek::Deepseek::load(cfg, &vb)?),
+    };
+    let unread: Vec<String> = vb
+        .unread()
+        .into_iter()
+        .filter(|n| !naming::is_extra_layer(n, cfg.num_layers) && !naming::is_ignored_buffer(n))
+        // transformers ties the head to the embeddings and ignores a stored copy.
+        .filter(|n| !(cfg.tie_word_embeddings && naming::LM_HEAD_NAMES.contains(&n.as_str())))
+        .collect();
+    if let Some(first) = unread.first() {
+        let hint = if unread.iter().any(|n| n.ends_with(".bias")) {
+            "; biases: do `attention_bias` / `mlp_bias` in config.json match the checkpoint?"
+        } else {
+            ""
+        };
+        return Err(Error::UnusedTensors {
+            path: src.origin().to_path_buf(),
+            arch: cfg.model_type.clone(),
+            count: unread.len(),
+            first: first.clone(),
+            hint: hint.to_string(),
+        });
     }
+    Ok(model)
+}
+
+/// A loaded target with its config.
+pub struct LoadedTarget {
+    pub cfg: ModelConfig,
+    pub model: Box<dyn Target>,
+}
+
+/// Loads a target from an HF directory, an HF cache entry, or a GGUF file.
+pub fn open_target(path: &Path, dtype: DType, device: &Device) -> Result<LoadedTarget> {
+    let mut progress = Progress::new("loading target");
+    let dir = resolve_model_dir(path)?;
+    let (cfg, src): (ModelConfig, Box<dyn source::WeightSource>) = if is_gguf(&dir) {
+        let (cfg, src) = gguf::open_gguf(&dir)?;
+        (cfg, Box::new(src))
+    } else {
+        (
+            ModelConfig::load(&dir)?,
+            Box::new(source::SafetensorsSource::open(&dir)?),
+        )
+    };
+    let model = load_target(&cfg, src.as_ref(), dtype, device)?;
+    progress.finish();
+    Ok(LoadedTarget { cfg, model })
+}
+
+/// The `fc` input `feed` assembles from a capture: [T, k*H], slots in feed order; at b = L the
+/// side of the final norm the engine captures.
+pub fn assemble_fc_input(feed: &Feed, capture: &Capture, num_layers: usize) -> Result<Tensor> {
+    let slots = feed.fed_slots();
+    let mut parts = Vec::with_capacity(slots.len());
+    for slot in slots {
+        let b = slot.boundary.index();
+        let t = if b == num_layers && slot.norm == Some(FinalNorm::Pre) {
+            capture.final_pre_norm.as_ref()
+        } else {
+            capture.hidden.get(&b)
+        };
+        parts.push(t.ok_or_else(|| Error::Capture {
+            path: feed.engine.to_string().into(),
+            message: format!("boundary {b} was not captured by the forward pass"),
+        })?);
+    }
+    if parts.is_empty() {
+        return Err(Error::Capture {
+            path: feed.engine.to_string().into(),
+            message: "the engine feeds no slots to fc".into(),
+        });
+    }
+    Tensor::cat(&parts, 1).ctx(|| "assembling the fc input".to_string())
 }
 
 /// What one decoder layer produced: the residual stream after it, what its FFN added (the

@@ -72,10 +72,15 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn load(vb: &Vb, hidden: usize, inter: usize) -> Result<Mlp> {
+        Mlp::load_biased(vb, hidden, inter, false)
+    }
+
+    /// With `bias`, each projection carries one (Llama's `mlp_bias`).
+    pub fn load_biased(vb: &Vb, hidden: usize, inter: usize, bias: bool) -> Result<Mlp> {
         Ok(Mlp {
-            gate: Linear::load(&vb.pp("gate_proj"), inter, hidden, false)?,
-            up: Linear::load(&vb.pp("up_proj"), inter, hidden, false)?,
-            down: Linear::load(&vb.pp("down_proj"), hidden, inter, false)?,
+            gate: Linear::load(&vb.pp("gate_proj"), inter, hidden, bias)?,
+            up: Linear::load(&vb.pp("up_proj"), inter, hidden, bias)?,
+            down: Linear::load(&vb.pp("down_proj"), hidden, inter, bias)?,
         })
     }
 

@@ -5,7 +5,9 @@ use crate::error::{CandleContext, Error, Result};
 use crate::weights::{WeightIndex, shard_files};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// A store of named tensors.
 pub trait WeightSource: Send + Sync {
@@ -15,6 +17,8 @@ pub trait WeightSource: Send + Sync {
     fn load(&self, name: &str, device: &Device) -> Result<Tensor>;
     /// The file or directory the weights came from, for error messages.
     fn origin(&self) -> &Path;
+    /// Every tensor name the store holds (to report the ones no loader read).
+    fn names(&self) -> Vec<String>;
 }
 
 /// safetensors shards, headers validated by [`WeightIndex`] before anything is mapped.
@@ -41,10 +45,6 @@ impl SafetensorsSource {
             mmap,
         })
     }
-
-    pub fn names(&self) -> impl Iterator<Item = &String> {
-        self.index.tensors.keys()
-    }
 }
 
 impl WeightSource for SafetensorsSource {
@@ -53,11 +53,17 @@ impl WeightSource for SafetensorsSource {
     }
 
     fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
-        if self.index.get(name).is_none() {
+        let Some(info) = self.index.get(name) else {
             return Err(Error::MissingTensor {
                 path: self.dir.clone(),
                 name: name.to_string(),
             });
+        };
+        // candle has no bool dtype; a BOOL tensor (a draft's `t2d`) loads as u8 0/1.
+        if info.dtype == "BOOL" {
+            let what = || format!("{}: loading {name}", self.dir.display());
+            let view = self.mmap.get(name).ctx(what)?;
+            return Tensor::from_vec(view.data().to_vec(), info.shape.clone(), device).ctx(what);
         }
         self.mmap
             .load(name, device)
@@ -66,6 +72,10 @@ impl WeightSource for SafetensorsSource {
 
     fn origin(&self) -> &Path {
         &self.dir
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.index.tensors.keys().cloned().collect()
     }
 }
 
@@ -79,6 +89,8 @@ pub struct Vb<'a> {
     /// The checkpoint's declared FP8 block (`quantization_config.weight_block_size`); when
     /// absent the block is inferred from the weight and scale shapes.
     pub fp8_block: Option<[usize; 2]>,
+    /// Every full name loaded through this builder or its children.
+    loaded: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl<'a> Vb<'a> {
@@ -89,7 +101,27 @@ impl<'a> Vb<'a> {
             dtype,
             device: device.clone(),
             fp8_block: None,
+            loaded: Arc::default(),
         }
+    }
+
+    fn mark(&self, full: &str) {
+        if let Ok(mut set) = self.loaded.lock() {
+            set.insert(full.to_string());
+        }
+    }
+
+    /// The store's tensors that nothing loaded through this builder (or its children).
+    pub fn unread(&self) -> Vec<String> {
+        let loaded = self.loaded.lock().map(|s| s.clone()).unwrap_or_default();
+        let mut out: Vec<String> = self
+            .src
+            .names()
+            .into_iter()
+            .filter(|n| !loaded.contains(n))
+            .collect();
+        out.sort();
+        out
     }
 
     /// A builder one level down: `vb.pp("model").pp("layers.3")`.
@@ -139,9 +171,11 @@ impl<'a> Vb<'a> {
             });
         }
         let raw = self.src.load(&full, &self.device)?;
+        self.mark(&full);
         let scale_name = format!("{full}_scale_inv");
         let t = if raw.dtype() == DType::F8E4M3 && self.src.shape(&scale_name).is_some() {
             let scale = self.src.load(&scale_name, &self.device)?;
+            self.mark(&scale_name);
             match self.fp8_block {
                 Some(block) => crate::model::fp8::dequantize_blocks_with(&raw, &scale, block),
                 None => crate::model::fp8::dequantize_blocks(&raw, &scale),
@@ -164,7 +198,10 @@ impl<'a> Vb<'a> {
 
     /// A tensor of any shape (index tensors such as `d2t`), in its stored dtype.
     pub fn get_raw(&self, name: &str) -> Result<Tensor> {
-        self.src.load(&self.path(name), &self.device)
+        let full = self.path(name);
+        let t = self.src.load(&full, &self.device)?;
+        self.mark(&full);
+        Ok(t)
     }
 
     pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {

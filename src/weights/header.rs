@@ -123,7 +123,8 @@ struct IndexFile {
 }
 
 /// The safetensors files of a model directory: the shards `model.safetensors.index.json` names,
-/// else every `*.safetensors` in it. A path to one `.safetensors` file is taken as is.
+/// else `model.safetensors`, else every `*.safetensors` in it. A path to one `.safetensors` file
+/// is taken as is.
 pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if dir.is_file() {
         return Ok(vec![dir.to_path_buf()]);
@@ -156,6 +157,12 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
             out.push(shard);
         }
         return Ok(out);
+    }
+    // transformers reads `model.safetensors` when there is no index; other safetensors files
+    // beside it (reference dumps, adapters) are not part of the model.
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
     }
     let mut out = Vec::new();
     let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;

@@ -1,0 +1,474 @@
+//! One test per audited rule: each names the upstream file and version it encodes (the facts
+//! with line numbers are in fixtures/engines/FACTS.md) and fails if the row changes meaning.
+
+use super::*;
+
+fn feed(engine: &str, arch: Option<&str>, ids: Option<&[i64]>, l: usize) -> Feed {
+    let sel = EngineSel::parse(engine).unwrap();
+    let ids = ids.map_or_else(DraftIds::default, DraftIds::nested);
+    resolve(&sel, arch, &ids, l)
+}
+
+fn fed(f: &Feed) -> Vec<usize> {
+    f.slots.iter().map(|s| s.boundary.0).collect()
+}
+
+fn refused(f: &Feed) -> bool {
+    f.how == How::Refused
+        && f.problems
+            .iter()
+            .any(|p| matches!(p, IdProblem::Refused { .. }))
+}
+
+fn dropped(f: &Feed) -> Vec<i64> {
+    f.problems
+        .iter()
+        .filter_map(|p| match p {
+            IdProblem::OutOfRange { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect()
+}
+
+/// sglang 0.5.23 sglang/srt/models/llama.py `set_eagle3_layers_to_capture` (l. 929): +1 on
+/// every id, whatever the first id. A Llama drafter with ids [2, 16, 29] gets b = [3, 17, 30];
+/// vLLM 0.33.0 reads the same ids raw.
+#[test]
+fn sglang_llama_adds_one_to_every_id_and_vllm_reads_them_raw() {
+    let ids = [2, 16, 29];
+    assert_eq!(
+        fed(&feed("sglang", Some("llama"), Some(&ids), 32)),
+        [3, 17, 30]
+    );
+    assert_eq!(
+        fed(&feed("sglang", Some("qwen3"), Some(&ids), 32)),
+        [3, 17, 30]
+    );
+    let vllm = resolve(
+        &EngineSel::parse("vllm").unwrap(),
+        Some("llama"),
+        &DraftIds {
+            top: Some(ids.to_vec()),
+            nested: Some(ids.to_vec()),
+        },
+        32,
+    );
+    assert_eq!(fed(&vllm), [2, 16, 29]);
+}
+
+/// sglang 0.5.14 and 0.5.23 sglang/srt/models/deepseek_v2.py `set_eagle3_layers_to_capture`
+/// (l. 2799 / 3458), PR 25454: +1 only when the first id is 1. sglang 0.5.10 (l. 2295): +1.
+#[test]
+fn sglang_deepseek_first_id_rule_by_version() {
+    for arch in ["deepseek_v3", "kimi_k2", "kimi_k25", "glm4_moe_lite"] {
+        for v in ["sglang", "sglang@0.5.14"] {
+            assert_eq!(
+                fed(&feed(v, Some(arch), Some(&[1, 29, 57]), 61)),
+                [2, 30, 58]
+            );
+            assert_eq!(
+                fed(&feed(v, Some(arch), Some(&[2, 30, 58]), 61)),
+                [2, 30, 58]
+            );
+        }
+    }
+    assert_eq!(
+        fed(&feed(
+            "sglang@0.5.10",
+            Some("deepseek_v3"),
+            Some(&[2, 30, 58]),
+            61
+        )),
+        [3, 31, 59]
+    );
+    // glm4_moe_lite inherits deepseek_v2's +1 setter in 0.5.10 (glm4_moe_lite.py has none).
+    assert_eq!(
+        fed(&feed(
+            "sglang@0.5.10",
+            Some("glm4_moe_lite"),
+            Some(&[2, 30, 58]),
+            61
+        )),
+        [3, 31, 59]
+    );
+}
+
+/// sglang 0.5.23 sglang/srt/layers/aux_hidden_states.py `AuxHiddenStatePacker.finalize` (l. 84):
+/// a DeepSeek forward that captures fewer states than ids raises. -1 on the raw path, an id
+/// past L and a duplicate all do; in 0.5.14 (list-based) they are dropped silently.
+#[test]
+fn sglang_0_5_23_deepseek_raises_where_0_5_14_drops() {
+    for ids in [&[-1, 2, 30][..], &[2, 30, 61], &[2, 30, 30]] {
+        assert!(
+            refused(&feed("sglang", Some("deepseek_v3"), Some(ids), 61)),
+            "{ids:?}"
+        );
+    }
+    let old = feed("sglang@0.5.14", Some("deepseek_v3"), Some(&[-1, 2, 30]), 61);
+    assert_eq!(fed(&old), [2, 30]);
+    assert_eq!(dropped(&old), [-1]);
+    // glm4_moe_lite keeps its own list-based forward: silent.
+    assert_eq!(
+        fed(&feed(
+            "sglang",
+            Some("glm4_moe_lite"),
+            Some(&[-1, 2, 30]),
+            61
+        )),
+        [2, 30]
+    );
+}
+
+/// b = 0 by version and model (FACTS.md 1.3): 0.5.10/0.5.14 crash on llama's `residual is None`
+/// at layer 0; qwen2/qwen3 guard it (qwen2.py `Qwen2Model.forward`); 0.5.23 captures it
+/// everywhere (layer_boundary/stage.py); deepseek_v2 0.5.14 captures it through the
+/// communicator.
+#[test]
+fn the_embedding_slot_depends_on_version_and_model() {
+    let minus_one = Some(&[-1i64, 2, 30][..]);
+    assert!(refused(&feed(
+        "sglang@0.5.10",
+        Some("llama"),
+        minus_one,
+        61
+    )));
+    assert!(refused(&feed(
+        "sglang@0.5.14",
+        Some("llama"),
+        minus_one,
+        61
+    )));
+    assert_eq!(
+        fed(&feed("sglang", Some("llama"), minus_one, 61)),
+        [0, 3, 31]
+    );
+    assert_eq!(
+        fed(&feed("sglang@0.5.10", Some("qwen3"), minus_one, 61)),
+        [0, 3, 31]
+    );
+    assert!(refused(&feed(
+        "sglang@0.5.10",
+        Some("deepseek_v3"),
+        minus_one,
+        61
+    )));
+    assert_eq!(
+        fed(&feed(
+            "sglang@0.5.14",
+            Some("deepseek_v3"),
+            Some(&[0, 2, 30]),
+            61
+        )),
+        [0, 2, 30]
+    );
+}
+
+/// sglang 0.5.23 sglang/srt/models/gpt_oss.py `set_eagle3_layers_to_capture` (l. 1337): raw when
+/// max(ids) == L, b = L captured pre-norm; 0.5.14 (l. 1273) adds 1 to every id.
+#[test]
+fn sglang_gpt_oss_reads_boundaries_when_the_last_id_is_l() {
+    let new = feed("sglang", Some("gpt_oss"), Some(&[24, 30, 36]), 36);
+    assert_eq!(fed(&new), [24, 30, 36]);
+    assert_eq!(new.slots[2].norm, Some(FinalNorm::Pre));
+    assert_eq!(
+        fed(&feed("sglang", Some("gpt_oss"), Some(&[23, 29, 35]), 36)),
+        [24, 30, 36]
+    );
+    let old = feed("sglang@0.5.14", Some("gpt_oss"), Some(&[24, 30, 36]), 36);
+    assert_eq!(fed(&old), [25, 31]);
+    assert_eq!(dropped(&old), [36]);
+}
+
+/// sglang sglang/srt/models/qwen2_moe.py `Qwen2MoeModel.set_eagle3_layers_to_capture`
+/// (0.5.23 l. 1153): tags `self.layers[b]`, so b = L raises IndexError and a negative b wraps.
+#[test]
+fn sglang_qwen_moe_indexes_its_layer_list() {
+    assert!(refused(&feed(
+        "sglang",
+        Some("qwen3_moe"),
+        Some(&[1, 20, 47]),
+        48
+    )));
+    assert_eq!(
+        fed(&feed("sglang", Some("qwen3_moe"), Some(&[-2, 1, 20]), 48)),
+        [2, 21, 47]
+    );
+}
+
+/// sglang 0.5.23 attention_backend_setup.py `configure_aux_hidden_state_capture`: DeepSeek-V4
+/// has no EAGLE-3 setter and sglang raises.
+#[test]
+fn sglang_refuses_eagle3_on_deepseek_v4() {
+    assert!(refused(&feed(
+        "sglang",
+        Some("deepseek_v4"),
+        Some(&[1, 2, 3]),
+        61
+    )));
+    assert!(refused(&feed("sglang", Some("deepseek_v4"), None, 61)));
+}
+
+/// sglang (every version) reads only `eagle_config.eagle_aux_hidden_state_layer_ids`
+/// (0.5.23 spec_aux_hidden_state.py `_resolve_eagle_aux_hidden_state`): a top-level list is
+/// ignored and the default used. vLLM 0.33.0's V2 runner (eagle3_utils.py
+/// `get_eagle3_aux_layers_from_config`, the default runner) reads only the top level; its V1
+/// runner (gpu_model_runner.py `_get_eagle3_aux_layers_from_config`) the top level, then the
+/// nested key.
+#[test]
+fn where_the_ids_are_read() {
+    let top = DraftIds {
+        top: Some(vec![4, 16, 28]),
+        nested: None,
+    };
+    let nested = DraftIds::nested(&[4, 16, 28]);
+    let at = |engine: &str, ids: &DraftIds| {
+        resolve(&EngineSel::parse(engine).unwrap(), Some("llama"), ids, 32)
+    };
+    let sg = at("sglang", &top);
+    assert_eq!(sg.how, How::DefaultFallback);
+    assert_eq!(fed(&sg), [2, 16, 29]);
+    assert!(matches!(sg.problems[0], IdProblem::NotRead { .. }));
+    let v2 = at("vllm", &nested);
+    assert_eq!(v2.how, How::DefaultFallback);
+    assert!(matches!(v2.problems[0], IdProblem::NotRead { .. }));
+    assert_eq!(fed(&at("vllm:v1", &nested)), [4, 16, 28]);
+    assert_eq!(fed(&at("vllm", &top)), [4, 16, 28]);
+    // extract_hidden_states requires the top-level key.
+    assert!(refused(&at("vllm:extract", &nested)));
+}
+
+/// vLLM 0.33.0 interfaces.py `EagleModelMixin._set_aux_hidden_state_layers` (l. 1616): sorted
+/// and de-duplicated; llama.py: index 0 is the embedding, index L the pre-norm final state,
+/// -1 never matches. deepseek_v2.py `DeepseekV2Model.forward`: id 0 crashes, id L is captured by
+/// the end_layer check.
+#[test]
+fn vllm_capture_edges() {
+    let top = |ids: &[i64]| DraftIds {
+        top: Some(ids.to_vec()),
+        nested: None,
+    };
+    let sel = EngineSel::parse("vllm").unwrap();
+    let f = resolve(&sel, Some("llama"), &top(&[32, 0, 16, 16, -1]), 32);
+    assert_eq!(fed(&f), [0, 16, 32]);
+    assert_eq!(f.slots[2].norm, Some(FinalNorm::Pre));
+    assert_eq!(dropped(&f), [-1]);
+    assert!(refused(&resolve(
+        &sel,
+        Some("deepseek_v3"),
+        &top(&[0, 30, 58]),
+        61
+    )));
+    let ds = resolve(&sel, Some("deepseek_v3"), &top(&[2, 30, 61]), 61);
+    assert_eq!(fed(&ds), [2, 30, 61]);
+    assert_eq!(ds.slots[2].norm, Some(FinalNorm::Pre));
+}
+
+/// TensorRT-LLM at f933a608 tensorrt_llm/_torch/speculative/eagle3.py: b = id + 1 (capture
+/// after the layer's MLP), -1 the post-norm final state; the one-model path
+/// (`Eagle3OneModelSpecMetadata.__post_init__`, the default) sorts so -1 lands in slot 0, the
+/// two-model path (`Eagle3SpecMetadata.__post_init__`) moves a leading -1 last; the default
+/// raises for L <= 5; the ids come from `EagleDecodingConfig`, not the draft config.
+#[test]
+fn trtllm_paths_order_minus_one_differently() {
+    let one = feed("trtllm", None, Some(&[-1, 2, 30]), 61);
+    assert_eq!(fed(&one), [61, 3, 31]);
+    assert_eq!(one.slots[0].norm, Some(FinalNorm::Post));
+    let two = feed("trtllm:two-model", None, Some(&[-1, 2, 30]), 61);
+    assert_eq!(fed(&two), [3, 31, 61]);
+    assert!(
+        one.problems
+            .iter()
+            .any(|p| matches!(p, IdProblem::NotRead { .. }))
+    );
+    assert!(one.notes.iter().any(|n| n.contains("capture site")));
+    let pre = feed("trtllm", None, Some(&[1, 29, 60]), 61);
+    assert_eq!(pre.slots[2].norm, Some(FinalNorm::Pre));
+    assert!(refused(&feed("trtllm", None, None, 5)));
+    assert_eq!(fed(&feed("trtllm", None, None, 6)), [2, 3]);
+}
+
+/// SpecForge a6b6b023: `resolve_eagle_capture_layers` then, offline, `resolve_offline_capture`
+/// (3 distinct ids in 0..L) or, online, `resolve_server_capture_contract` (3 unique ids >= 0);
+/// capture through sglang 0.5.14's per-model setter.
+#[test]
+fn specforge_checks_then_uses_sglang_0_5_14() {
+    assert_eq!(
+        fed(&feed(
+            "specforge",
+            Some("deepseek_v3"),
+            Some(&[1, 29, 57]),
+            61
+        )),
+        [2, 30, 58]
+    );
+    assert_eq!(
+        fed(&feed(
+            "specforge",
+            Some("deepseek_v3"),
+            Some(&[2, 30, 58]),
+            61
+        )),
+        [2, 30, 58]
+    );
+    assert_eq!(
+        fed(&feed("specforge", Some("llama"), Some(&[2, 30, 58]), 61)),
+        [3, 31, 59]
+    );
+    for ids in [&[2, 2, 30][..], &[1, 29, 61], &[-1, 2, 30], &[1, 2]] {
+        assert!(
+            refused(&feed("specforge", Some("llama"), Some(ids), 61)),
+            "{ids:?}"
+        );
+    }
+    // Online there is no < L check: id 61 asks for b = 62 and sglang drops it.
+    let online = feed("specforge:online", Some("llama"), Some(&[1, 29, 61]), 61);
+    assert_eq!(fed(&online), [2, 30]);
+    // The default is checked too: L = 5 gives [1, 1, 1].
+    assert!(refused(&feed("specforge", Some("llama"), None, 5)));
+}
+
+/// SafeAILab EAGLE cb7e0841 eagle/traineagle3/modeling_llama_kv.py: the inputs of layers
+/// {2, L//2, L-3}, config ignored; cnets.py `dataprepare` needs three distinct states.
+#[test]
+fn eagle_hard_codes_its_layers() {
+    let f = feed("eagle", None, Some(&[5, 6, 7]), 32);
+    assert_eq!(f.how, How::HardCoded);
+    assert_eq!(fed(&f), [2, 16, 29]);
+    assert_eq!(fed(&feed("eagle", None, None, 3)), [0, 1, 2]);
+    assert!(refused(&feed("eagle", None, None, 4)));
+}
+
+/// Model-Optimizer a2fbac7b collect_hidden_states: HF dump `hidden_states[id + 1]` with
+/// 0 <= id < L (common.py `resolve_aux_layers`), sorted, de-duplicated, default
+/// sorted({1, max(0, L//2-1), max(0, L-4)}) (hf_eagle.py `default_eagle_aux_layer_ids`);
+/// the vLLM dump passes [*ids, L] raw and stores L as the target, with no default.
+#[test]
+fn modelopt_dumps() {
+    assert!(refused(&feed("modelopt", None, Some(&[-1, 2, 30]), 61)));
+    assert_eq!(
+        fed(&feed("modelopt", None, Some(&[29, 1, 57]), 61)),
+        [2, 30, 58]
+    );
+    let last = feed("modelopt", None, Some(&[1, 29, 60]), 61);
+    assert_eq!(last.slots[2].norm, Some(FinalNorm::Post));
+    assert_eq!(fed(&feed("modelopt", None, None, 4)), [1, 2]);
+    let vllm = feed("modelopt:vllm", None, Some(&[2, 30, 58]), 61);
+    assert_eq!(fed(&vllm), [2, 30, 58]);
+    assert_eq!(
+        vllm.target.map(|t| (t.boundary.0, t.norm)),
+        Some((61, Some(FinalNorm::Pre)))
+    );
+    assert!(refused(&feed("modelopt:vllm", None, None, 61)));
+}
+
+/// speculators 0.9.0 scripts/launch_vllm.py: default [2, L//2, L-3, L], L appended to custom
+/// ids; the trainer (data.py `_get_raw_data`) takes the last slot as the target and
+/// (utils.py `resolve_target_layer_ids`) refuses negative or repeated ids.
+#[test]
+fn speculators_keeps_the_last_slot_as_the_target() {
+    let d = feed("speculators", None, None, 32);
+    assert_eq!(fed(&d), [2, 16, 29]);
+    assert_eq!(d.target.map(|t| t.boundary.0), Some(32));
+    // An id equal to L is not added twice; it becomes the target and fc loses a slot.
+    assert_eq!(
+        fed(&feed("speculators", None, Some(&[2, 16, 32]), 32)),
+        [2, 16]
+    );
+    assert!(refused(&feed("speculators", None, Some(&[-1, 2, 16]), 32)));
+}
+
+#[test]
+fn versions_pick_bands_and_say_so() {
+    let sel = EngineSel::parse("sglang@0.5.12").unwrap();
+    let s = select(&sel, Some("llama"));
+    assert_eq!(s.rule.read, "0.5.10");
+    assert!(
+        s.notes[0].contains("0.5.12 was not audited"),
+        "{:?}",
+        s.notes
+    );
+    assert_eq!(
+        EngineSel::parse("sglang-legacy").unwrap().version,
+        Some(Version([0, 5, 10]))
+    );
+    assert!(EngineSel::parse("vllm:v3").unwrap_err().contains("v1"));
+    assert!(
+        EngineSel::parse("tgi")
+            .unwrap_err()
+            .contains("unknown engine `tgi`")
+    );
+    assert!(select(&EngineSel::parse("sglang").unwrap(), None).notes[0].contains("unknown"));
+    assert!(
+        select(&EngineSel::parse("sglang").unwrap(), Some("llama"))
+            .notes
+            .is_empty()
+    );
+}
+
+#[test]
+fn every_band_has_a_generic_rule() {
+    for engine in Engine::ALL {
+        for path in engine.paths() {
+            for v in engine.versions() {
+                let rows: Vec<&Rule> = RULES
+                    .iter()
+                    .filter(|r| r.engine == engine && r.path == path && r.since == v)
+                    .collect();
+                if !rows.is_empty() {
+                    assert!(
+                        rows.iter().any(|r| r.archs.is_empty()),
+                        "{engine}:{path}@{v} has no generic row"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fixes_round_trip_through_each_rule() {
+    let want = |v: &[usize]| -> Vec<Want> { v.iter().map(|&b| (Boundary(b), None)).collect() };
+    let fix = |engine: &str, arch: Option<&str>, w: &[Want], l: usize| {
+        ids_for(&EngineSel::parse(engine).unwrap(), arch, w, l).map(|x| x.0)
+    };
+    assert_eq!(
+        fix("vllm", None, &want(&[2, 30, 58]), 61),
+        Some(vec![2, 30, 58])
+    );
+    assert_eq!(
+        fix("sglang", Some("llama"), &want(&[2, 30, 58]), 61),
+        Some(vec![1, 29, 57])
+    );
+    assert_eq!(fix("eagle", None, &want(&[2, 30, 58]), 61), None);
+    // PR 25454's rule cannot feed b = 1 first: id 0 stays raw (b = 0), id 1 turns on the +1.
+    assert_eq!(
+        fix("sglang", Some("deepseek_v3"), &want(&[1, 5, 9]), 61),
+        None
+    );
+    // No sorting engine feeds a descending order.
+    assert_eq!(fix("vllm", None, &want(&[30, 2, 58]), 61), None);
+    // TensorRT-LLM: the post-norm final state is -1, which sorts first on the one-model path.
+    let post = [
+        (Boundary(61), Some(FinalNorm::Post)),
+        (Boundary(3), None),
+        (Boundary(31), None),
+    ];
+    assert_eq!(fix("trtllm", None, &post, 61), Some(vec![-1, 2, 30]));
+    for (engine, arch) in [
+        ("sglang", Some("llama")),
+        ("sglang", Some("deepseek_v3")),
+        ("sglang@0.5.10", None),
+        ("vllm", None),
+        ("trtllm", None),
+        ("modelopt", None),
+    ] {
+        let w = want(&[3, 17, 30]);
+        let (ids, _) = ids_for(&EngineSel::parse(engine).unwrap(), arch, &w, 32).unwrap();
+        let both = DraftIds {
+            top: Some(ids.clone()),
+            nested: Some(ids),
+        };
+        let back = resolve(&EngineSel::parse(engine).unwrap(), arch, &both, 32);
+        assert_eq!(fed(&back), [3, 17, 30], "{engine}");
+    }
+}

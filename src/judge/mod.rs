@@ -1,0 +1,90 @@
+//! The judge: every verdict eagle-check gives is decided here, whichever command gathered the
+//! evidence. Layout classification ([`layout`]), feed checks and fixes ([`feed`]), and the
+//! header-only static checks ([`statics`]). `gate`, `run`, `diff` and the probe call these;
+//! no command imports another.
+
+pub mod feed;
+pub mod layout;
+pub mod statics;
+
+use crate::boundary::format_list;
+use crate::config::DraftConfig;
+use crate::engine::{DraftIds, EngineSel, Feed, resolve};
+use crate::error::Result;
+use crate::report::Report;
+pub use feed::{FeedCheck, check_feed, fix_for};
+pub use layout::classify;
+pub use statics::{Dims, StaticInput};
+
+/// The ids a draft config holds, in words for the report.
+pub fn ids_fact(ids: &DraftIds) -> String {
+    match (&ids.top, &ids.nested) {
+        (None, None) => "none (engines use their defaults)".into(),
+        (Some(t), None) => format!("{t:?} (top level)"),
+        (None, Some(n)) => format!("{n:?} (eagle_config)"),
+        (Some(t), Some(n)) if t == n => format!("{n:?} (top level and eagle_config)"),
+        (Some(t), Some(n)) => format!("{t:?} (top level), {n:?} (eagle_config): they differ"),
+    }
+}
+
+/// What each engine in `engines` feeds this draft (or, with no draft, a config without ids).
+pub fn feeds(draft: Option<&DraftConfig>, dims: &Dims, engines: &[EngineSel]) -> Vec<Feed> {
+    let none = DraftIds::default();
+    let ids = draft.map_or(&none, |d| &d.ids);
+    engines
+        .iter()
+        .map(|sel| resolve(sel, dims.arch.as_deref(), ids, dims.num_layers))
+        .collect()
+}
+
+/// The static report `gate` prints and `run` starts from: facts, the engine-independent checks,
+/// then each engine's feed against the spec.
+pub fn static_report(
+    command: &str,
+    input: &StaticInput,
+    engines: &[EngineSel],
+) -> Result<(Report, Dims, Vec<Feed>)> {
+    let spec = input.spec;
+    let dims = Dims::resolve(spec, input.draft, input.target)?;
+    let mut report = Report::new(command);
+    report.fact("spec", format!("{} ({})", spec.name, spec.path.display()));
+    if let Some(d) = input.draft {
+        report.fact(
+            "draft",
+            format!("{} ({})", d.architecture, d.path.display()),
+        );
+    }
+    if let Some(t) = input.target {
+        report.fact("target", format!("{} ({})", t.model_type, t.path.display()));
+    }
+    report.fact(
+        "target_dims",
+        format!(
+            "L = {} layers, Ht = {}{}",
+            dims.num_layers,
+            dims.target_hidden,
+            dims.arch
+                .as_deref()
+                .map_or(String::new(), |a| format!(", {a}"))
+        ),
+    );
+    if let Some(d) = input.draft {
+        report.fact("draft_ids", ids_fact(&d.ids));
+    }
+    report.fact("spec_b", format_list(&spec.boundaries));
+    if let Some(w) = input.target_weights {
+        report.fact("target_tensors", w.tensors.len().to_string());
+    }
+    report.findings.extend(statics::check(input, &dims));
+    let feeds = feeds(input.draft, &dims, engines);
+    for feed in &feeds {
+        report.fact(&format!("rule {}", feed.engine_label()), feed.describe());
+        let checked = check_feed(feed, spec, dims.arch.as_deref(), dims.num_layers);
+        for note in checked.notes {
+            report.fact(&format!("note {}", feed.engine_label()), note);
+        }
+        report.slots.extend(checked.rows);
+        report.findings.extend(checked.findings);
+    }
+    Ok((report, dims, feeds))
+}
