@@ -63,6 +63,19 @@ fn llama_boundaries_match_transformers() {
     assert!(worst <= F32_TOL, "llama worst rel err {worst:.3e}");
 }
 
+/// Linear rope scaling (x4) and biases on q/k/v/o and the MLP (`attention_bias`, `mlp_bias`):
+/// dropping either the scaling or any bias moves every boundary past the tolerance.
+#[test]
+fn llama_linear_rope_and_biases_match_transformers() {
+    let worst = target_parity("llama_linear_bias", DType::F32);
+    assert!(
+        worst <= F32_TOL,
+        "llama_linear_bias worst rel err {worst:.3e}"
+    );
+}
+
+/// The fixture's sliding window (5) is shorter than its 12 tokens (gen_models.py asserts the
+/// window changes the output), so a runner that ignores it fails here.
 #[test]
 fn mistral_boundaries_match_transformers() {
     let worst = target_parity("mistral", DType::F32);
@@ -137,4 +150,88 @@ fn llama_draft_logits_match_the_pytorch_reference() {
 fn qwen3_draft_logits_match_the_pytorch_reference() {
     let worst = draft_parity("qwen3", "qwen3-draft");
     assert!(worst <= F32_TOL, "{worst:.3e}");
+}
+
+/// A multimodal wrapper around the llama fixture, in both layouts transformers has written:
+/// `model.language_model.*` + `lm_head.weight` (transformers 5) and `language_model.model.*` +
+/// `language_model.lm_head.weight` (older LLaVA-style exports). The text model's settings sit in
+/// `text_config`, the vocabulary size only at the top level. Both must capture exactly what the
+/// plain checkpoint captures.
+#[test]
+fn multimodal_wrappers_capture_what_the_text_model_captures() {
+    let plain_dir = fixture("models/llama");
+    let plain_cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(plain_dir.join("config.json")).unwrap()).unwrap();
+    let weights =
+        candle_core::safetensors::load(plain_dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let r = reference("models/llama/reference.safetensors");
+    let tokens = ids(&r, "input_ids");
+    for (decoder, head) in [
+        ("model.language_model", "lm_head.weight"),
+        ("language_model.model", "language_model.lm_head.weight"),
+    ] {
+        let dir = crate::support::scratch(&format!("multimodal-{decoder}"));
+        let mut text = plain_cfg.clone();
+        let vocab = text.as_object_mut().unwrap().remove("vocab_size").unwrap();
+        let cfg = serde_json::json!({
+            "architectures": ["LlavaForConditionalGeneration"],
+            "model_type": "llava",
+            "vocab_size": vocab,
+            "text_config": text,
+        });
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        let renamed: HashMap<String, Tensor> = weights
+            .iter()
+            .map(|(k, v)| {
+                let name = match k.strip_prefix("model.") {
+                    Some(rest) => format!("{decoder}.{rest}"),
+                    None => head.to_string(),
+                };
+                (name, v.clone())
+            })
+            .collect();
+        candle_core::safetensors::save(&renamed, dir.join("model.safetensors")).unwrap();
+        let cfg = ModelConfig::load(&dir).unwrap();
+        assert_eq!(
+            cfg.vocab_size, 256,
+            "text_config inherits the wrapper's vocab_size"
+        );
+        let src = SafetensorsSource::open(&dir).unwrap();
+        let model = load_target(&cfg, &src, DType::F32, &Device::Cpu).unwrap();
+        let cap = model
+            .forward(&tokens, &CaptureRequest::all(), &mut Progress::hidden())
+            .unwrap();
+        for b in 0..=cfg.num_layers {
+            let c = closeness(&cap.hidden[&b], &r[&format!("hidden_states.{b}")]).unwrap();
+            assert!(c.max_rel <= F32_TOL, "{decoder} b={b}: {:.2e}", c.max_rel);
+        }
+        let c = closeness(cap.logits.as_ref().unwrap(), &r["logits"]).unwrap();
+        assert!(c.max_rel <= F32_TOL, "{decoder} logits: {:.2e}", c.max_rel);
+    }
+}
+
+/// A tensor the architecture never reads (here a stray MLP bias on a config without
+/// `mlp_bias`) is refused by name, not silently ignored.
+#[test]
+fn unread_checkpoint_tensors_are_refused_by_name() {
+    let plain_dir = fixture("models/llama");
+    let dir = crate::support::scratch("unread-tensor");
+    std::fs::copy(plain_dir.join("config.json"), dir.join("config.json")).unwrap();
+    let mut weights =
+        candle_core::safetensors::load(plain_dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    weights.insert(
+        "model.layers.0.mlp.down_proj.bias".into(),
+        Tensor::zeros(64, DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&weights, dir.join("model.safetensors")).unwrap();
+    let cfg = ModelConfig::load(&dir).unwrap();
+    let src = SafetensorsSource::open(&dir).unwrap();
+    let err = load_target(&cfg, &src, DType::F32, &Device::Cpu)
+        .err()
+        .expect("an unread tensor is an error")
+        .to_string();
+    assert!(
+        err.contains("model.layers.0.mlp.down_proj.bias") && err.contains("mlp_bias"),
+        "{err}"
+    );
 }
