@@ -7,7 +7,7 @@ use crate::engine::{EngineSel, Feed};
 use crate::error::{CandleContext, Error, Result};
 use crate::judge::{self, Dims, StaticInput};
 use crate::locate::{self, resolve_model_dir};
-use crate::model::draft::Eagle3Draft;
+use crate::model::draft::{DraftOutput, Eagle3Draft};
 use crate::model::source::{SafetensorsSource, Vb, WeightSource};
 use crate::model::{
     Capture, CaptureRequest, LoadedTarget, Progress, Target, assemble_fc_input, open_target,
@@ -120,8 +120,8 @@ pub fn run(input: &RunInput) -> Result<Report> {
     let capture = target.model.forward(&input.tokens, &want, &mut progress)?;
 
     let fc_input = assemble_fc_input(&feed, &capture, l).ok();
-    if let (Some(draft), Some(dir), Some(fc_input)) = (&draft_cfg, &input.draft, &fc_input) {
-        run_draft(
+    let draft_out = match (&draft_cfg, &input.draft, &fc_input) {
+        (Some(draft), Some(dir), Some(fc_input)) => run_draft(
             &target,
             (draft, dir),
             &feed,
@@ -129,8 +129,9 @@ pub fn run(input: &RunInput) -> Result<Report> {
             &capture,
             input,
             &mut report,
-        )?;
-    }
+        )?,
+        _ => None,
+    };
     if input.generate > 0 {
         let new = greedy_continuation(target.model.as_ref(), &input.tokens, input.generate)?;
         let text = match locate::tokenizer_for(&input.target) {
@@ -140,7 +141,14 @@ pub fn run(input: &RunInput) -> Result<Report> {
         report.fact("greedy_continuation", text);
     }
     if let Some(path) = &input.dump {
-        write_dump(path, &input.tokens, &capture, fc_input.as_ref(), l)?;
+        write_dump(
+            path,
+            &input.tokens,
+            &capture,
+            fc_input.as_ref(),
+            draft_out.as_ref(),
+            l,
+        )?;
         report.fact("dump", path.display().to_string());
     }
     Ok(report.finish())
@@ -175,7 +183,7 @@ pub fn draft_step(
     tokens: &[u32],
     fc_input: &Tensor,
     target_embed: &Tensor,
-) -> Result<crate::model::draft::DraftOutput> {
+) -> Result<DraftOutput> {
     let t = tokens.len();
     let fc_prev = fc_input
         .narrow(0, 0, t - 1)
@@ -192,7 +200,8 @@ pub fn agreement(draft_next: &[i64], target_greedy: &[i64]) -> (usize, usize) {
 }
 
 /// Runs the draft on the fc input the engine assembled and records how often its greedy token
-/// equals the target's: an offline glimpse of first-token acceptance.
+/// equals the target's: an offline glimpse of first-token acceptance. `None` when the draft
+/// cannot run on what the engine assembles (the finding says why).
 fn run_draft(
     target: &LoadedTarget,
     (draft, dir): (&DraftConfig, &Path),
@@ -201,7 +210,7 @@ fn run_draft(
     capture: &Capture,
     input: &RunInput,
     report: &mut Report,
-) -> Result<()> {
+) -> Result<Option<DraftOutput>> {
     let target_hidden = draft.target_hidden(Some(target.cfg.hidden_size));
     let src = SafetensorsSource::open(dir)?;
     let fc_shape = naming::find_draft(DraftTensor::Top("fc.weight"), &|n| src.shape(n).is_some())
@@ -222,7 +231,7 @@ fn run_draft(
             )
             .with_engine(&feed.engine_label()),
         );
-        return Ok(());
+        return Ok(None);
     }
     let vb = Vb::new(&src, input.dtype, &input.device);
     let model = Eagle3Draft::load(draft, &vb, target_hidden, slots)?;
@@ -239,7 +248,7 @@ fn run_draft(
             format!("{agree}/{total} positions agree with the target's greedy token"),
         );
     }
-    Ok(())
+    Ok(Some(out))
 }
 
 /// `n` greedy tokens after `tokens` (a full forward per token: this is a sanity check, not a
@@ -270,13 +279,16 @@ pub fn greedy_continuation(model: &dyn Target, tokens: &[u32], n: usize) -> Resu
 }
 
 /// Writes the `--dump` safetensors: `input_ids` i64 [T], `hidden_states.{b}` f32 [T, H] for
-/// b = 0..=L (HF semantics), `final_pre_norm` f32 [T, H], `fc_input` f32 [T, k*Ht].
+/// b = 0..=L (HF semantics), `final_pre_norm` f32 [T, H], `fc_input` f32 [T, k*Ht], and when the
+/// draft ran, `draft_logits` f32 [T-1, Vd] and `draft_next_target_ids` i64 [T-1] (row t: the
+/// feature at t with the embedding of token t + 1, predicting token t + 2).
 /// Written to a temporary name and renamed, so a failure never leaves half a file.
 pub fn write_dump(
     path: &Path,
     tokens: &[u32],
     capture: &Capture,
     fc_input: Option<&Tensor>,
+    draft: Option<&DraftOutput>,
     l: usize,
 ) -> Result<()> {
     let device = Device::Cpu;
@@ -306,8 +318,33 @@ pub fn write_dump(
     if let Some(t) = fc_input {
         out.insert("fc_input".into(), f32_cpu(t).ctx(|| "dump".into())?);
     }
+    if let Some(d) = draft {
+        out.insert(
+            "draft_logits".into(),
+            f32_cpu(&d.logits).ctx(|| "dump".into())?,
+        );
+        out.insert(
+            "draft_next_target_ids".into(),
+            Tensor::new(d.next_target_ids.as_slice(), &device).ctx(|| "dump".into())?,
+        );
+    }
     let tmp = path.with_extension("safetensors.partial");
     candle_core::safetensors::save(&out, &tmp).ctx(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Draft row t (feature t, embedding of token t + 1) predicts token t + 2, which the target
+    /// predicts from position t + 1.
+    #[test]
+    fn agreement_pairs_draft_row_t_with_the_target_at_t_plus_1() {
+        let greedy = [5, 6, 7, 8, 9];
+        assert_eq!(agreement(&[6, 7, 8, 9], &greedy), (4, 4));
+        assert_eq!(agreement(&[5, 6, 7, 8], &greedy), (0, 4));
+        assert_eq!(agreement(&[7, 8, 9, 0], &greedy), (0, 4));
+    }
 }

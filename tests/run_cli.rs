@@ -82,6 +82,38 @@ fn dump_matches_transformers_and_the_reference_fc_input() {
     let c = closeness(&got["fc_input"], &d["fc_input"]).unwrap();
     assert!(c.max_rel <= 1e-4, "fc_input: {:.2e}", c.max_rel);
     assert!(!dir.join("capture.safetensors.partial").exists());
+    // The draft ran on the training alignment: the feature at t with the embedding of token
+    // t + 1 (gen_draft.py's draft_fc_input = fc_input[:-1], draft_input_ids = input_ids[1:]).
+    let c = closeness(&got["draft_logits"], &d["draft_logits"]).unwrap();
+    assert!(c.max_rel <= 1e-4, "draft_logits: {:.2e}", c.max_rel);
+    let next = got["draft_next_target_ids"].to_vec1::<i64>().unwrap();
+    assert_eq!(next, d["draft_next_target_ids"].to_vec1::<i64>().unwrap());
+    // And the agreement in the report pairs draft row t with the target's greedy token at t + 1.
+    let greedy: Vec<i64> = r["logits"]
+        .argmax(1)
+        .unwrap()
+        .to_dtype(DType::I64)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let agree = next
+        .iter()
+        .zip(&greedy[1..])
+        .filter(|(a, b)| a == b)
+        .count();
+    let json = eagle_check([
+        "run",
+        &p(&fixture("bundles/tiny-llama")),
+        "--tokens",
+        &reference_ids(),
+        "--format",
+        "json",
+    ])
+    .json();
+    assert_eq!(
+        json["subject"]["draft_top1"],
+        format!("{agree}/11 positions agree with the target's greedy token")
+    );
 }
 
 #[test]
