@@ -322,6 +322,23 @@ impl Tokenizer {
             .map_err(|e| tok_err(&self.origin, format!("decoding: {e}")))
     }
 
+    /// The chunks the pre-tokenizer cuts `text` into before BPE, as byte-level symbols (`Ġ` is
+    /// a space, `Ċ` a newline): what decides which merges can apply.
+    pub fn pre_tokenize(&self, text: &str) -> Result<Vec<String>> {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer as _};
+        let Some(pre) = self.inner.get_pre_tokenizer() else {
+            return Ok(vec![text.to_string()]);
+        };
+        let mut split = PreTokenizedString::from(text);
+        pre.pre_tokenize(&mut split)
+            .map_err(|e| tok_err(&self.origin, format!("pre-tokenizing: {e}")))?;
+        Ok(split
+            .get_splits(OffsetReferential::Original, OffsetType::Char)
+            .into_iter()
+            .map(|(s, _, _)| s.to_string())
+            .collect())
+    }
+
     /// Tokens the tokenizer knows, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

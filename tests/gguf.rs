@@ -886,3 +886,52 @@ fn smollm2_boundaries_match_transformers() {
     const TOL: f64 = 1e-4;
     assert!(worst <= TOL, "SmolLM2 worst rel err {worst:.3e}");
 }
+
+/// llama.cpp's pre-tokenizers (src/llama-vocab.cpp), chunk by chunk on a string that touches
+/// every alternative of their regexes: case-insensitive contractions, a letter run with its
+/// leading space, digits (qwen2 one at a time, llama-bpe in runs of up to three, gpt2 whole),
+/// punctuation carrying its newlines, and whitespace before a word. The expected chunks were
+/// worked out by hand from the regexes.
+#[test]
+fn gguf_pre_tokenizers_cut_like_llama_cpp() {
+    let text = "Hello  world's 12345!!\n\nDON'T YOU'LLAMA";
+    let s = |x: &str| Value::String(x.into());
+    let tokens = ["a", "b"];
+    let chunks = |pre: &str| -> Vec<String> {
+        let mut md = HashMap::new();
+        md.insert("tokenizer.ggml.model".to_string(), s("gpt2"));
+        md.insert("tokenizer.ggml.pre".to_string(), s(pre));
+        md.insert(
+            "tokenizer.ggml.tokens".to_string(),
+            Value::Array(tokens.iter().map(|t| s(t)).collect()),
+        );
+        md.insert("tokenizer.ggml.merges".to_string(), Value::Array(vec![]));
+        Tokenizer::from_gguf_metadata(&md, Path::new("pre.gguf"))
+            .unwrap()
+            .pre_tokenize(text)
+            .unwrap()
+    };
+    let words = |w: &[&str]| -> Vec<String> { w.iter().map(|x| x.to_string()).collect() };
+    assert_eq!(
+        chunks("qwen2"),
+        words(&[
+            "Hello", "Ġ", "Ġworld", "'s", "Ġ", "1", "2", "3", "4", "5", "!!ĊĊ", "DON", "'T",
+            "ĠYOU", "'LL", "AMA"
+        ])
+    );
+    assert_eq!(
+        chunks("llama-bpe"),
+        words(&[
+            "Hello", "Ġ", "Ġworld", "'s", "Ġ", "123", "45", "!!ĊĊ", "DON", "'T", "ĠYOU", "'LL",
+            "AMA"
+        ])
+    );
+    // GPT-2's contractions are case-sensitive and it keeps digit runs and newlines apart.
+    assert_eq!(
+        chunks("gpt2"),
+        words(&[
+            "Hello", "Ġ", "Ġworld", "'s", "Ġ12345", "!!", "Ċ", "Ċ", "DON", "'", "T", "ĠYOU", "'",
+            "LLAMA"
+        ])
+    );
+}
