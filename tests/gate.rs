@@ -480,3 +480,168 @@ fn readme_engine_table_is_generated_from_the_rules() {
         "README.md's engine table differs from the rules: paste `eagle-check engines --markdown` between the markers"
     );
 }
+
+/// Each header check of the draft, one broken tensor at a time: the finding names the tensor
+/// and both sizes.
+#[test]
+fn draft_header_checks_name_the_tensor() {
+    let dir = scratch("draft-header-checks");
+    let h = 7168usize;
+    let set =
+        |list: &mut Vec<(String, &'static str, Vec<usize>)>, name: &str, shape: Vec<usize>| {
+            list.iter_mut().find(|(n, _, _)| n == name).unwrap().2 = shape;
+        };
+    type Edit = Box<dyn Fn(&mut Vec<(String, &'static str, Vec<usize>)>)>;
+    let cases: Vec<(&str, Edit, &str, &str)> = vec![
+        (
+            "lm-head",
+            Box::new(move |l| set(l, "lm_head.weight", vec![16000, h])),
+            "lm_head.weight",
+            "32000",
+        ),
+        (
+            "d2t",
+            Box::new(move |l| set(l, "d2t", vec![16000])),
+            "d2t",
+            "[32000]",
+        ),
+        (
+            "t2d",
+            Box::new(move |l| set(l, "t2d", vec![1000])),
+            "t2d",
+            "[129280]",
+        ),
+        (
+            "hidden",
+            Box::new(move |l| set(l, "midlayer.hidden_norm.weight", vec![4096])),
+            "midlayer.hidden_norm.weight",
+            "hidden_size = 7168",
+        ),
+        (
+            "no-d2t",
+            Box::new(|l| l.retain(|(n, _, _)| n != "d2t")),
+            "no d2t",
+            "32000 < 129280",
+        ),
+        (
+            "no-head",
+            Box::new(|l| l.retain(|(n, _, _)| n != "lm_head.weight")),
+            "no lm_head.weight",
+            "",
+        ),
+    ];
+    for (label, edit, needle, number) in cases {
+        let d = synth::draft_dir_with(&dir.join(label), &fixture(DS_DRAFT), 3 * h, edit);
+        let out = eagle_check([
+            "gate",
+            "--spec",
+            "specs/deepseek-v3-specforge.yaml",
+            "--draft",
+            &p(&d),
+            "--engine",
+            "sglang",
+            "--format",
+            "json",
+        ]);
+        assert_eq!(out.code, 1, "{label}: {}", out.stdout);
+        assert_eq!(out.finding_names(), vec!["shape"], "{label}");
+        let msg = out.json()["findings"][0]["message"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            msg.contains(needle) && msg.contains(number),
+            "{label}: {msg}"
+        );
+    }
+}
+
+/// Config-level checks: the draft's target_hidden_size and vocab_size against the target, and a
+/// draft vocabulary larger than the vocabulary it maps into.
+#[test]
+fn draft_config_checks_compare_with_the_target() {
+    let dir = scratch("draft-config-checks");
+    let base: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture(DS_DRAFT)).unwrap()).unwrap();
+    let cases = [
+        (
+            "target_hidden_size",
+            serde_json::json!(4096),
+            "target_hidden_size = 4096",
+        ),
+        (
+            "vocab_size",
+            serde_json::json!(128256),
+            "draft vocab_size 128256",
+        ),
+        (
+            "draft_vocab_size",
+            serde_json::json!(200000),
+            "draft_vocab_size 200000",
+        ),
+    ];
+    for (key, value, needle) in cases {
+        let mut cfg = base.clone();
+        cfg[key] = value;
+        let path = dir.join(format!("{key}.json"));
+        std::fs::write(&path, cfg.to_string()).unwrap();
+        let out = eagle_check([
+            "gate",
+            "--spec",
+            "specs/deepseek-v3-specforge.yaml",
+            "--draft",
+            &p(&path),
+            "--target",
+            &p(&fixture(DS_TARGET)),
+            "--engine",
+            "sglang",
+            "--format",
+            "json",
+        ]);
+        assert_eq!(out.code, 1, "{key}: {}", out.stdout);
+        let messages: Vec<String> = out.json()["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["message"].as_str().unwrap().to_string())
+            .collect();
+        assert!(
+            messages.iter().any(|m| m.contains(needle)),
+            "{key}: {messages:?}"
+        );
+    }
+}
+
+/// A target checkpoint whose shards all exist but that lacks one declared layer.
+#[test]
+fn a_target_checkpoint_missing_a_layer_is_named() {
+    let dir = scratch("missing-layer");
+    let src = fixture("models/llama");
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let mut weights =
+        candle_core::safetensors::load(src.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    weights.retain(|name, _| !name.starts_with("model.layers.3."));
+    candle_core::safetensors::save(&weights, dir.join("model.safetensors")).unwrap();
+    let out = eagle_check([
+        "gate",
+        "--spec",
+        "fixtures/bundles/tiny-llama/spec.yaml",
+        "--draft",
+        "fixtures/bundles/tiny-llama/draft",
+        "--target",
+        &p(&dir),
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert_eq!(out.finding_names(), vec!["shape"]);
+    let msg = out.json()["findings"][0]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        msg.contains("first: layer 3") && msg.contains("5 layers"),
+        "{msg}"
+    );
+}

@@ -237,6 +237,16 @@ fn write_draft(
 
 /// A draft directory with the real config and sparse weights of the given fc input width.
 pub fn draft_dir(dir: &Path, config: &Path, fc_in: usize) -> PathBuf {
+    draft_dir_with(dir, config, fc_in, |_| {})
+}
+
+/// [`draft_dir`] with the tensor list edited before it is written (`(name, dtype, shape)`).
+pub fn draft_dir_with(
+    dir: &Path,
+    config: &Path,
+    fc_in: usize,
+    edit: impl Fn(&mut Vec<(String, &'static str, Vec<usize>)>),
+) -> PathBuf {
     let cfg = draft_config(dir, config);
     let get = |k: &str| cfg[k].as_u64().unwrap() as usize;
     let (h, heads, kv) = (
@@ -251,7 +261,49 @@ pub fn draft_dir(dir: &Path, config: &Path, fc_in: usize) -> PathBuf {
         ("v_proj", vec![kv * hd, 2 * h]),
         ("o_proj", vec![h, heads * hd]),
     ];
-    write_draft(dir, &cfg, fc_in, attention)
+    let path = write_draft(dir, &cfg, fc_in, attention);
+    let mut listed: Vec<(String, &'static str, Vec<usize>)> =
+        read_listing(&dir.join("model.safetensors"));
+    edit(&mut listed);
+    let tensors: Vec<Tensor> = listed
+        .iter()
+        .map(|(name, dtype, shape)| t(name.clone(), dtype, shape))
+        .collect();
+    write_sparse(&dir.join("model.safetensors"), &tensors);
+    path
+}
+
+/// The (name, dtype, shape) of every tensor of a safetensors file, in data order.
+fn read_listing(path: &Path) -> Vec<(String, &'static str, Vec<usize>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut out: Vec<(usize, String, &'static str, Vec<usize>)> = header
+        .into_iter()
+        .map(|(name, v)| {
+            let dtype = match v["dtype"].as_str().unwrap() {
+                "BF16" => "BF16",
+                "I64" => "I64",
+                "BOOL" => "BOOL",
+                other => panic!("unexpected dtype {other}"),
+            };
+            let shape = v["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap() as usize)
+                .collect();
+            (
+                v["data_offsets"][0].as_u64().unwrap() as usize,
+                name,
+                dtype,
+                shape,
+            )
+        })
+        .collect();
+    out.sort();
+    out.into_iter().map(|(_, n, d, s)| (n, d, s)).collect()
 }
 
 /// An MLA draft directory (`Eagle3DeepseekV2ForCausalLM`, TorchSpec `midlayer.` names) with the
