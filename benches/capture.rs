@@ -2,7 +2,7 @@
 //! dequantised to f32) on the CPU at T = 256 (every boundary, the pre-norm state and the
 //! logits), median of several runs, against HF transformers timing
 //! `model(input_ids, output_hidden_states=True)` on the same tokens, threads and machine in the
-//! same run (fixtures/smollm2/bench_hf.py, run with `EAGLE_CHECK_PYTHON` or /work/pyenv/bin/python).
+//! same run (fixtures/smollm2/bench_hf.py, run with `EAGLE_CHECK_PYTHON`, else `python3`).
 
 use candle_core::{DType, Device};
 use eagle_check::model::gguf::open_gguf;
@@ -29,7 +29,7 @@ fn hf_peer(
 ) -> Result<(f64, f64), String> {
     let python = std::env::var_os("EAGLE_CHECK_PYTHON")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/work/pyenv/bin/python"));
+        .unwrap_or_else(|| PathBuf::from("python3"));
     let out = Command::new(&python)
         .arg(root.join("fixtures/smollm2/bench_hf.py"))
         .arg(gguf)
