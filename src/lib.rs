@@ -10,6 +10,7 @@ pub mod diff;
 pub mod engine;
 pub mod error;
 pub mod gate;
+pub mod kernels;
 pub mod model;
 pub mod readers;
 pub mod report;
