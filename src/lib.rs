@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod gate;
 pub mod judge;
+pub mod kernels;
 pub mod locate;
 pub mod model;
 pub mod naming;

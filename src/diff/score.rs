@@ -101,24 +101,30 @@ pub fn score_all(x: View, candidates: &[Pairing]) -> Vec<Score> {
         }
     }
     (0..n)
-        .map(|j| {
-            let denom = (xx[j] * cc[j]).sqrt();
-            Score {
-                cosine: if denom > 0.0 { xc[j] / denom } else { 0.0 },
-                rel_err: if cc[j] > 0.0 {
-                    ((xx[j] - 2.0 * xc[j] + cc[j]).max(0.0) / cc[j]).sqrt()
-                } else {
-                    f64::INFINITY
-                },
-                norm_ratio: if cc[j] > 0.0 {
-                    (xx[j] / cc[j]).sqrt()
-                } else {
-                    f64::INFINITY
-                },
-                rows: rows[j],
-            }
-        })
+        .map(|j| Score::from_sums(xx[j], xc[j], cc[j], rows[j]))
         .collect()
+}
+
+impl Score {
+    /// The scores that follow from `x.x`, `x.c` and `c.c` summed over `rows` rows (shared with
+    /// the GPU scoring in `kernels::score`, which returns the three sums).
+    pub fn from_sums(xx: f64, xc: f64, cc: f64, rows: usize) -> Score {
+        let denom = (xx * cc).sqrt();
+        Score {
+            cosine: if denom > 0.0 { xc / denom } else { 0.0 },
+            rel_err: if cc > 0.0 {
+                ((xx - 2.0 * xc + cc).max(0.0) / cc).sqrt()
+            } else {
+                f64::INFINITY
+            },
+            norm_ratio: if cc > 0.0 {
+                (xx / cc).sqrt()
+            } else {
+                f64::INFINITY
+            },
+            rows,
+        }
+    }
 }
 
 /// NaN and Inf values in the view.

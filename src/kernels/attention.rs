@@ -1,0 +1,525 @@
+//! Causal flash attention (kernels/attention.cu) with grouped KV heads and an optional sliding
+//! window, reading q, k and v where they lie (column windows of one fused QKV output work as
+//! they are) and writing `[tq, nh * dv]`: the layout `o_proj` reads.
+
+use super::{Elem, Matrix, with_float_type};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
+
+/// Heads and scaling of one attention call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnParams {
+    /// Query heads.
+    pub nh: usize,
+    /// KV heads (`nh` for MHA and MLA, fewer for GQA); query head h reads KV head
+    /// `h / (nh / nkv)`.
+    pub nkv: usize,
+    /// Query/key head dim.
+    pub dk: usize,
+    /// Value head dim.
+    pub dv: usize,
+    /// Softmax scale (`dk^-0.5`, or DeepSeek's YaRN-adjusted one).
+    pub scale: f64,
+    /// Mistral's sliding window: query at position p sees keys j with `p - j < window`.
+    pub window: Option<usize>,
+}
+
+impl AttnParams {
+    fn check(&self) -> Result<()> {
+        if self.nkv == 0 || !self.nh.is_multiple_of(self.nkv) {
+            candle_core::bail!(
+                "attention: {} query heads in {} KV groups",
+                self.nh,
+                self.nkv
+            );
+        }
+        if self.dk == 0 || self.dv == 0 {
+            candle_core::bail!(
+                "attention: head dims dk {} dv {} must be positive",
+                self.dk,
+                self.dv
+            );
+        }
+        if !(self.scale > 0.0 && self.scale.is_finite()) {
+            candle_core::bail!("attention: softmax scale {} must be positive", self.scale);
+        }
+        if self.window == Some(0) {
+            candle_core::bail!("attention: a sliding window of 0 sees nothing");
+        }
+        Ok(())
+    }
+}
+
+/// A row-major input: `rows` rows at `stride`.
+#[derive(Clone, Copy)]
+pub struct Rows<'a, T> {
+    pub data: &'a [T],
+    pub stride: usize,
+    pub rows: usize,
+}
+
+/// The CPU reference. Query i sits at position `i + tk - tq`. Per (query, head): scores
+/// `scale * q.k` in f32 (dot products summed in order), softmax with the max subtracted, the
+/// weighted sum of values in f32, rounded to `T` once. Returns `[tq, nh * dv]`. Heads are
+/// spread over the available cores (the device tests check T = 2048 shapes against it).
+pub fn flash_attention_ref<T: Elem>(q: Rows<T>, k: Rows<T>, v: Rows<T>, p: &AttnParams) -> Vec<T> {
+    let (tq, tk) = (q.rows, k.rows);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(p.nh.max(1));
+    let per_thread = p.nh.div_ceil(threads.max(1)).max(1);
+    let heads: Vec<Vec<(usize, Vec<f32>)>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..p.nh)
+            .step_by(per_thread)
+            .map(|h0| {
+                s.spawn(move || {
+                    (h0..(h0 + per_thread).min(p.nh))
+                        .map(|h| (h, attend_head(q, k, v, p, h, tq, tk)))
+                        .collect()
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("attention worker"))
+            .collect()
+    });
+    let mut out = vec![T::from_f32(0.0); tq * p.nh * p.dv];
+    for (h, o) in heads.into_iter().flatten() {
+        for i in 0..tq {
+            for d in 0..p.dv {
+                out[i * p.nh * p.dv + h * p.dv + d] = T::from_f32(o[i * p.dv + d]);
+            }
+        }
+    }
+    out
+}
+
+/// One head's `[tq, dv]` output in f32.
+fn attend_head<T: Elem>(
+    q: Rows<T>,
+    k: Rows<T>,
+    v: Rows<T>,
+    p: &AttnParams,
+    h: usize,
+    tq: usize,
+    tk: usize,
+) -> Vec<f32> {
+    let g = h / (p.nh / p.nkv);
+    let scale = p.scale as f32;
+    let mut out = vec![0f32; tq * p.dv];
+    let mut scores = Vec::with_capacity(tk);
+    for i in 0..tq {
+        let pos = i + tk - tq;
+        let lo = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let qi = &q.data[i * q.stride + h * p.dk..][..p.dk];
+        scores.clear();
+        for j in lo..=pos {
+            let kj = &k.data[j * k.stride + g * p.dk..][..p.dk];
+            let dot: f32 = qi
+                .iter()
+                .zip(kj)
+                .map(|(a, b)| a.to_f32() * b.to_f32())
+                .sum();
+            scores.push(dot * scale);
+        }
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let o = &mut out[i * p.dv..][..p.dv];
+        for (j, &w) in (lo..=pos).zip(&scores) {
+            let vj = &v.data[j * v.stride + g * p.dv..][..p.dv];
+            for (od, vd) in o.iter_mut().zip(vj) {
+                *od += w * vd.to_f32();
+            }
+        }
+        o.iter_mut().for_each(|od| *od /= sum);
+    }
+    out
+}
+
+/// The rows of a CPU storage that `m` names.
+fn cpu_rows<'a, T: WithDType>(s: &'a CpuStorage, m: &Matrix, what: &str) -> Result<Rows<'a, T>> {
+    Ok(Rows {
+        data: m.slice(s.as_slice::<T>()?, what)?,
+        stride: m.stride,
+        rows: m.rows,
+    })
+}
+
+/// q, k, v checked against the params.
+fn shapes(p: &AttnParams, ql: &Layout, kl: &Layout, vl: &Layout) -> Result<[Matrix; 3]> {
+    p.check()?;
+    let q = Matrix::with_cols(ql, p.nh * p.dk, "attention q")?;
+    let k = Matrix::with_cols(kl, p.nkv * p.dk, "attention k")?;
+    let v = Matrix::with_cols(vl, p.nkv * p.dv, "attention v")?;
+    if k.rows != v.rows {
+        candle_core::bail!("attention: {} keys but {} values", k.rows, v.rows);
+    }
+    if q.rows > k.rows {
+        candle_core::bail!("attention: {} queries but only {} keys", q.rows, k.rows);
+    }
+    Ok([q, k, v])
+}
+
+struct FlashAttention {
+    p: AttnParams,
+    /// A tensor-core tile by tag, or "generic", instead of the default choice (tests, benches).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    path: Option<&'static str>,
+}
+
+impl CustomOp3 for FlashAttention {
+    fn name(&self) -> &'static str {
+        "flash-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let [qm, km, vm] = shapes(&self.p, ql, kl, vl)?;
+        with_float_type!(q.dtype(), T => {
+            let out = flash_attention_ref(
+                cpu_rows::<T>(q, &qm, "q")?,
+                cpu_rows::<T>(k, &km, "k")?,
+                cpu_rows::<T>(v, &vm, "v")?,
+                &self.p,
+            );
+            Ok((T::to_cpu_storage_owned(out), Shape::from((qm.rows, self.p.nh * self.p.dv))))
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        ql: &Layout,
+        k: &candle_core::CudaStorage,
+        kl: &Layout,
+        v: &candle_core::CudaStorage,
+        vl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::{self, FlashPath, TC_CONFIGS, storage_ptr};
+        let [qm, km, vm] = shapes(&self.p, ql, kl, vl)?;
+        let p = &self.p;
+        let dtype = q.dtype();
+        let kd = super::KernelDType::of(dtype)?;
+        let out = cuda::alloc(&q.device, dtype, qm.rows * p.nh * p.dv)?;
+        let args = cuda::FlashArgs {
+            q: storage_ptr(q, qm.offset)?,
+            q_stride: qm.stride,
+            k: storage_ptr(k, km.offset)?,
+            k_stride: km.stride,
+            v: storage_ptr(v, vm.offset)?,
+            v_stride: vm.stride,
+            out: storage_ptr(&out, 0)?,
+            o_stride: p.nh * p.dv,
+            tq: qm.rows,
+            tk: km.rows,
+            nh: p.nh,
+            nkv: p.nkv,
+            dk: p.dk,
+            dv: p.dv,
+            scale: p.scale as f32,
+            window: p.window.unwrap_or(0),
+        };
+        let path = match self.path {
+            None => cuda::flash_path(kd, &args),
+            Some("generic") => FlashPath::Generic,
+            Some(tag) => FlashPath::TensorCore(
+                *TC_CONFIGS
+                    .iter()
+                    .find(|c| c.tag == tag)
+                    .ok_or_else(|| candle_core::Error::Msg(format!("no attention tile {tag}")))?,
+            ),
+        };
+        cuda::flash_attn_on(&q.device, kd, &args, path)?;
+        Ok((out, Shape::from((qm.rows, p.nh * p.dv))))
+    }
+}
+
+/// Causal attention of `q`: `[tq, nh * dk]` over `k`: `[tk, nkv * dk]`, `v`: `[tk, nkv * dv]`
+/// (one dtype, any row strides, `tq <= tk`: the queries are the last `tq` positions). Returns
+/// `[tq, nh * dv]`. Never materialises the `tq x tk` scores.
+pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, p: &AttnParams) -> Result<Tensor> {
+    flash_attention_on(q, k, v, p, None)
+}
+
+/// [`flash_attention`] on a chosen kernel (a tensor-core tile tag from
+/// `cuda::TC_CONFIGS`, or "generic"); the CPU ignores the choice.
+pub fn flash_attention_on(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    p: &AttnParams,
+    path: Option<&'static str>,
+) -> Result<Tensor> {
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        candle_core::bail!(
+            "attention: mixed dtypes q {:?} k {:?} v {:?}",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        );
+    }
+    q.apply_op3_no_bwd(k, v, &FlashAttention { p: *p, path })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testing::{assert_close, random, values};
+    use crate::model::nn::attention;
+    use candle_core::{DType, Device};
+
+    /// (tq, tk, nh, nkv, dk, dv, window)
+    type Case = (usize, usize, usize, usize, usize, usize, Option<usize>);
+
+    /// T = 1, ragged T, tq < tk, GQA 1 and 4, dk != dv, a window shorter than T.
+    const SMALL: &[Case] = &[
+        (1, 1, 1, 1, 16, 16, None),
+        (37, 37, 4, 1, 24, 24, None),
+        (37, 37, 4, 4, 32, 16, Some(7)),
+        (5, 50, 8, 2, 16, 24, None),
+        (20, 45, 2, 2, 32, 32, Some(30)),
+    ];
+
+    fn params(nh: usize, nkv: usize, dk: usize, dv: usize, window: Option<usize>) -> AttnParams {
+        AttnParams {
+            nh,
+            nkv,
+            dk,
+            dv,
+            scale: (dk as f64).powf(-0.5),
+            window,
+        }
+    }
+
+    /// `[t, heads * d]` -> `[heads, t, d]`
+    fn heads_first(x: &Tensor, heads: usize) -> Tensor {
+        let (t, c) = x.dims2().unwrap();
+        x.reshape((t, heads, c / heads))
+            .unwrap()
+            .transpose(0, 1)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+    }
+
+    #[test]
+    fn reference_matches_candle() {
+        let dev = Device::Cpu;
+        for &(tq, tk, nh, nkv, dk, dv, window) in SMALL {
+            let p = params(nh, nkv, dk, dv, window);
+            // q, k, v as column windows of one fused [tk, ...] QKV output.
+            let width = nh * dk + nkv * dk + nkv * dv;
+            let qkv = random(&[tk, width], DType::F32, 1, &dev);
+            let q = qkv
+                .narrow(0, tk - tq, tq)
+                .unwrap()
+                .narrow(1, 0, nh * dk)
+                .unwrap();
+            let k = qkv.narrow(1, nh * dk, nkv * dk).unwrap();
+            let v = qkv.narrow(1, nh * dk + nkv * dk, nkv * dv).unwrap();
+            let got = flash_attention(&q, &k, &v, &p).unwrap();
+            let mut mask = vec![0f32; tq * tk];
+            for i in 0..tq {
+                let pos = i + tk - tq;
+                for j in 0..tk {
+                    if j > pos || window.is_some_and(|w| pos - j >= w) {
+                        mask[i * tk + j] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let mask = Tensor::from_vec(mask, (tq, tk), &dev).unwrap();
+            let want = attention(
+                &heads_first(&q, nh),
+                &heads_first(&k, nkv),
+                &heads_first(&v, nkv),
+                &mask,
+                p.scale,
+            )
+            .unwrap();
+            assert_eq!(want.dims(), got.dims());
+            // f32 both ways, sums in other orders (candle's matmul): a few ulps.
+            assert_close(
+                &values(&got),
+                &values(&want),
+                1e-6,
+                1e-5,
+                &format!("{tq}x{tk} {p:?}"),
+            );
+        }
+        let x = random(&[4, 16], DType::F32, 1, &dev);
+        assert!(
+            flash_attention(
+                &x,
+                &x.narrow(0, 0, 3).unwrap(),
+                &x.narrow(0, 0, 3).unwrap(),
+                &params(1, 1, 16, 16, None)
+            )
+            .is_err()
+        );
+    }
+
+    #[cfg(feature = "cuda")]
+    mod device {
+        use super::*;
+        use crate::kernels::cuda::TC_CONFIGS;
+
+        /// Runs `path` on the GPU and the reference on the CPU; `q`, `k`, `v` are windows of a
+        /// fused QKV made in `dtype`.
+        fn check(
+            gpu: &Device,
+            dtype: DType,
+            (tq, tk, nh, nkv, dk, dv, window): Case,
+            path: Option<&'static str>,
+        ) {
+            let p = params(nh, nkv, dk, dv, window);
+            let width = nh * dk + nkv * dk + nkv * dv;
+            let qkv = random(&[tk, width], dtype, (tq * 31 + tk) as u64, &Device::Cpu);
+            let split = |t: &Tensor| {
+                (
+                    t.narrow(0, tk - tq, tq)
+                        .unwrap()
+                        .narrow(1, 0, nh * dk)
+                        .unwrap(),
+                    t.narrow(1, nh * dk, nkv * dk).unwrap(),
+                    t.narrow(1, nh * dk + nkv * dk, nkv * dv).unwrap(),
+                )
+            };
+            let (q, k, v) = split(&qkv);
+            let want = flash_attention(&q, &k, &v, &p).unwrap();
+            let qkv_gpu = qkv.to_device(gpu).unwrap();
+            let (q, k, v) = split(&qkv_gpu);
+            let got = flash_attention_on(&q, &k, &v, &p, path).unwrap();
+            // Tolerances: the reference rounds once from f32. The generic kernel differs only in
+            // summation order (a few f32 ulps), so one ulp of the dtype. The tensor-core path
+            // also rounds P to the dtype for P.V (as FA2): each weight off by up to 2^-9 (bf16)
+            // or 2^-12 (f16) relative, so outputs (averages of values in [-1, 1]) move by up to
+            // that absolute amount, plus the output rounding.
+            let tensor_core = path != Some("generic") && dtype != DType::F32;
+            let (atol, rtol) = match (dtype, tensor_core) {
+                (DType::F32, _) => (1e-6, 1e-5),
+                (DType::BF16, false) => (1e-5, 1.0 / 128.0),
+                (DType::F16, false) => (1e-5, 1.0 / 1024.0),
+                (DType::BF16, true) => (1.0 / 256.0, 1.0 / 128.0),
+                _ => (1.0 / 2048.0, 1.0 / 1024.0),
+            };
+            let what = format!("{dtype:?} {path:?} tq {tq} tk {tk} {p:?}");
+            assert_close(&values(&got), &values(&want), atol, rtol, &what);
+        }
+
+        #[test]
+        fn device_generic_matches_reference() {
+            let Some(gpu) = crate::kernels::testing::cuda_device() else {
+                return;
+            };
+            for &shape in SMALL {
+                for dtype in [DType::F32, DType::BF16, DType::F16] {
+                    check(&gpu, dtype, shape, None);
+                }
+            }
+            // Llama-3.1-8B at T = 2048 in f32 (only the generic kernel takes f32).
+            check(&gpu, DType::F32, (2048, 2048, 32, 8, 128, 128, None), None);
+            check(
+                &gpu,
+                DType::BF16,
+                (300, 300, 32, 8, 128, 128, Some(100)),
+                Some("generic"),
+            );
+        }
+
+        #[test]
+        fn device_tensor_core_matches_reference() {
+            let Some(gpu) = crate::kernels::testing::cuda_device() else {
+                return;
+            };
+            for c in TC_CONFIGS {
+                let mla = c.dk != c.dv;
+                let (nh, nkv) = if mla { (16, 16) } else { (8, 2) };
+                // Ragged tiles: T = 1, T below and across one block, tq < tk, a short window.
+                for (tq, tk, window) in [
+                    (1, 1, None),
+                    (37, 37, None),
+                    (129, 129, None),
+                    (70, 300, None),
+                    (200, 200, Some(33)),
+                ] {
+                    for dtype in [DType::BF16, DType::F16] {
+                        check(
+                            &gpu,
+                            dtype,
+                            (tq, tk, nh, nkv, c.dk, c.dv, window),
+                            Some(c.tag),
+                        );
+                    }
+                }
+            }
+            // Realistic: Llama-3.1-8B and a Mistral window at T = 2048, DeepSeek MLA heads.
+            check(&gpu, DType::BF16, (2048, 2048, 32, 8, 128, 128, None), None);
+            check(
+                &gpu,
+                DType::BF16,
+                (2048, 2048, 32, 8, 128, 128, Some(1000)),
+                None,
+            );
+            check(
+                &gpu,
+                DType::BF16,
+                (2048, 2048, 16, 16, 192, 128, None),
+                None,
+            );
+            check(&gpu, DType::F16, (512, 2048, 32, 8, 128, 128, None), None);
+        }
+
+        /// Throughput of every tensor-core tile on Llama-3.1-8B heads (nh 32, nkv 8, hd 128) and
+        /// DeepSeek MLA heads at T = 2048..8192. A benchmark, not a check: run with
+        /// `--ignored --nocapture`.
+        #[test]
+        #[ignore = "benchmark; run with --ignored --nocapture"]
+        fn device_throughput() {
+            let Some(gpu) = crate::kernels::testing::cuda_device() else {
+                return;
+            };
+            for t in [2048, 4096, 8192] {
+                for c in TC_CONFIGS.iter().filter(|c| c.dk >= 128) {
+                    let (nh, nkv) = if c.dk != c.dv { (128, 128) } else { (32, 8) };
+                    let width = nh * c.dk + nkv * c.dk + nkv * c.dv;
+                    let qkv = random(&[t, width], DType::BF16, 1, &gpu);
+                    let q = qkv.narrow(1, 0, nh * c.dk).unwrap();
+                    let k = qkv.narrow(1, nh * c.dk, nkv * c.dk).unwrap();
+                    let v = qkv.narrow(1, nh * c.dk + nkv * c.dk, nkv * c.dv).unwrap();
+                    let p = params(nh, nkv, c.dk, c.dv, None);
+                    let run = || flash_attention_on(&q, &k, &v, &p, Some(c.tag)).unwrap();
+                    run();
+                    gpu.synchronize().unwrap();
+                    let iters = 20;
+                    let start = std::time::Instant::now();
+                    for _ in 0..iters {
+                        run();
+                    }
+                    gpu.synchronize().unwrap();
+                    let secs = start.elapsed().as_secs_f64() / iters as f64;
+                    // Causal: half of the T x T scores, two products of (dk + dv) / 2 each.
+                    let flops = (t * t) as f64 * nh as f64 * (c.dk + c.dv) as f64;
+                    eprintln!(
+                        "attention {} T {t} nh {nh} nkv {nkv}: {:.3} ms, {:.0} TFLOP/s",
+                        c.tag,
+                        secs * 1e3,
+                        flops / secs / 1e12
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,1032 @@
+//! The CUDA side of [`crate::kernels`]: the PTX of `kernels/*.cu` (compiled by build.rs) loaded
+//! once per device, and one launch function per kernel that takes raw device pointers and
+//! sizes. A runner with preallocated workspaces calls these directly (nothing here allocates);
+//! the candle ops in the sibling modules call the same functions.
+//!
+//! Every launch runs on the device's candle stream, so it is ordered with candle's own ops.
+//! Sizes are checked (i32/i64 range, grid limits) before anything is launched, and every
+//! launch's result is checked. Pointers are the caller's responsibility: each `*Args` field
+//! says the shape its buffer must have.
+
+use super::{KernelDType, to_i32, to_i64};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice};
+use candle_core::{DType, Result};
+use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
+
+/// A raw device address (`CUdeviceptr`).
+pub type DevPtr = u64;
+
+/// One PTX module per `.cu` file.
+#[derive(Clone, Copy, Debug)]
+enum Module {
+    Attention,
+    Fp8,
+    Gather,
+    Moe,
+    Rmsnorm,
+    Rope,
+    Score,
+    SiluMul,
+}
+
+impl Module {
+    /// The name candle caches the loaded module under (unique among custom modules).
+    fn name(self) -> &'static str {
+        match self {
+            Module::Attention => "eagle_check_attention",
+            Module::Fp8 => "eagle_check_fp8_dequant",
+            Module::Gather => "eagle_check_gather",
+            Module::Moe => "eagle_check_moe",
+            Module::Rmsnorm => "eagle_check_rmsnorm",
+            Module::Rope => "eagle_check_rope",
+            Module::Score => "eagle_check_score",
+            Module::SiluMul => "eagle_check_silu_mul",
+        }
+    }
+
+    fn ptx(self) -> &'static str {
+        match self {
+            Module::Attention => include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")),
+            Module::Fp8 => include_str!(concat!(env!("OUT_DIR"), "/fp8_dequant.ptx")),
+            Module::Gather => include_str!(concat!(env!("OUT_DIR"), "/gather.ptx")),
+            Module::Moe => include_str!(concat!(env!("OUT_DIR"), "/moe.ptx")),
+            Module::Rmsnorm => include_str!(concat!(env!("OUT_DIR"), "/rmsnorm.ptx")),
+            Module::Rope => include_str!(concat!(env!("OUT_DIR"), "/rope.ptx")),
+            Module::Score => include_str!(concat!(env!("OUT_DIR"), "/score.ptx")),
+            Module::SiluMul => include_str!(concat!(env!("OUT_DIR"), "/silu_mul.ptx")),
+        }
+    }
+}
+
+/// The function `name` of `module`, loading the module on first use on this device.
+fn function(dev: &CudaDevice, module: Module, name: &str) -> Result<CudaFunction> {
+    Ok(dev
+        .get_or_load_custom_func(name, module.name(), module.ptx())?
+        .into_cuda_function())
+}
+
+/// Pushes each argument (by reference; each lives until the end of the enclosing block) and
+/// launches `$func` on the device's stream.
+macro_rules! launch {
+    ($dev:expr, $func:expr, $name:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        let stream = $dev.cuda_stream();
+        let mut builder = stream.launch_builder(&$func);
+        $(
+            let arg = $arg;
+            builder.arg(&arg);
+        )*
+        // SAFETY: the argument list matches the kernel's signature (kernels/*.cu, checked by the
+        // device tests); buffer sizes are the caller's contract, documented on each `*Args`.
+        unsafe { builder.launch($cfg) }
+            .map_err(|e| candle_core::Error::Msg(format!("launching {}: {e:?}", $name)))?;
+    }};
+}
+
+fn grid_dim(n: usize, what: &str) -> Result<u32> {
+    if n == 0 || n > i32::MAX as usize {
+        candle_core::bail!("{what}: grid of {n} blocks is outside 1..=2^31-1");
+    }
+    Ok(n as u32)
+}
+
+fn grid_dim_yz(n: usize, what: &str) -> Result<u32> {
+    if n == 0 || n > 65_535 {
+        candle_core::bail!("{what}: grid dimension {n} is outside 1..=65535");
+    }
+    Ok(n as u32)
+}
+
+fn cfg(grid: (u32, u32, u32), threads: u32, smem: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: u32::try_from(smem)
+            .map_err(|_| candle_core::Error::Msg(format!("{smem} bytes of shared memory")))?,
+    })
+}
+
+/// Threads for a block that walks one row of `cols` elements in 16-byte vectors: one warp for
+/// short rows, up to 1024.
+fn row_threads(cols: usize, elem_size: usize) -> u32 {
+    let vectors = cols.div_ceil(16 / elem_size);
+    (vectors.div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+/// Raises a function's dynamic shared-memory limit when a launch needs more than the default
+/// 48 KiB.
+fn allow_shared_memory(func: &CudaFunction, bytes: usize, name: &str) -> Result<()> {
+    if bytes <= 48 * 1024 {
+        return Ok(());
+    }
+    let bytes = to_i32(bytes, "shared memory bytes")?;
+    // SAFETY: a valid function handle, and an attribute the driver range-checks.
+    unsafe {
+        cudarc::driver::result::function::set_function_attribute(
+            func.cu_function(),
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes,
+        )
+    }
+    .map_err(|e| candle_core::Error::Msg(format!("{name}: {bytes} bytes of shared memory: {e:?}")))
+}
+
+/// The device address of element `offset` of a storage (its start plus `offset` elements).
+pub fn storage_ptr(s: &CudaStorage, offset: usize) -> Result<DevPtr> {
+    let stream = s.device.cuda_stream();
+    let (base, size) = match &s.slice {
+        CudaStorageSlice::U8(x) => (x.device_ptr(&stream).0, 1),
+        CudaStorageSlice::F8E4M3(x) => (x.device_ptr(&stream).0, 1),
+        CudaStorageSlice::U32(x) => (x.device_ptr(&stream).0, 4),
+        CudaStorageSlice::I32(x) => (x.device_ptr(&stream).0, 4),
+        CudaStorageSlice::I64(x) => (x.device_ptr(&stream).0, 8),
+        CudaStorageSlice::BF16(x) => (x.device_ptr(&stream).0, 2),
+        CudaStorageSlice::F16(x) => (x.device_ptr(&stream).0, 2),
+        CudaStorageSlice::F32(x) => (x.device_ptr(&stream).0, 4),
+        CudaStorageSlice::F64(x) => (x.device_ptr(&stream).0, 8),
+        other => candle_core::bail!("no kernel takes a {other:?} storage"),
+    };
+    let bytes = offset
+        .checked_mul(size)
+        .ok_or_else(|| candle_core::Error::Msg(format!("offset {offset} overflows")))?;
+    Ok(base + bytes as u64)
+}
+
+/// An uninitialised device buffer of `n` elements of `dtype` (at least one, so that a pointer
+/// exists even for empty outputs).
+pub fn alloc(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
+    let n = n.max(1);
+    // SAFETY: every caller writes the elements it exposes before they are read.
+    let slice = unsafe {
+        match dtype {
+            DType::F32 => CudaStorageSlice::F32(dev.alloc::<f32>(n)?),
+            DType::F16 => CudaStorageSlice::F16(dev.alloc::<half::f16>(n)?),
+            DType::BF16 => CudaStorageSlice::BF16(dev.alloc::<half::bf16>(n)?),
+            DType::F64 => CudaStorageSlice::F64(dev.alloc::<f64>(n)?),
+            DType::U32 => CudaStorageSlice::U32(dev.alloc::<u32>(n)?),
+            DType::I32 => CudaStorageSlice::I32(dev.alloc::<i32>(n)?),
+            other => candle_core::bail!("kernels allocate no {other:?} buffers"),
+        }
+    };
+    let storage = CudaStorage {
+        slice,
+        device: dev.clone(),
+    };
+    #[cfg(test)]
+    poison(&storage, n * dtype.size_in_bytes())?;
+    Ok(storage)
+}
+
+/// Fills a fresh test buffer with 0xff bytes (NaN in every float type, -1 in every integer
+/// type), so an output the kernel failed to write cannot pass for a result: a fresh device
+/// allocation may reuse memory that still holds a previous run's correct values.
+#[cfg(test)]
+fn poison(s: &CudaStorage, bytes: usize) -> Result<()> {
+    let ptr = storage_ptr(s, 0)?;
+    let stream = s.device.cuda_stream();
+    // SAFETY: `ptr` is the start of a live allocation of at least `bytes` bytes on this stream.
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xff, bytes, stream.cu_stream()) }
+        .map_err(|e| candle_core::Error::Msg(format!("poisoning a test buffer: {e:?}")))
+}
+
+// ------------------------------------------------------------------------------ rmsnorm.cu
+
+/// `add_rmsnorm_*`: see kernels/rmsnorm.cu. Matrices are `[rows, cols]` with the given row
+/// strides (elements); `w` is `[cols]`.
+#[derive(Clone, Copy, Debug)]
+pub struct RmsNormArgs {
+    pub x: DevPtr,
+    pub x_stride: usize,
+    /// The residual branch added to `x` before the norm, with its row stride.
+    pub delta: Option<(DevPtr, usize)>,
+    pub w: DevPtr,
+    /// Where `x + delta` is written, with its row stride (may alias `x` or `delta`).
+    pub resid: Option<(DevPtr, usize)>,
+    pub normed: DevPtr,
+    pub normed_stride: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub eps: f32,
+}
+
+pub fn add_rmsnorm(dev: &CudaDevice, dtype: KernelDType, a: &RmsNormArgs) -> Result<()> {
+    if a.rows == 0 || a.cols == 0 {
+        return Ok(());
+    }
+    let name = format!("add_rmsnorm_{}", dtype.suffix());
+    let func = function(dev, Module::Rmsnorm, &name)?;
+    let config = cfg(
+        (grid_dim(a.rows, &name)?, 1, 1),
+        row_threads(a.cols, dtype.size()),
+        0,
+    )?;
+    let (delta, delta_stride) = a.delta.unwrap_or((0, 0));
+    let (resid, resid_stride) = a.resid.unwrap_or((0, 0));
+    launch!(
+        dev,
+        func,
+        name,
+        config,
+        [
+            a.x,
+            to_i64(a.x_stride, "x stride")?,
+            delta,
+            to_i64(delta_stride, "delta stride")?,
+            a.w,
+            resid,
+            to_i64(resid_stride, "resid stride")?,
+            a.normed,
+            to_i64(a.normed_stride, "normed stride")?,
+            to_i32(a.rows, "rows")?,
+            to_i32(a.cols, "cols")?,
+            a.eps,
+        ]
+    );
+    Ok(())
+}
+
+// --------------------------------------------------------------------------------- rope.cu
+
+/// `rope_*`: see kernels/rope.cu. Rotates `x[t * row_stride + h * head_stride + rot_offset + d]`
+/// in place for d < rot_dim; `cos`, `sin` are `[tokens, rot_dim / 2]` f32, contiguous.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeArgs {
+    pub x: DevPtr,
+    pub row_stride: usize,
+    pub tokens: usize,
+    pub heads: usize,
+    pub head_stride: usize,
+    pub rot_offset: usize,
+    pub rot_dim: usize,
+    pub cos: DevPtr,
+    pub sin: DevPtr,
+    pub interleaved: bool,
+}
+
+/// Warps (one (token, head) each) per rope block.
+const ROPE_WARPS: usize = 4;
+
+pub fn rope(dev: &CudaDevice, dtype: KernelDType, a: &RopeArgs) -> Result<()> {
+    if a.rot_dim == 0 || !a.rot_dim.is_multiple_of(2) || a.rot_dim > 2048 {
+        candle_core::bail!("rope: rot_dim {} must be even and in 2..=2048", a.rot_dim);
+    }
+    let items = a
+        .tokens
+        .checked_mul(a.heads)
+        .ok_or_else(|| candle_core::Error::Msg("rope: tokens * heads overflows".into()))?;
+    if items == 0 {
+        return Ok(());
+    }
+    let name = format!("rope_{}", dtype.suffix());
+    let func = function(dev, Module::Rope, &name)?;
+    let config = cfg(
+        (grid_dim(items.div_ceil(ROPE_WARPS), &name)?, 1, 1),
+        (ROPE_WARPS * 32) as u32,
+        ROPE_WARPS * a.rot_dim * 4,
+    )?;
+    launch!(
+        dev,
+        func,
+        name,
+        config,
+        [
+            a.x,
+            to_i64(a.row_stride, "row stride")?,
+            to_i32(a.tokens, "tokens")?,
+            to_i32(a.heads, "heads")?,
+            to_i64(a.head_stride, "head stride")?,
+            to_i32(a.rot_offset, "rot_offset")?,
+            to_i32(a.rot_dim, "rot_dim")?,
+            a.cos,
+            a.sin,
+            i32::from(a.interleaved),
+        ]
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------- attention.cu
+
+/// `flash_attn_*`: see kernels/attention.cu. `q` is `[tq, nh * dk]`, `k` `[tk, nkv * dk]`,
+/// `v` `[tk, nkv * dv]`, `out` `[tq, nh * dv]`, each at its row stride (elements).
+#[derive(Clone, Copy, Debug)]
+pub struct FlashArgs {
+    pub q: DevPtr,
+    pub q_stride: usize,
+    pub k: DevPtr,
+    pub k_stride: usize,
+    pub v: DevPtr,
+    pub v_stride: usize,
+    pub out: DevPtr,
+    pub o_stride: usize,
+    pub tq: usize,
+    pub tk: usize,
+    pub nh: usize,
+    pub nkv: usize,
+    pub dk: usize,
+    pub dv: usize,
+    pub scale: f32,
+    /// 0: no sliding window.
+    pub window: usize,
+}
+
+/// One tensor-core tile configuration, as instantiated at the end of kernels/attention.cu
+/// (`flash_attn_tc_{tag}_{bf16,f16}`): `mt` 16-row tiles per warp, `nw` warps, `bn` keys per
+/// K/V tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcConfig {
+    pub tag: &'static str,
+    pub dk: usize,
+    pub dv: usize,
+    pub mt: usize,
+    pub nw: usize,
+    pub bn: usize,
+}
+
+impl TcConfig {
+    /// Query rows per block.
+    pub fn bm(&self) -> usize {
+        16 * self.mt * self.nw
+    }
+
+    /// Q tile plus two K and two V tiles, rows padded by 8 elements (see `Padded` in the .cu).
+    pub fn shared_bytes(&self, elem: usize) -> usize {
+        (self.bm() * (self.dk + 8) + 2 * self.bn * (self.dk + 8) + 2 * self.bn * (self.dv + 8))
+            * elem
+    }
+}
+
+/// Every tensor-core entry point; the first one matching (dk, dv) is the default. ptxas
+/// (sm_90): d64_v64 222 registers, d128_v128 250, d128_v128_m1 166, d192_v128 178, no spills.
+pub const TC_CONFIGS: &[TcConfig] = &[
+    TcConfig {
+        tag: "d64_v64",
+        dk: 64,
+        dv: 64,
+        mt: 2,
+        nw: 4,
+        bn: 64,
+    },
+    TcConfig {
+        tag: "d128_v128",
+        dk: 128,
+        dv: 128,
+        mt: 2,
+        nw: 4,
+        bn: 32,
+    },
+    TcConfig {
+        tag: "d128_v128_m1",
+        dk: 128,
+        dv: 128,
+        mt: 1,
+        nw: 4,
+        bn: 64,
+    },
+    TcConfig {
+        tag: "d192_v128",
+        dk: 192,
+        dv: 128,
+        mt: 1,
+        nw: 4,
+        bn: 64,
+    },
+];
+
+/// Which attention kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashPath {
+    Generic,
+    TensorCore(TcConfig),
+}
+
+/// The generic path's limit on dk and dv (kernels/attention.cu `GEN_MAX_D`).
+pub const GENERIC_MAX_HEAD_DIM: usize = 256;
+const GENERIC_WARPS: usize = 4;
+
+/// The path [`flash_attn`] takes: tensor cores for bf16/f16 with a configured (dk, dv) and
+/// 16-byte aligned rows, the generic kernel otherwise.
+pub fn flash_path(dtype: KernelDType, a: &FlashArgs) -> FlashPath {
+    let aligned = [a.q, a.k, a.v, a.out].iter().all(|p| p.is_multiple_of(16))
+        && [a.q_stride, a.k_stride, a.v_stride, a.o_stride]
+            .iter()
+            .all(|s| s.is_multiple_of(8));
+    match TC_CONFIGS.iter().find(|c| c.dk == a.dk && c.dv == a.dv) {
+        Some(c) if dtype != KernelDType::F32 && aligned => FlashPath::TensorCore(*c),
+        _ => FlashPath::Generic,
+    }
+}
+
+fn check_flash(a: &FlashArgs) -> Result<()> {
+    if a.nkv == 0 || !a.nh.is_multiple_of(a.nkv) {
+        candle_core::bail!("attention: {} query heads in {} KV groups", a.nh, a.nkv);
+    }
+    if a.tq > a.tk {
+        candle_core::bail!("attention: {} queries but only {} keys", a.tq, a.tk);
+    }
+    if !(a.scale > 0.0 && a.scale.is_finite()) {
+        candle_core::bail!("attention: softmax scale {} must be positive", a.scale);
+    }
+    Ok(())
+}
+
+/// Runs attention on the default path ([`flash_path`]) and says which one ran.
+pub fn flash_attn(dev: &CudaDevice, dtype: KernelDType, a: &FlashArgs) -> Result<FlashPath> {
+    let path = flash_path(dtype, a);
+    flash_attn_on(dev, dtype, a, path)?;
+    Ok(path)
+}
+
+/// Runs attention on a chosen path (tests and benchmarks compare the paths).
+pub fn flash_attn_on(
+    dev: &CudaDevice,
+    dtype: KernelDType,
+    a: &FlashArgs,
+    path: FlashPath,
+) -> Result<()> {
+    check_flash(a)?;
+    if a.tq == 0 || a.nh == 0 {
+        return Ok(());
+    }
+    let common = |name: &str| -> Result<[i32; 4]> {
+        Ok([
+            to_i32(a.tq, name)?,
+            to_i32(a.tk, name)?,
+            to_i32(a.nh, name)?,
+            to_i32(a.nkv, name)?,
+        ])
+    };
+    match path {
+        FlashPath::Generic => {
+            if a.dk > GENERIC_MAX_HEAD_DIM || a.dv > GENERIC_MAX_HEAD_DIM {
+                candle_core::bail!(
+                    "attention: head dims dk {} dv {} exceed {GENERIC_MAX_HEAD_DIM}",
+                    a.dk,
+                    a.dv
+                );
+            }
+            let name = format!("flash_attn_generic_{}", dtype.suffix());
+            let func = function(dev, Module::Attention, &name)?;
+            let items = a
+                .tq
+                .checked_mul(a.nh)
+                .ok_or_else(|| candle_core::Error::Msg("attention: tq * nh overflows".into()))?;
+            let config = cfg(
+                (grid_dim(items.div_ceil(GENERIC_WARPS), &name)?, 1, 1),
+                (GENERIC_WARPS * 32) as u32,
+                0,
+            )?;
+            let [tq, tk, nh, nkv] = common(&name)?;
+            launch!(
+                dev,
+                func,
+                name,
+                config,
+                [
+                    a.q,
+                    to_i64(a.q_stride, "q stride")?,
+                    a.k,
+                    to_i64(a.k_stride, "k stride")?,
+                    a.v,
+                    to_i64(a.v_stride, "v stride")?,
+                    a.out,
+                    to_i64(a.o_stride, "out stride")?,
+                    tq,
+                    tk,
+                    nh,
+                    nkv,
+                    to_i32(a.dk, "dk")?,
+                    to_i32(a.dv, "dv")?,
+                    a.scale,
+                    to_i32(a.window, "window")?,
+                ]
+            );
+        }
+        FlashPath::TensorCore(c) => {
+            if dtype == KernelDType::F32 || (c.dk, c.dv) != (a.dk, a.dv) {
+                candle_core::bail!(
+                    "attention: tile {} cannot run {dtype:?} with dk {} dv {}",
+                    c.tag,
+                    a.dk,
+                    a.dv
+                );
+            }
+            if flash_path(dtype, a) == FlashPath::Generic {
+                candle_core::bail!("attention: tile {} needs 16-byte aligned rows", c.tag);
+            }
+            let name = format!("flash_attn_tc_{}_{}", c.tag, dtype.suffix());
+            let func = function(dev, Module::Attention, &name)?;
+            let smem = c.shared_bytes(dtype.size());
+            allow_shared_memory(&func, smem, &name)?;
+            let config = cfg(
+                (
+                    grid_dim(a.nh, &name)?,
+                    grid_dim_yz(a.tq.div_ceil(c.bm()), &name)?,
+                    1,
+                ),
+                (c.nw * 32) as u32,
+                smem,
+            )?;
+            let [tq, tk, nh, nkv] = common(&name)?;
+            launch!(
+                dev,
+                func,
+                name,
+                config,
+                [
+                    a.q,
+                    to_i64(a.q_stride, "q stride")?,
+                    a.k,
+                    to_i64(a.k_stride, "k stride")?,
+                    a.v,
+                    to_i64(a.v_stride, "v stride")?,
+                    a.out,
+                    to_i64(a.o_stride, "out stride")?,
+                    tq,
+                    tk,
+                    nh,
+                    nkv,
+                    a.scale,
+                    to_i32(a.window, "window")?,
+                ]
+            );
+        }
+    }
+    Ok(())
+}
+
+// ----------------------------------------------------------------------------- silu_mul.cu
+
+/// `silu_mul_*`: see kernels/silu_mul.cu. Three `[rows, cols]` matrices at their row strides.
+#[derive(Clone, Copy, Debug)]
+pub struct SiluMulArgs {
+    pub gate: DevPtr,
+    pub g_stride: usize,
+    pub up: DevPtr,
+    pub u_stride: usize,
+    pub out: DevPtr,
+    pub o_stride: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+pub fn silu_mul(dev: &CudaDevice, dtype: KernelDType, a: &SiluMulArgs) -> Result<()> {
+    if a.rows == 0 || a.cols == 0 {
+        return Ok(());
+    }
+    let name = format!("silu_mul_{}", dtype.suffix());
+    let func = function(dev, Module::SiluMul, &name)?;
+    let config = cfg(
+        (grid_dim(a.rows, &name)?, 1, 1),
+        row_threads(a.cols, dtype.size()),
+        0,
+    )?;
+    launch!(
+        dev,
+        func,
+        name,
+        config,
+        [
+            a.gate,
+            to_i64(a.g_stride, "gate stride")?,
+            a.up,
+            to_i64(a.u_stride, "up stride")?,
+            a.out,
+            to_i64(a.o_stride, "out stride")?,
+            to_i32(a.rows, "rows")?,
+            to_i32(a.cols, "cols")?,
+        ]
+    );
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------- gather.cu
+
+/// `gather_rows_*`: see kernels/gather.cu. `src` is `[src_rows, cols]`, `idx` `[rows]` 32-bit,
+/// `dst` `[rows, cols]`; an index outside `0..src_rows` gives a NaN row.
+#[derive(Clone, Copy, Debug)]
+pub struct GatherArgs {
+    pub src: DevPtr,
+    pub src_stride: usize,
+    pub src_rows: usize,
+    pub idx: DevPtr,
+    pub dst: DevPtr,
+    pub dst_stride: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+pub fn gather_rows(dev: &CudaDevice, dtype: KernelDType, a: &GatherArgs) -> Result<()> {
+    if a.rows == 0 || a.cols == 0 {
+        return Ok(());
+    }
+    let name = format!("gather_rows_{}", dtype.suffix());
+    let func = function(dev, Module::Gather, &name)?;
+    let config = cfg(
+        (grid_dim(a.rows, &name)?, 1, 1),
+        row_threads(a.cols, dtype.size()),
+        0,
+    )?;
+    launch!(
+        dev,
+        func,
+        name,
+        config,
+        [
+            a.src,
+            to_i64(a.src_stride, "src stride")?,
+            a.idx,
+            a.dst,
+            to_i64(a.dst_stride, "dst stride")?,
+            to_i32(a.rows, "rows")?,
+            to_i32(a.cols, "cols")?,
+            to_i32(a.src_rows, "src rows")?,
+        ]
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------- moe.cu
+
+/// `moe_route`: see kernels/moe.cu. `logits` `[tokens, experts]` f32, `bias` `[experts]` f32;
+/// writes `topk_idx` `[tokens, k]` (32-bit, experts ascending) and `topk_w` `[tokens, k]` f32.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeRouteArgs {
+    pub logits: DevPtr,
+    pub bias: DevPtr,
+    pub topk_idx: DevPtr,
+    pub topk_w: DevPtr,
+    pub tokens: usize,
+    pub experts: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub k: usize,
+    pub norm_topk: bool,
+    pub scaling: f32,
+}
+
+const ROUTE_WARPS: usize = 4;
+const ROUTE_MAX_GROUPS: usize = 64;
+/// The routing and plan kernels' limit on experts (one bit per expert and lane, one thread per
+/// expert in the scan).
+pub const MOE_MAX_EXPERTS: usize = 1024;
+
+pub fn moe_route(dev: &CudaDevice, a: &MoeRouteArgs) -> Result<()> {
+    let (e, g) = (a.experts, a.n_group);
+    if e == 0 || e > MOE_MAX_EXPERTS || g == 0 || g > ROUTE_MAX_GROUPS || !e.is_multiple_of(g) {
+        candle_core::bail!(
+            "moe_route: {e} experts in {g} groups (need 1..={MOE_MAX_EXPERTS} experts, \
+             1..={ROUTE_MAX_GROUPS} equal groups)"
+        );
+    }
+    if a.topk_group == 0 || a.topk_group > g || a.k == 0 || a.k > 32 || a.k > a.topk_group * (e / g)
+    {
+        candle_core::bail!(
+            "moe_route: top {} experts from {} of {g} groups of {} (k must be 1..=32)",
+            a.k,
+            a.topk_group,
+            e / g
+        );
+    }
+    if a.tokens == 0 {
+        return Ok(());
+    }
+    let name = "moe_route";
+    let func = function(dev, Module::Moe, name)?;
+    let smem = ROUTE_WARPS * (2 * e + ROUTE_MAX_GROUPS) * 4;
+    allow_shared_memory(&func, smem, name)?;
+    let config = cfg(
+        (grid_dim(a.tokens.div_ceil(ROUTE_WARPS), name)?, 1, 1),
+        (ROUTE_WARPS * 32) as u32,
+        smem,
+    )?;
+    launch!(
+        dev,
+        func,
+        name,
+        config,
+        [
+            a.logits,
+            a.bias,
+            a.topk_idx,
+            a.topk_w,
+            to_i32(a.tokens, "tokens")?,
+            to_i32(e, "experts")?,
+            to_i32(g, "n_group")?,
+            to_i32(a.topk_group, "topk_group")?,
+            to_i32(a.k, "k")?,
+            i32::from(a.norm_topk),
+            a.scaling,
+        ]
+    );
+    Ok(())
+}
+
+/// Tokens per block of the plan kernels (kernels/moe.cu `PLAN_CHUNK`).
+const PLAN_CHUNK: usize = 256;
+
+/// `moe_plan_*`: see kernels/moe.cu. Reads `topk_idx` `[tokens, k]`; writes `counts`
+/// `[experts]`, `offsets` `[experts + 1]`, `perm_token` `[tokens * k]`, `row_of`
+/// `[tokens * k]` (all 32-bit) using `workspace` (`moe_plan_workspace_len` ints).
+#[derive(Clone, Copy, Debug)]
+pub struct MoePlanArgs {
+    pub topk_idx: DevPtr,
+    pub tokens: usize,
+    pub k: usize,
+    pub experts: usize,
+    pub workspace: DevPtr,
+    pub counts: DevPtr,
+    pub offsets: DevPtr,
+    pub perm_token: DevPtr,
+    pub row_of: DevPtr,
+}
+
+/// Ints of workspace [`moe_plan`] needs: one count per (chunk of 256 tokens, expert).
+pub fn moe_plan_workspace_len(tokens: usize, experts: usize) -> usize {
+    tokens.div_ceil(PLAN_CHUNK).max(1) * experts
+}
+
+pub fn moe_plan(dev: &CudaDevice, a: &MoePlanArgs) -> Result<()> {
+    if a.experts == 0 || a.experts > MOE_MAX_EXPERTS {
+        candle_core::bail!(
+            "moe_plan: {} experts (need 1..={MOE_MAX_EXPERTS})",
+            a.experts
+        );
+    }
+    to_i32(
+        a.tokens
+            .checked_mul(a.k)
+            .ok_or_else(|| candle_core::Error::Msg("moe_plan: tokens * k overflows".into()))?,
+        "tokens * k",
+    )?;
+    let chunks = a.tokens.div_ceil(PLAN_CHUNK).max(1);
+    let (t, k, e) = (
+        to_i32(a.tokens, "tokens")?,
+        to_i32(a.k, "k")?,
+        to_i32(a.experts, "experts")?,
+    );
+    let count = function(dev, Module::Moe, "moe_plan_count")?;
+    let config = cfg(
+        (grid_dim(chunks, "moe_plan_count")?, 1, 1),
+        PLAN_CHUNK as u32,
+        a.experts * 4,
+    )?;
+    launch!(
+        dev,
+        count,
+        "moe_plan_count",
+        config,
+        [a.topk_idx, t, k, e, a.workspace]
+    );
+
+    let scan = function(dev, Module::Moe, "moe_plan_scan")?;
+    let threads = (a.experts.div_ceil(32) * 32) as u32;
+    let config = cfg((1, 1, 1), threads, a.experts * 4)?;
+    launch!(
+        dev,
+        scan,
+        "moe_plan_scan",
+        config,
+        [
+            a.workspace,
+            to_i32(chunks, "chunks")?,
+            e,
+            a.counts,
+            a.offsets,
+        ]
+    );
+
+    let place = function(dev, Module::Moe, "moe_plan_place")?;
+    let smem = a.experts * (PLAN_CHUNK / 32) * 4;
+    let config = cfg(
+        (grid_dim(chunks, "moe_plan_place")?, 1, 1),
+        PLAN_CHUNK as u32,
+        smem,
+    )?;
+    launch!(
+        dev,
+        place,
+        "moe_plan_place",
+        config,
+        [a.topk_idx, t, k, e, a.workspace, a.perm_token, a.row_of,]
+    );
+    Ok(())
+}
+
+/// `moe_combine_*`: see kernels/moe.cu. `ys` `[tokens * k, hidden]` in sorted-row order,
+/// `row_of` `[tokens * k]` 32-bit, `topk_w` `[tokens, k]` f32, `shared` and `out`
+/// `[tokens, hidden]`; all contiguous.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeCombineArgs {
+    pub ys: DevPtr,
+    pub row_of: DevPtr,
+    pub topk_w: DevPtr,
+    pub shared: Option<DevPtr>,
+    pub out: DevPtr,
+    pub tokens: usize,
+    pub k: usize,
+    pub hidden: usize,
+}
+
+pub fn moe_combine(dev: &CudaDevice, dtype: KernelDType, a: &MoeCombineArgs) -> Result<()> {
+    if a.tokens == 0 || a.hidden == 0 {
+        return Ok(());
+    }
+    let name = format!("moe_combine_{}", dtype.suffix());
+    let func = function(dev, Module::Moe, &name)?;
+    let threads = (a.hidden.div_ceil(32) * 32).clamp(32, 256) as u32;
+    let config = cfg((grid_dim(a.tokens, &name)?, 1, 1), threads, 0)?;
+    launch!(
+        dev,
+        func,
+        name,
+        config,
+        [
+            a.ys,
+            a.row_of,
+            a.topk_w,
+            a.shared.unwrap_or(0),
+            a.out,
+            to_i32(a.tokens, "tokens")?,
+            to_i32(a.k, "k")?,
+            to_i32(a.hidden, "hidden")?,
+        ]
+    );
+    Ok(())
+}
+
+// -------------------------------------------------------------------------------- score.cu
+
+/// `score_partials` + `score_finish`: see kernels/score.cu. `x` `[rows, x_stride]` f32 holds
+/// `slots` slots of `cols`; `refs` `[n_states, ref_rows, ref_stride]` f32; `cand_state`,
+/// `cand_shift` `[n_cand]` i32; writes `out` `[slots, n_cand, 3]` f64 and `rows_out`
+/// `[slots, n_cand]` i32, using `workspace` (`score_workspace_len` doubles).
+#[derive(Clone, Copy, Debug)]
+pub struct ScoreArgs {
+    pub x: DevPtr,
+    pub x_stride: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub slots: usize,
+    pub refs: DevPtr,
+    pub n_states: usize,
+    pub ref_rows: usize,
+    pub ref_stride: usize,
+    pub cand_state: DevPtr,
+    pub cand_shift: DevPtr,
+    pub n_cand: usize,
+    pub workspace: DevPtr,
+    pub out: DevPtr,
+    pub rows_out: DevPtr,
+}
+
+/// Captured rows per block of `score_partials`.
+const SCORE_ROWS_PER_CHUNK: usize = 32;
+/// Candidates per block (kernels/score.cu `SCORE_GROUP`).
+const SCORE_GROUP: usize = 4;
+
+/// Doubles of workspace [`score`] needs.
+pub fn score_workspace_len(rows: usize, slots: usize, n_cand: usize) -> usize {
+    slots * n_cand * rows.div_ceil(SCORE_ROWS_PER_CHUNK).max(1) * 3
+}
+
+pub fn score(dev: &CudaDevice, a: &ScoreArgs) -> Result<()> {
+    if a.slots == 0 || a.n_cand == 0 {
+        return Ok(());
+    }
+    let chunks = a.rows.div_ceil(SCORE_ROWS_PER_CHUNK).max(1);
+    let partials = function(dev, Module::Score, "score_partials")?;
+    let config = cfg(
+        (
+            grid_dim(chunks, "score_partials")?,
+            grid_dim_yz(a.slots, "score_partials slots")?,
+            grid_dim_yz(a.n_cand.div_ceil(SCORE_GROUP), "score_partials candidates")?,
+        ),
+        256,
+        0,
+    )?;
+    let n_cand = to_i32(a.n_cand, "candidates")?;
+    let (rows, ref_rows) = (to_i32(a.rows, "rows")?, to_i32(a.ref_rows, "ref rows")?);
+    launch!(
+        dev,
+        partials,
+        "score_partials",
+        config,
+        [
+            a.x,
+            to_i64(a.x_stride, "x stride")?,
+            rows,
+            to_i32(a.cols, "cols")?,
+            a.refs,
+            to_i32(a.n_states, "states")?,
+            ref_rows,
+            to_i64(a.ref_stride, "ref stride")?,
+            a.cand_state,
+            a.cand_shift,
+            n_cand,
+            SCORE_ROWS_PER_CHUNK as i32,
+            a.workspace,
+        ]
+    );
+    let finish = function(dev, Module::Score, "score_finish")?;
+    let pairs = a.slots * a.n_cand;
+    let config = cfg(
+        (grid_dim(pairs.div_ceil(256), "score_finish")?, 1, 1),
+        256,
+        0,
+    )?;
+    launch!(
+        dev,
+        finish,
+        "score_finish",
+        config,
+        [
+            a.workspace,
+            to_i32(chunks, "chunks")?,
+            to_i32(a.slots, "slots")?,
+            n_cand,
+            rows,
+            ref_rows,
+            a.cand_shift,
+            a.out,
+            a.rows_out,
+        ]
+    );
+    Ok(())
+}
+
+// -------------------------------------------------------------------------- fp8_dequant.cu
+
+/// `fp8_dequant_*`: see kernels/fp8_dequant.cu. `w` `[rows, cols]` E4M3 bytes, `scale_inv`
+/// `[ceil(rows / block_rows), ceil(cols / block_cols)]` f32, `out` `[rows, cols]`; contiguous.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Args {
+    pub w: DevPtr,
+    pub scale_inv: DevPtr,
+    pub out: DevPtr,
+    pub rows: usize,
+    pub cols: usize,
+    pub block_rows: usize,
+    pub block_cols: usize,
+}
+
+pub fn fp8_dequant(dev: &CudaDevice, dtype: KernelDType, a: &Fp8Args) -> Result<()> {
+    if a.block_rows == 0 || a.block_cols == 0 {
+        candle_core::bail!(
+            "fp8_dequant: block {}x{} must be positive",
+            a.block_rows,
+            a.block_cols
+        );
+    }
+    if a.rows == 0 || a.cols == 0 {
+        return Ok(());
+    }
+    let name = format!("fp8_dequant_{}", dtype.suffix());
+    let func = function(dev, Module::Fp8, &name)?;
+    let config = cfg((grid_dim(a.rows, &name)?, 1, 1), 256, 0)?;
+    launch!(
+        dev,
+        func,
+        name,
+        config,
+        [
+            a.w,
+            a.scale_inv,
+            a.out,
+            to_i32(a.rows, "rows")?,
+            to_i32(a.cols, "cols")?,
+            to_i32(a.block_rows, "block rows")?,
+            to_i32(a.block_cols, "block cols")?,
+        ]
+    );
+    Ok(())
+}
+
+/// True when a CUDA driver and at least one device are present (asking candle for a device
+/// without a driver panics, so callers check first).
+pub fn device_available() -> bool {
+    cudarc::driver::result::init().is_ok()
+        && cudarc::driver::result::device::get_count().is_ok_and(|n| n > 0)
+}
+
+/// The device address of `t`'s first element (its layout's start offset). The address stays
+/// valid while `t` lives; the caller checks that the layout is what its kernel reads.
+pub fn tensor_ptr(t: &candle_core::Tensor) -> Result<DevPtr> {
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cuda(s) => storage_ptr(s, layout.start_offset()),
+        _ => candle_core::bail!(
+            "expected a CUDA tensor, found one on {:?}",
+            t.device().location()
+        ),
+    }
+}
+
+/// A tensor over a storage this module filled (contiguous, no gradient).
+pub fn tensor(s: CudaStorage, shape: impl Into<candle_core::Shape>) -> candle_core::Tensor {
+    candle_core::Tensor::from_storage(
+        candle_core::Storage::Cuda(s),
+        shape,
+        candle_core::op::BackpropOp::none(),
+        false,
+    )
+}

@@ -1,0 +1,195 @@
+//! Row gather (kernels/gather.cu): `dst[r] = src[idx[r]]`, the embedding lookup and the MoE
+//! token gather.
+
+use super::{Matrix, with_float_type};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
+
+/// The CPU reference. `src`: `[src_rows, cols]` at `src_stride`; returns `[idx.len(), cols]`.
+/// An index outside `0..src_rows` is an error (the kernel, which cannot return one, writes a
+/// NaN row instead).
+pub fn gather_rows_ref<T: Copy>(
+    src: &[T],
+    src_stride: usize,
+    src_rows: usize,
+    cols: usize,
+    idx: &[u32],
+) -> Result<Vec<T>> {
+    let mut out = Vec::with_capacity(idx.len() * cols);
+    for &i in idx {
+        let i = i as usize;
+        if i >= src_rows {
+            candle_core::bail!("gather_rows: index {i} outside 0..{src_rows}");
+        }
+        out.extend_from_slice(&src[i * src_stride..i * src_stride + cols]);
+    }
+    Ok(out)
+}
+
+/// The indices as u32 (u32 as they are, i32 reinterpreted: negatives become out of range).
+fn indices(storage: &CpuStorage, m: &Matrix) -> Result<Vec<u32>> {
+    Ok(match storage {
+        CpuStorage::U32(v) => m.slice(v, "idx")?.to_vec(),
+        CpuStorage::I32(v) => m.slice(v, "idx")?.iter().map(|&i| i as u32).collect(),
+        other => candle_core::bail!(
+            "gather_rows: indices must be u32 or i32, found {:?}",
+            other.dtype()
+        ),
+    })
+}
+
+fn shapes(sl: &Layout, il: &Layout) -> Result<(Matrix, Matrix)> {
+    let s = Matrix::of(sl, "gather_rows src")?;
+    let i = Matrix::of(il, "gather_rows idx")?;
+    if il.dims().len() != 1 {
+        candle_core::bail!(
+            "gather_rows: idx must be rank 1, found shape {:?}",
+            il.dims()
+        );
+    }
+    Ok((s, i))
+}
+
+struct GatherRows;
+
+impl CustomOp2 for GatherRows {
+    fn name(&self) -> &'static str {
+        "gather-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        src: &CpuStorage,
+        sl: &Layout,
+        idx: &CpuStorage,
+        il: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (sm, im) = shapes(sl, il)?;
+        let idx = indices(idx, &im)?;
+        with_float_type!(src.dtype(), T => {
+            let s = sm.slice(src.as_slice::<T>()?, "src")?;
+            let out = gather_rows_ref(s, sm.stride, sm.rows, sm.cols, &idx)?;
+            Ok((T::to_cpu_storage_owned(out), Shape::from((idx.len(), sm.cols))))
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        src: &candle_core::CudaStorage,
+        sl: &Layout,
+        idx: &candle_core::CudaStorage,
+        il: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::{self, storage_ptr};
+        let (sm, im) = shapes(sl, il)?;
+        if !matches!(
+            idx.dtype(),
+            candle_core::DType::U32 | candle_core::DType::I32
+        ) {
+            candle_core::bail!(
+                "gather_rows: indices must be u32 or i32, found {:?}",
+                idx.dtype()
+            );
+        }
+        let rows = im.cols; // a rank-1 index tensor is one row of `len` columns
+        let dtype = src.dtype();
+        let out = cuda::alloc(&src.device, dtype, rows * sm.cols)?;
+        cuda::gather_rows(
+            &src.device,
+            super::KernelDType::of(dtype)?,
+            &cuda::GatherArgs {
+                src: storage_ptr(src, sm.offset)?,
+                src_stride: sm.stride,
+                src_rows: sm.rows,
+                idx: storage_ptr(idx, im.offset)?,
+                dst: storage_ptr(&out, 0)?,
+                dst_stride: sm.cols,
+                rows,
+                cols: sm.cols,
+            },
+        )?;
+        Ok((out, Shape::from((rows, sm.cols))))
+    }
+}
+
+/// Rows `idx` (u32 or i32, rank 1) of `src`: `[src_rows, cols]` (any row stride). Returns a
+/// contiguous `[idx.len(), cols]`. On the GPU an out-of-range index gives a NaN row; on the CPU,
+/// an error.
+pub fn gather_rows(src: &Tensor, idx: &Tensor) -> Result<Tensor> {
+    src.apply_op2_no_bwd(idx, &GatherRows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testing::{random, values};
+    use candle_core::{DType, Device};
+
+    fn index(n: usize, src_rows: usize, seed: u32) -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed)) % src_rows as u32)
+            .collect()
+    }
+
+    #[test]
+    fn reference_matches_candle() {
+        let dev = Device::Cpu;
+        for &(src_rows, cols, n) in &[(1, 1, 1), (50, 13, 37), (128, 64, 300)] {
+            for dtype in [DType::F32, DType::BF16] {
+                let src = random(&[src_rows, cols + 3], dtype, 1, &dev)
+                    .narrow(1, 2, cols)
+                    .unwrap();
+                let idx = Tensor::new(index(n, src_rows, 7).as_slice(), &dev).unwrap();
+                let got = gather_rows(&src, &idx).unwrap();
+                let want = src.contiguous().unwrap().index_select(&idx, 0).unwrap();
+                assert_eq!(values(&got), values(&want));
+                let as_i32 = idx.to_dtype(DType::I32).unwrap();
+                assert_eq!(values(&gather_rows(&src, &as_i32).unwrap()), values(&want));
+            }
+        }
+        let src = random(&[4, 2], DType::F32, 1, &dev);
+        let bad = Tensor::new(&[1u32, 4], &dev).unwrap();
+        assert!(
+            gather_rows(&src, &bad)
+                .unwrap_err()
+                .to_string()
+                .contains("index 4")
+        );
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_matches_reference() {
+        let Some(gpu) = crate::kernels::testing::cuda_device() else {
+            return;
+        };
+        let cpu = Device::Cpu;
+        // Tiny ragged rows, a Llama-3.1-8B embedding lookup at T = 2048 (from a 4096-row slice of
+        // the table), a DeepSeek MoE token gather (T * K = 16384 rows of 7168).
+        for &(src_rows, cols, n) in &[
+            (1, 1, 1),
+            (50, 13, 37),
+            (4096, 4096, 2048),
+            (2048, 7168, 16384),
+        ] {
+            for dtype in [DType::F32, DType::BF16] {
+                let src = random(&[src_rows, cols], dtype, 3, &cpu);
+                let idx = Tensor::new(index(n, src_rows, 11).as_slice(), &cpu).unwrap();
+                let want = gather_rows(&src, &idx).unwrap();
+                let got = gather_rows(&src.to_device(&gpu).unwrap(), &idx.to_device(&gpu).unwrap())
+                    .unwrap();
+                assert_eq!(
+                    values(&got),
+                    values(&want),
+                    "{src_rows}x{cols} x{n} {dtype:?}"
+                );
+            }
+        }
+        // An out-of-range index is a NaN row, not a fault.
+        let src = random(&[4, 8], DType::F32, 1, &gpu);
+        let idx = Tensor::new(&[1u32, 9], &gpu).unwrap();
+        let got = values(&gather_rows(&src, &idx).unwrap());
+        assert!(got[..8].iter().all(|v| v.is_finite()) && got[8..].iter().all(|v| v.is_nan()));
+    }
+}

@@ -1,0 +1,653 @@
+//! DeepSeek-V3 mixture-of-experts routing and dispatch (kernels/moe.cu).
+//!
+//! A MoE layer on the GPU: [`moe_route`] (router logits -> top-k experts and weights),
+//! [`moe_plan`] (assignments sorted by expert: which token each expert row reads, where each
+//! pick's output lands), [`super::gather_rows`] by `perm_token`, the experts as cuBLAS grouped
+//! GEMMs (`gemm::grouped_gemm_into`, rows `offsets[e]..offsets[e + 1]` for expert e), and
+//! [`moe_combine`] (weighted sum of each token's picks plus the shared expert).
+//!
+//! These ops have several outputs (or four inputs), so they dispatch on the device themselves
+//! instead of going through a candle `CustomOp`.
+
+use super::{Elem, with_float_type};
+use crate::config::MoeConfig;
+use crate::model::deepseek::{Routed, route_token};
+use candle_core::{DType, Device, Result, Tensor};
+
+/// The routing settings of a MoE layer (the `noaux_tc` fields of [`MoeConfig`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouteParams {
+    pub n_group: usize,
+    pub topk_group: usize,
+    /// `num_experts_per_tok`
+    pub k: usize,
+    pub norm_topk: bool,
+    /// `routed_scaling_factor` (applied in f32, as `route_token` does)
+    pub scaling: f64,
+}
+
+impl RouteParams {
+    pub fn of(moe: &MoeConfig) -> RouteParams {
+        RouteParams {
+            n_group: moe.n_group,
+            topk_group: moe.topk_group,
+            k: moe.num_experts_per_tok,
+            norm_topk: moe.norm_topk_prob,
+            scaling: moe.routed_scaling_factor,
+        }
+    }
+
+    /// The config `route_token` reads (the fields routing does not use are zero).
+    fn config(&self, experts: usize) -> MoeConfig {
+        MoeConfig {
+            n_routed_experts: experts,
+            n_shared_experts: 0,
+            num_experts_per_tok: self.k,
+            moe_intermediate_size: 0,
+            first_k_dense_replace: 0,
+            moe_layer_freq: 1,
+            n_group: self.n_group,
+            topk_group: self.topk_group,
+            norm_topk_prob: self.norm_topk,
+            routed_scaling_factor: self.scaling,
+        }
+    }
+
+    fn check(&self, experts: usize) -> Result<()> {
+        let g = self.n_group;
+        if experts == 0 || g == 0 || !experts.is_multiple_of(g) {
+            candle_core::bail!("moe_route: {experts} experts do not split into {g} groups");
+        }
+        if self.topk_group == 0
+            || self.topk_group > g
+            || self.k == 0
+            || self.k > self.topk_group * (experts / g)
+        {
+            candle_core::bail!(
+                "moe_route: top {} experts from {} of {g} groups of {}",
+                self.k,
+                self.topk_group,
+                experts / g
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The router's sigmoid: `1 / (1 + exp(-x))` with the exponential taken in f64 and rounded
+/// once to f32. CUDA's f32 `expf` and the C library's differ by an ulp at times; their f64
+/// `exp`s round to the same f32 (barring a 2^-29-wide window around a rounding boundary), so
+/// this definition lets the GPU route bit for bit like the CPU.
+pub fn router_sigmoid(x: f32) -> f32 {
+    let e = (-f64::from(x)).exp() as f32;
+    1.0 / (1.0 + e)
+}
+
+/// The CPU reference: [`router_sigmoid`] of every logit, then `route_token` (the model's own
+/// routing) per token. `logits`: `[tokens, experts]`, `bias`: `[experts]`. Returns the experts
+/// `[tokens, k]` (ascending per token) and their weights `[tokens, k]`.
+pub fn moe_route_ref(
+    logits: &[f32],
+    bias: &[f32],
+    experts: usize,
+    p: &RouteParams,
+) -> (Vec<u32>, Vec<f32>) {
+    let cfg = p.config(experts);
+    let (mut idx, mut w) = (Vec::new(), Vec::new());
+    for row in logits.chunks(experts) {
+        let scores: Vec<f32> = row.iter().map(|&x| router_sigmoid(x)).collect();
+        let Routed { experts, weights } = route_token(&scores, bias, &cfg);
+        idx.extend(experts.iter().map(|&e| e as u32));
+        w.extend(weights);
+    }
+    (idx, w)
+}
+
+/// Routing of `[tokens]` tokens: `topk_idx` `[tokens, k]` u32 (ascending per token) and
+/// `topk_w` `[tokens, k]` f32.
+#[derive(Clone, Debug)]
+pub struct MoeRouting {
+    pub topk_idx: Tensor,
+    pub topk_w: Tensor,
+}
+
+/// Routes every token: `logits` `[tokens, experts]` f32 (the router GEMM output, any row
+/// stride), `bias` `[experts]` f32 (`e_score_correction_bias`).
+pub fn moe_route(logits: &Tensor, bias: &Tensor, p: &RouteParams) -> Result<MoeRouting> {
+    let (tokens, experts) = logits.dims2()?;
+    if logits.dtype() != DType::F32 || bias.dtype() != DType::F32 || bias.dims() != [experts] {
+        candle_core::bail!(
+            "moe_route: expected f32 logits [T, E] and f32 bias [E], found {:?} {:?} and {:?} {:?}",
+            logits.dtype(),
+            logits.dims(),
+            bias.dtype(),
+            bias.dims()
+        );
+    }
+    p.check(experts)?;
+    let (logits, bias) = (logits.contiguous()?, bias.contiguous()?);
+    match logits.device() {
+        Device::Cpu => {
+            let l = logits.flatten_all()?.to_vec1::<f32>()?;
+            let b = bias.to_vec1::<f32>()?;
+            let (idx, w) = moe_route_ref(&l, &b, experts, p);
+            Ok(MoeRouting {
+                topk_idx: Tensor::from_vec(idx, (tokens, p.k), &Device::Cpu)?,
+                topk_w: Tensor::from_vec(w, (tokens, p.k), &Device::Cpu)?,
+            })
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => {
+            use super::cuda;
+            let n = tokens * p.k;
+            let (idx, w) = (
+                cuda::alloc(dev, DType::U32, n)?,
+                cuda::alloc(dev, DType::F32, n)?,
+            );
+            cuda::moe_route(
+                dev,
+                &cuda::MoeRouteArgs {
+                    logits: cuda::tensor_ptr(&logits)?,
+                    bias: cuda::tensor_ptr(&bias)?,
+                    topk_idx: cuda::storage_ptr(&idx, 0)?,
+                    topk_w: cuda::storage_ptr(&w, 0)?,
+                    tokens,
+                    experts,
+                    n_group: p.n_group,
+                    topk_group: p.topk_group,
+                    k: p.k,
+                    norm_topk: p.norm_topk,
+                    scaling: p.scaling as f32,
+                },
+            )?;
+            Ok(MoeRouting {
+                topk_idx: cuda::tensor(idx, (tokens, p.k)),
+                topk_w: cuda::tensor(w, (tokens, p.k)),
+            })
+        }
+        other => candle_core::bail!("moe_route: no kernel for {:?}", other.location()),
+    }
+}
+
+/// Marks a pick left out of the plan (an expert id outside `0..experts`, GPU only).
+pub const NO_ROW: u32 = u32::MAX;
+
+/// [`MoePlan`] on the host.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanRef {
+    pub counts: Vec<u32>,
+    pub offsets: Vec<u32>,
+    pub perm_token: Vec<u32>,
+    pub row_of: Vec<u32>,
+}
+
+/// The CPU reference of the dispatch plan, for `topk_idx` `[tokens, k]` with distinct experts
+/// per token. Rows are sorted by expert, then by token (a stable counting sort).
+pub fn moe_plan_ref(topk_idx: &[u32], k: usize, experts: usize) -> Result<PlanRef> {
+    let mut counts = vec![0u32; experts];
+    for (a, &e) in topk_idx.iter().enumerate() {
+        let Some(c) = counts.get_mut(e as usize) else {
+            candle_core::bail!("moe_plan: pick {a} names expert {e}, outside 0..{experts}");
+        };
+        *c += 1;
+    }
+    let mut offsets = Vec::with_capacity(experts + 1);
+    let mut acc = 0u32;
+    offsets.push(0);
+    for &c in &counts {
+        acc += c;
+        offsets.push(acc);
+    }
+    let mut cursor = offsets[..experts].to_vec();
+    let mut perm_token = vec![0u32; topk_idx.len()];
+    let mut row_of = vec![NO_ROW; topk_idx.len()];
+    for (t, picks) in topk_idx.chunks(k.max(1)).enumerate() {
+        for (j, &e) in picks.iter().enumerate() {
+            if picks[..j].contains(&e) {
+                candle_core::bail!("moe_plan: token {t} picks expert {e} twice");
+            }
+            let row = cursor[e as usize];
+            cursor[e as usize] += 1;
+            perm_token[row as usize] = t as u32;
+            row_of[t * k + j] = row;
+        }
+    }
+    Ok(PlanRef {
+        counts,
+        offsets,
+        perm_token,
+        row_of,
+    })
+}
+
+/// Where every pick goes: all u32 vectors on the routing's device.
+#[derive(Clone, Debug)]
+pub struct MoePlan {
+    /// `[E]` rows per expert
+    pub counts: Tensor,
+    /// `[E + 1]` expert e owns sorted rows `offsets[e]..offsets[e + 1]`
+    pub offsets: Tensor,
+    /// `[T * K]` the token of each sorted row (gather the expert inputs by it)
+    pub perm_token: Tensor,
+    /// `[T * K]` the sorted row of token t's k-th pick at `t * K + k` ([`NO_ROW`]: none)
+    pub row_of: Tensor,
+}
+
+/// The dispatch plan of a routing: `topk_idx` `[tokens, k]` u32 (or i32), distinct experts per
+/// token, all in `0..experts`.
+pub fn moe_plan(topk_idx: &Tensor, experts: usize) -> Result<MoePlan> {
+    let (tokens, k) = topk_idx.dims2()?;
+    if !matches!(topk_idx.dtype(), DType::U32 | DType::I32) {
+        candle_core::bail!(
+            "moe_plan: topk_idx must be u32 or i32, found {:?}",
+            topk_idx.dtype()
+        );
+    }
+    let idx = topk_idx.contiguous()?;
+    match idx.device() {
+        Device::Cpu => {
+            let v = idx.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?;
+            let plan = moe_plan_ref(&v, k, experts)?;
+            let cpu = &Device::Cpu;
+            Ok(MoePlan {
+                counts: Tensor::new(plan.counts.as_slice(), cpu)?,
+                offsets: Tensor::new(plan.offsets.as_slice(), cpu)?,
+                perm_token: Tensor::new(plan.perm_token.as_slice(), cpu)?,
+                row_of: Tensor::new(plan.row_of.as_slice(), cpu)?,
+            })
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => {
+            use super::cuda;
+            let n = tokens * k;
+            let ws = cuda::alloc(
+                dev,
+                DType::U32,
+                cuda::moe_plan_workspace_len(tokens, experts),
+            )?;
+            let counts = cuda::alloc(dev, DType::U32, experts)?;
+            let offsets = cuda::alloc(dev, DType::U32, experts + 1)?;
+            let perm = cuda::alloc(dev, DType::U32, n)?;
+            let row_of = cuda::alloc(dev, DType::U32, n)?;
+            cuda::moe_plan(
+                dev,
+                &cuda::MoePlanArgs {
+                    topk_idx: cuda::tensor_ptr(&idx)?,
+                    tokens,
+                    k,
+                    experts,
+                    workspace: cuda::storage_ptr(&ws, 0)?,
+                    counts: cuda::storage_ptr(&counts, 0)?,
+                    offsets: cuda::storage_ptr(&offsets, 0)?,
+                    perm_token: cuda::storage_ptr(&perm, 0)?,
+                    row_of: cuda::storage_ptr(&row_of, 0)?,
+                },
+            )?;
+            Ok(MoePlan {
+                counts: cuda::tensor(counts, experts),
+                offsets: cuda::tensor(offsets, experts + 1),
+                perm_token: cuda::tensor(perm, n),
+                row_of: cuda::tensor(row_of, n),
+            })
+        }
+        other => {
+            let _ = tokens;
+            candle_core::bail!("moe_plan: no kernel for {:?}", other.location())
+        }
+    }
+}
+
+/// The CPU reference of the combine: `out[t] = T(sum_k w[t,k] * ys[row_of[t*K+k]] + shared[t])`
+/// in f32, k ascending, each product and sum rounded to f32. `ys`: `[T*K, H]`, `shared`:
+/// `[T, H]`, all contiguous.
+pub fn moe_combine_ref<T: Elem>(
+    ys: &[T],
+    row_of: &[u32],
+    topk_w: &[f32],
+    shared: Option<&[T]>,
+    k: usize,
+    hidden: usize,
+) -> Vec<T> {
+    let tokens = topk_w.len() / k.max(1);
+    let mut out = Vec::with_capacity(tokens * hidden);
+    for t in 0..tokens {
+        for h in 0..hidden {
+            let mut acc = 0f32;
+            for j in 0..k {
+                let row = row_of[t * k + j];
+                if row != NO_ROW {
+                    acc += topk_w[t * k + j] * ys[row as usize * hidden + h].to_f32();
+                }
+            }
+            if let Some(s) = shared {
+                acc += s[t * hidden + h].to_f32();
+            }
+            out.push(T::from_f32(acc));
+        }
+    }
+    out
+}
+
+/// Each token's expert outputs, weighted and summed, plus the shared expert's output:
+/// `ys` `[T*K, H]` (the experts' outputs in sorted-row order), `plan.row_of`, `topk_w` `[T, K]`
+/// f32, `shared` `[T, H]` in `ys`'s dtype. Returns `[T, H]`.
+pub fn moe_combine(
+    ys: &Tensor,
+    plan: &MoePlan,
+    topk_w: &Tensor,
+    shared: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (tokens, k) = topk_w.dims2()?;
+    let (rows, hidden) = ys.dims2()?;
+    if rows != tokens * k || plan.row_of.dims() != [tokens * k] || topk_w.dtype() != DType::F32 {
+        candle_core::bail!(
+            "moe_combine: ys {:?}, row_of {:?}, topk_w {:?} {:?} do not fit [T*K, H], [T*K], f32 [T, K]",
+            ys.dims(),
+            plan.row_of.dims(),
+            topk_w.dtype(),
+            topk_w.dims()
+        );
+    }
+    if let Some(s) = shared
+        && (s.dims() != [tokens, hidden] || s.dtype() != ys.dtype())
+    {
+        candle_core::bail!(
+            "moe_combine: shared {:?} {:?}, expected {:?} [{tokens}, {hidden}]",
+            s.dtype(),
+            s.dims(),
+            ys.dtype()
+        );
+    }
+    let ys = ys.contiguous()?;
+    let (row_of, w) = (plan.row_of.contiguous()?, topk_w.contiguous()?);
+    let shared = shared.map(Tensor::contiguous).transpose()?;
+    match ys.device() {
+        Device::Cpu => {
+            let r = row_of.to_vec1::<u32>()?;
+            let wv = w.flatten_all()?.to_vec1::<f32>()?;
+            with_float_type!(ys.dtype(), T => {
+                let yv = ys.flatten_all()?.to_vec1::<T>()?;
+                let sv = shared.as_ref().map(|s| s.flatten_all()?.to_vec1::<T>()).transpose()?;
+                let out = moe_combine_ref(&yv, &r, &wv, sv.as_deref(), k, hidden);
+                Tensor::from_vec(out, (tokens, hidden), &Device::Cpu)
+            })
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => {
+            use super::cuda;
+            let out = cuda::alloc(dev, ys.dtype(), tokens * hidden)?;
+            cuda::moe_combine(
+                dev,
+                super::KernelDType::of(ys.dtype())?,
+                &cuda::MoeCombineArgs {
+                    ys: cuda::tensor_ptr(&ys)?,
+                    row_of: cuda::tensor_ptr(&row_of)?,
+                    topk_w: cuda::tensor_ptr(&w)?,
+                    shared: shared.as_ref().map(cuda::tensor_ptr).transpose()?,
+                    out: cuda::storage_ptr(&out, 0)?,
+                    tokens,
+                    k,
+                    hidden,
+                },
+            )?;
+            Ok(cuda::tensor(out, (tokens, hidden)))
+        }
+        other => candle_core::bail!("moe_combine: no kernel for {:?}", other.location()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testing::{assert_close, random, random_vec, values};
+    use candle_core::Device;
+
+    /// DeepSeek-V3's router (256 experts, 8 groups, top 4 groups, 8 picks, scale 2.5) and small
+    /// ragged ones, some with ties planted.
+    fn params() -> Vec<(usize, RouteParams)> {
+        let p = |n_group, topk_group, k, norm_topk, scaling| RouteParams {
+            n_group,
+            topk_group,
+            k,
+            norm_topk,
+            scaling,
+        };
+        vec![
+            (256, p(8, 4, 8, true, 2.5)),
+            (8, p(4, 2, 2, true, 2.0)),
+            (12, p(3, 3, 5, false, 1.0)),
+            (7, p(7, 3, 3, true, 1.5)), // groups of one expert
+            (64, p(1, 1, 6, true, 16.0)),
+        ]
+    }
+
+    /// Logits with exact ties (quantised to 1/8) so that tie-breaking is exercised.
+    fn logits(tokens: usize, experts: usize, seed: u64) -> Vec<f32> {
+        random_vec(tokens * experts, seed)
+            .iter()
+            .map(|v| {
+                if seed.is_multiple_of(2) {
+                    (v * 8.0).round() / 8.0
+                } else {
+                    v * 4.0
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn route_matches_route_token() {
+        // The reference is route_token itself; this pins the tensor plumbing and the sigmoid.
+        for (experts, p) in params() {
+            let tokens = 37;
+            let l = logits(tokens, experts, 2);
+            let bias: Vec<f32> = random_vec(experts, 3).iter().map(|v| v * 0.1).collect();
+            let lt = Tensor::from_vec(l.clone(), (tokens, experts), &Device::Cpu).unwrap();
+            let bt = Tensor::new(bias.as_slice(), &Device::Cpu).unwrap();
+            let r = moe_route(&lt, &bt, &p).unwrap();
+            let idx = r.topk_idx.to_vec2::<u32>().unwrap();
+            let w = r.topk_w.to_vec2::<f32>().unwrap();
+            for t in 0..tokens {
+                let scores: Vec<f32> = l[t * experts..][..experts]
+                    .iter()
+                    .map(|&x| router_sigmoid(x))
+                    .collect();
+                let want = route_token(&scores, &bias, &p.config(experts));
+                assert_eq!(
+                    idx[t],
+                    want.experts.iter().map(|&e| e as u32).collect::<Vec<_>>()
+                );
+                assert_eq!(w[t], want.weights);
+            }
+        }
+        let lt = Tensor::zeros((2, 8), DType::F32, &Device::Cpu).unwrap();
+        let bt = Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap();
+        let bad = RouteParams {
+            n_group: 3,
+            ..params()[1].1
+        };
+        assert!(moe_route(&lt, &bt, &bad).is_err());
+    }
+
+    #[test]
+    fn sigmoid_is_the_f64_one_rounded() {
+        for x in [-30.0f32, -1.5, 0.0, 0.3, 7.0] {
+            let want = (1.0 / (1.0 + (-f64::from(x)).exp())) as f32;
+            assert!((router_sigmoid(x) - want).abs() <= f32::EPSILON * want);
+        }
+    }
+
+    #[test]
+    fn plan_sorts_by_expert_then_token() {
+        // 3 tokens, 2 picks each, 4 experts.
+        let idx = [2u32, 0, 0, 3, 2, 3];
+        let plan = moe_plan_ref(&idx, 2, 4).unwrap();
+        assert_eq!(plan.counts, [2, 0, 2, 2]);
+        assert_eq!(plan.offsets, [0, 2, 2, 4, 6]);
+        assert_eq!(plan.perm_token, [0, 1, 0, 2, 1, 2]);
+        assert_eq!(plan.row_of, [2, 0, 1, 4, 3, 5]);
+        assert!(moe_plan_ref(&[0, 4], 2, 4).is_err());
+        assert!(moe_plan_ref(&[1, 1], 2, 4).is_err());
+    }
+
+    #[test]
+    fn route_plan_combine_equal_the_model_moe_sum() {
+        // Experts as per-expert scalings: y = x * (e + 1). The combine must give
+        // sum_k w_k * x * (e_k + 1) + shared, the sum transformers' DeepseekV3MoE computes.
+        let (tokens, experts, hidden) = (37, 8, 5);
+        let p = params()[1].1;
+        let lt =
+            Tensor::from_vec(logits(tokens, experts, 5), (tokens, experts), &Device::Cpu).unwrap();
+        let bt = Tensor::zeros(experts, DType::F32, &Device::Cpu).unwrap();
+        let r = moe_route(&lt, &bt, &p).unwrap();
+        let plan = moe_plan(&r.topk_idx, experts).unwrap();
+        let x = random(&[tokens, hidden], DType::F32, 6, &Device::Cpu);
+        let gathered = crate::kernels::gather_rows(&x, &plan.perm_token).unwrap();
+        let offsets = plan.offsets.to_vec1::<u32>().unwrap();
+        let mut ys = Vec::new();
+        for e in 0..experts {
+            let (a, b) = (offsets[e] as usize, offsets[e + 1] as usize);
+            ys.push((gathered.narrow(0, a, b - a).unwrap() * (e as f64 + 1.0)).unwrap());
+        }
+        let ys = Tensor::cat(&ys, 0).unwrap();
+        let shared = random(&[tokens, hidden], DType::F32, 7, &Device::Cpu);
+        let got = values(&moe_combine(&ys, &plan, &r.topk_w, Some(&shared)).unwrap());
+        let (idx, w) = (
+            r.topk_idx.to_vec2::<u32>().unwrap(),
+            r.topk_w.to_vec2::<f32>().unwrap(),
+        );
+        let (xv, sv) = (values(&x), values(&shared));
+        let mut want = Vec::new();
+        for t in 0..tokens {
+            for h in 0..hidden {
+                let mut acc = 0f32;
+                for j in 0..p.k {
+                    acc += w[t][j] * (xv[t * hidden + h] * (idx[t][j] as f32 + 1.0));
+                }
+                want.push(acc + sv[t * hidden + h]);
+            }
+        }
+        // The expert scaling is one f32 product on both sides: exact.
+        assert_close(&got, &want, 0.0, 0.0, "moe sum");
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_route_is_bit_exact() {
+        let Some(gpu) = crate::kernels::testing::cuda_device() else {
+            return;
+        };
+        for (experts, p) in params() {
+            for (tokens, seed) in [(1, 2), (37, 3), (2048, 4), (8192, 5)] {
+                let l = Tensor::from_vec(
+                    logits(tokens, experts, seed),
+                    (tokens, experts),
+                    &Device::Cpu,
+                )
+                .unwrap();
+                let b = Tensor::from_vec(
+                    random_vec(experts, seed + 10)
+                        .iter()
+                        .map(|v| v * 0.05)
+                        .collect::<Vec<_>>(),
+                    experts,
+                    &Device::Cpu,
+                )
+                .unwrap();
+                let want = moe_route(&l, &b, &p).unwrap();
+                let got = moe_route(&l.to_device(&gpu).unwrap(), &b.to_device(&gpu).unwrap(), &p)
+                    .unwrap();
+                let what = format!("E {experts} {p:?} T {tokens}");
+                assert_eq!(
+                    got.topk_idx.to_vec2::<u32>().unwrap(),
+                    want.topk_idx.to_vec2::<u32>().unwrap(),
+                    "experts, {what}"
+                );
+                let (gw, ww) = (values(&got.topk_w), values(&want.topk_w));
+                assert!(
+                    gw.iter().zip(&ww).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "weights, {what}"
+                );
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_plan_matches_reference() {
+        let Some(gpu) = crate::kernels::testing::cuda_device() else {
+            return;
+        };
+        for (experts, p) in params() {
+            for tokens in [1, 37, 255, 256, 257, 8192] {
+                let l =
+                    Tensor::from_vec(logits(tokens, experts, 7), (tokens, experts), &Device::Cpu)
+                        .unwrap();
+                let b = Tensor::zeros(experts, DType::F32, &Device::Cpu).unwrap();
+                let idx = moe_route(&l, &b, &p).unwrap().topk_idx;
+                let want = moe_plan(&idx, experts).unwrap();
+                let got = moe_plan(&idx.to_device(&gpu).unwrap(), experts).unwrap();
+                let v = |t: &Tensor| t.to_vec1::<u32>().unwrap();
+                let what = format!("E {experts} T {tokens}");
+                assert_eq!(v(&got.counts), v(&want.counts), "counts, {what}");
+                assert_eq!(v(&got.offsets), v(&want.offsets), "offsets, {what}");
+                assert_eq!(
+                    v(&got.perm_token),
+                    v(&want.perm_token),
+                    "perm_token, {what}"
+                );
+                assert_eq!(v(&got.row_of), v(&want.row_of), "row_of, {what}");
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_combine_matches_reference() {
+        let Some(gpu) = crate::kernels::testing::cuda_device() else {
+            return;
+        };
+        let cpu = Device::Cpu;
+        for &(tokens, k, experts, hidden) in &[(1, 2, 8, 5), (37, 3, 12, 100), (2048, 8, 256, 7168)]
+        {
+            let l = Tensor::from_vec(logits(tokens, experts, 9), (tokens, experts), &cpu).unwrap();
+            let b = Tensor::zeros(experts, DType::F32, &cpu).unwrap();
+            let p = RouteParams {
+                n_group: 1,
+                topk_group: 1,
+                k,
+                norm_topk: true,
+                scaling: 2.5,
+            };
+            let r = moe_route(&l, &b, &p).unwrap();
+            let plan = moe_plan(&r.topk_idx, experts).unwrap();
+            for dtype in [DType::F32, DType::BF16] {
+                let ys = random(&[tokens * k, hidden], dtype, 10, &cpu);
+                let shared = random(&[tokens, hidden], dtype, 11, &cpu);
+                for sh in [None, Some(&shared)] {
+                    let want = moe_combine(&ys, &plan, &r.topk_w, sh).unwrap();
+                    let gplan = MoePlan {
+                        counts: plan.counts.to_device(&gpu).unwrap(),
+                        offsets: plan.offsets.to_device(&gpu).unwrap(),
+                        perm_token: plan.perm_token.to_device(&gpu).unwrap(),
+                        row_of: plan.row_of.to_device(&gpu).unwrap(),
+                    };
+                    let gsh = sh.map(|s| s.to_device(&gpu).unwrap());
+                    let got = moe_combine(
+                        &ys.to_device(&gpu).unwrap(),
+                        &gplan,
+                        &r.topk_w.to_device(&gpu).unwrap(),
+                        gsh.as_ref(),
+                    )
+                    .unwrap();
+                    // The same f32 operations in the same order, no fused multiply-add: exact.
+                    assert_eq!(
+                        values(&got),
+                        values(&want),
+                        "T {tokens} K {k} H {hidden} {dtype:?}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,334 @@
+//! The diff engine's scoring on the GPU (kernels/score.cu): every captured slot against every
+//! candidate reference state in one pass, returning the sums `x.x`, `x.c`, `c.c` and the row
+//! count per (slot, candidate), from which [`Score::from_sums`] derives cosine, relative error
+//! and norm ratio exactly as [`crate::diff::score::score_all`] does.
+
+use crate::diff::score::Score;
+use candle_core::{DType, Device, Result, Tensor};
+
+/// The three sums of one (slot, candidate) pair over the rows both cover.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PairSums {
+    pub xx: f64,
+    pub xc: f64,
+    pub cc: f64,
+    pub rows: usize,
+}
+
+impl PairSums {
+    pub fn score(&self) -> Score {
+        Score::from_sums(self.xx, self.xc, self.cc, self.rows)
+    }
+}
+
+/// Where the slots and the reference states sit.
+#[derive(Clone, Copy, Debug)]
+pub struct ScoreShape {
+    /// Captured rows.
+    pub rows: usize,
+    /// Columns of one slot; slot s is columns `s * cols .. (s + 1) * cols` of `x`.
+    pub cols: usize,
+    pub slots: usize,
+    pub x_stride: usize,
+    pub n_states: usize,
+    pub ref_rows: usize,
+    /// Row stride of the references (state q row r at `(q * ref_rows + r) * ref_stride`).
+    pub ref_stride: usize,
+}
+
+/// The CPU reference, with `score_all`'s arithmetic: per row, f64 sums over the columns
+/// (skipping non-finite captured values), added to the pair's totals row by row. Candidates are
+/// `(state, shift)`: captured row t pairs with reference row t + shift. Returns the pairs
+/// slot-major (`[slots, candidates]`).
+pub fn score_slots_ref(
+    x: &[f32],
+    refs: &[f32],
+    s: &ScoreShape,
+    candidates: &[(usize, isize)],
+) -> Vec<PairSums> {
+    let mut out = vec![PairSums::default(); s.slots * candidates.len()];
+    for slot in 0..s.slots {
+        for (j, &(state, shift)) in candidates.iter().enumerate() {
+            let pair = &mut out[slot * candidates.len() + j];
+            for t in 0..s.rows {
+                let rt = t as isize + shift;
+                if rt < 0 || rt as usize >= s.ref_rows {
+                    continue;
+                }
+                let xr = &x[t * s.x_stride + slot * s.cols..][..s.cols];
+                let cr = &refs[(state * s.ref_rows + rt as usize) * s.ref_stride..][..s.cols];
+                let (mut a, mut b, mut c) = (0f64, 0f64, 0f64);
+                for (&xv, &cv) in xr.iter().zip(cr) {
+                    if !xv.is_finite() {
+                        continue;
+                    }
+                    let (xv, cv) = (f64::from(xv), f64::from(cv));
+                    a += xv * xv;
+                    b += xv * cv;
+                    c += cv * cv;
+                }
+                pair.xx += a;
+                pair.xc += b;
+                pair.cc += c;
+                pair.rows += 1;
+            }
+        }
+    }
+    out
+}
+
+/// Scores `slots` slots of `cols` columns of `x`: `[rows, >= slots * cols]` f32 (any row
+/// stride) against `refs`: `[n_states, ref_rows, >= cols]` f32 for every candidate
+/// `(state, shift)`. Returns the sums slot-major (`[slots, candidates]`), on the host.
+///
+/// On the GPU each thread sums in f32 before a double reduction (the CPU sums each row in f64),
+/// so the sums agree to about 1e-6 relative, not bit for bit.
+pub fn score_slots(
+    x: &Tensor,
+    slots: usize,
+    cols: usize,
+    refs: &Tensor,
+    candidates: &[(usize, isize)],
+) -> Result<Vec<PairSums>> {
+    if x.dtype() != DType::F32 || refs.dtype() != DType::F32 {
+        candle_core::bail!("score_slots: x and refs must be f32");
+    }
+    let (rows, x_cols) = x.dims2()?;
+    let (n_states, ref_rows, ref_cols) = refs.dims3()?;
+    if x_cols < slots * cols || ref_cols < cols {
+        candle_core::bail!(
+            "score_slots: {slots} slots of {cols} need {} columns of x (found {x_cols}) and {cols} \
+             of the references (found {ref_cols})",
+            slots * cols
+        );
+    }
+    if let Some(&(q, _)) = candidates.iter().find(|(q, _)| *q >= n_states) {
+        candle_core::bail!("score_slots: candidate state {q} outside 0..{n_states}");
+    }
+    let refs = refs.contiguous()?;
+    let xm = super::Matrix::of(x.layout(), "score x")?;
+    let shape = ScoreShape {
+        rows,
+        cols,
+        slots,
+        x_stride: xm.stride,
+        n_states,
+        ref_rows,
+        ref_stride: ref_cols,
+    };
+    match x.device() {
+        Device::Cpu => {
+            let (xs, _) = x.storage_and_layout();
+            let xv = match &*xs {
+                candle_core::Storage::Cpu(c) => xm.slice(c.as_slice::<f32>()?, "score x")?.to_vec(),
+                _ => unreachable!("a CPU tensor has CPU storage"),
+            };
+            drop(xs);
+            let rv = refs.flatten_all()?.to_vec1::<f32>()?;
+            Ok(score_slots_ref(&xv, &rv, &shape, candidates))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => score_on_gpu(dev, x, &refs, &shape, candidates),
+        other => candle_core::bail!("score_slots: no kernel for {:?}", other.location()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn score_on_gpu(
+    dev: &candle_core::CudaDevice,
+    x: &Tensor,
+    refs: &Tensor,
+    s: &ScoreShape,
+    candidates: &[(usize, isize)],
+) -> Result<Vec<PairSums>> {
+    use super::cuda;
+    let n = candidates.len();
+    if n == 0 || s.slots == 0 {
+        return Ok(Vec::new());
+    }
+    let gpu = Device::Cuda(dev.clone());
+    let states = candidates
+        .iter()
+        .map(|&(q, _)| super::to_i32(q, "candidate state"))
+        .collect::<Result<Vec<_>>>()?;
+    let shifts = candidates
+        .iter()
+        .map(|&(_, d)| {
+            i32::try_from(d).map_err(|_| candle_core::Error::Msg(format!("shift {d} exceeds i32")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let states = Tensor::new(states.as_slice(), &gpu)?;
+    let shifts = Tensor::new(shifts.as_slice(), &gpu)?;
+    let ws = cuda::alloc(
+        dev,
+        DType::F64,
+        cuda::score_workspace_len(s.rows, s.slots, n),
+    )?;
+    let out = cuda::alloc(dev, DType::F64, s.slots * n * 3)?;
+    let rows_out = cuda::alloc(dev, DType::I32, s.slots * n)?;
+    cuda::score(
+        dev,
+        &cuda::ScoreArgs {
+            x: cuda::tensor_ptr(x)?,
+            x_stride: s.x_stride,
+            rows: s.rows,
+            cols: s.cols,
+            slots: s.slots,
+            refs: cuda::tensor_ptr(refs)?,
+            n_states: s.n_states,
+            ref_rows: s.ref_rows,
+            ref_stride: s.ref_stride,
+            cand_state: cuda::tensor_ptr(&states)?,
+            cand_shift: cuda::tensor_ptr(&shifts)?,
+            n_cand: n,
+            workspace: cuda::storage_ptr(&ws, 0)?,
+            out: cuda::storage_ptr(&out, 0)?,
+            rows_out: cuda::storage_ptr(&rows_out, 0)?,
+        },
+    )?;
+    let sums = cuda::tensor(out, s.slots * n * 3).to_vec1::<f64>()?;
+    let rows = cuda::tensor(rows_out, s.slots * n).to_vec1::<i32>()?;
+    Ok(sums
+        .chunks(3)
+        .zip(rows)
+        .map(|(v, r)| PairSums {
+            xx: v[0],
+            xc: v[1],
+            cc: v[2],
+            rows: r.max(0) as usize,
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::diff::score::{Pairing, View, score_all};
+    use crate::kernels::testing::random_vec;
+
+    fn case(
+        rows: usize,
+        cols: usize,
+        slots: usize,
+        ref_rows: usize,
+        n_states: usize,
+        seed: u64,
+    ) -> (Tensor, Tensor) {
+        let mut xv = random_vec(rows * (slots * cols + 3), seed);
+        xv[5] = f32::NAN; // a non-finite captured value is skipped
+        xv[7] = f32::INFINITY;
+        let x = Tensor::from_vec(xv, (rows, slots * cols + 3), &Device::Cpu).unwrap();
+        let refs = Tensor::from_vec(
+            random_vec(n_states * ref_rows * (cols + 2), seed + 1),
+            (n_states, ref_rows, cols + 2),
+            &Device::Cpu,
+        )
+        .unwrap();
+        (x, refs)
+    }
+
+    fn candidates(n_states: usize) -> Vec<(usize, isize)> {
+        (0..n_states)
+            .flat_map(|q| [(q, 0), (q, 1), (q, -1), (q, -40)])
+            .collect()
+    }
+
+    #[test]
+    fn reference_matches_score_all() {
+        let (rows, cols, slots, ref_rows, n_states) = (37, 24, 3, 38, 5);
+        let (x, refs) = case(rows, cols, slots, ref_rows, n_states, 1);
+        let cands = candidates(n_states);
+        let got = score_slots(
+            &x.narrow(1, 1, slots * cols).unwrap(),
+            slots,
+            cols,
+            &refs,
+            &cands,
+        )
+        .unwrap();
+        let xv = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let rv = refs.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let xview = View {
+            data: &xv[1..],
+            rows,
+            stride: slots * cols + 3,
+            col: 0,
+            cols: slots * cols,
+        };
+        let per_state = ref_rows * (cols + 2);
+        let pairings: Vec<Pairing> = cands
+            .iter()
+            .map(|&(q, shift)| Pairing {
+                reference: View {
+                    data: &rv[q * per_state..(q + 1) * per_state],
+                    rows: ref_rows,
+                    stride: cols + 2,
+                    col: 0,
+                    cols,
+                },
+                shift,
+            })
+            .collect();
+        for slot in 0..slots {
+            let want = score_all(xview.columns(slot * cols, cols), &pairings);
+            for (j, w) in want.iter().enumerate() {
+                let g = got[slot * cands.len() + j].score();
+                // The same f64 arithmetic in the same order: exact.
+                assert_eq!(
+                    (
+                        g.cosine.to_bits(),
+                        g.rel_err.to_bits(),
+                        g.norm_ratio.to_bits(),
+                        g.rows
+                    ),
+                    (
+                        w.cosine.to_bits(),
+                        w.rel_err.to_bits(),
+                        w.norm_ratio.to_bits(),
+                        w.rows
+                    ),
+                    "slot {slot} candidate {j}"
+                );
+            }
+        }
+        assert_eq!(got[3].rows, 0, "a shift of -40 leaves no rows");
+        assert!(score_slots(&x, slots, cols, &refs, &[(5, 0)]).is_err());
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_matches_reference() {
+        let Some(gpu) = crate::kernels::testing::cuda_device() else {
+            return;
+        };
+        // Tiny ragged, and a realistic diff: 3 slots of 4096 at T = 2048 against 33 states.
+        for &(rows, cols, slots, ref_rows, n_states) in &[
+            (1, 1, 1, 1, 1),
+            (37, 24, 3, 38, 5),
+            (2048, 4096, 3, 2049, 33),
+        ] {
+            let (x, refs) = case(rows, cols, slots, ref_rows, n_states, 3);
+            let cands = candidates(n_states);
+            let xw = x.narrow(1, 2, slots * cols).unwrap();
+            let want = score_slots(&xw, slots, cols, &refs, &cands).unwrap();
+            let xg = x
+                .to_device(&gpu)
+                .unwrap()
+                .narrow(1, 2, slots * cols)
+                .unwrap();
+            let got =
+                score_slots(&xg, slots, cols, &refs.to_device(&gpu).unwrap(), &cands).unwrap();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.rows, w.rows, "pair {i}");
+                // f32 per-thread partials (at most 32 rows x cols / 256 terms) under a double
+                // reduction: well inside 1e-5 of the f64 sums for values of order 1.
+                for (a, b) in [(g.xx, w.xx), (g.xc, w.xc), (g.cc, w.cc)] {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                        "pair {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}

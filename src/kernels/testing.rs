@@ -1,0 +1,108 @@
+//! Helpers for the kernel tests: seeded random inputs (never zero), the llm.c-style comparison
+//! (`|got - want| <= atol + rtol * |want|`, reporting the worst element), and the CUDA device
+//! the device tests run on, or a visible skip.
+
+use candle_core::{DType, Device, Tensor};
+
+/// A seeded xorshift stream of values in [-1, 1) with |v| >= 1/64: zeros would hide a kernel
+/// that forgets to read an input, and tiny values make relative errors meaningless.
+pub fn random_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let u = (state >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+            let v = 2.0 * u - 1.0;
+            if v.abs() < 1.0 / 64.0 {
+                v.signum() * (1.0 / 64.0 + v.abs())
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// A `[rows, cols]`-shaped (or any shape) tensor of [`random_vec`] values in `dtype`.
+pub fn random(shape: &[usize], dtype: DType, seed: u64, device: &Device) -> Tensor {
+    let n = shape.iter().product();
+    Tensor::from_vec(random_vec(n, seed), shape, &Device::Cpu)
+        .and_then(|t| t.to_dtype(dtype))
+        .and_then(|t| t.to_device(device))
+        .expect("random tensor")
+}
+
+/// Every element of `t` as f32, row-major.
+pub fn values(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("tensor values")
+}
+
+/// Fails unless every `|got - want| <= atol + rtol * |want|`; NaN or Inf in `got` where `want`
+/// is finite always fails. The message names the worst element, both values and the share of
+/// the tolerance it used.
+#[track_caller]
+pub fn assert_close(got: &[f32], want: &[f32], atol: f32, rtol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    let mut worst = (0usize, 0f32); // (index, share of tolerance used)
+    let mut non_finite = 0;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w.is_nan() && g.is_nan() {
+            continue;
+        }
+        if !g.is_finite() && w.is_finite() {
+            non_finite += 1;
+            if non_finite == 1 {
+                worst = (i, f32::INFINITY);
+            }
+            continue;
+        }
+        let diff = (g - w).abs();
+        let share = if diff == 0.0 {
+            0.0
+        } else {
+            diff / (atol + rtol * w.abs())
+        };
+        if share.is_nan() || share > worst.1 {
+            worst = (i, share);
+        }
+    }
+    let (i, share) = worst;
+    assert!(
+        share <= 1.0 && non_finite == 0,
+        "{what}: element {i}: got {} want {} ({share:.2}x the tolerance atol {atol} rtol {rtol}); \
+         {non_finite} non-finite where finite was expected",
+        got[i],
+        want[i]
+    );
+}
+
+/// The CUDA device the device tests run on; `None` (after saying so on stderr) where the
+/// machine has no driver or no device, so the test passes on CI machines without a GPU.
+#[cfg(feature = "cuda")]
+pub fn cuda_device() -> Option<Device> {
+    if !crate::kernels::cuda::device_available() {
+        eprintln!("skipped: no CUDA device");
+        return None;
+    }
+    Some(Device::new_cuda(0).expect("CUDA device 0"))
+}
+
+#[test]
+fn random_values_are_never_small() {
+    let v = random_vec(10_000, 7);
+    assert!(
+        v.iter()
+            .all(|x| x.abs() >= 1.0 / 64.0 && x.abs() < 1.0 + 1.0 / 64.0)
+    );
+    assert_ne!(random_vec(4, 1), random_vec(4, 2));
+}
+
+#[test]
+#[should_panic(expected = "element 1")]
+fn assert_close_names_the_worst_element() {
+    assert_close(&[1.0, 2.5, 3.0], &[1.0, 2.0, 3.01], 0.0, 0.01, "planted");
+}
