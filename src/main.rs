@@ -84,8 +84,9 @@ enum Command {
         prompt: Option<String>,
         #[arg(long, value_enum, default_value = "auto")]
         device: DeviceArg,
-        #[arg(long, value_enum, default_value = "f32")]
-        dtype: DtypeArg,
+        /// Compute dtype (default: bf16 on a GPU, f32 on the CPU).
+        #[arg(long, value_enum)]
+        dtype: Option<DtypeArg>,
         /// Write input_ids, hidden_states.{b}, final_pre_norm and fc_input to a safetensors file.
         #[arg(long)]
         dump: Option<PathBuf>,
@@ -125,8 +126,9 @@ enum Command {
         engine: Option<String>,
         #[arg(long, value_enum, default_value = "auto")]
         device: DeviceArg,
-        #[arg(long, value_enum, default_value = "f32")]
-        dtype: DtypeArg,
+        /// Compute dtype (default: bf16 on a GPU, f32 on the CPU).
+        #[arg(long, value_enum)]
+        dtype: Option<DtypeArg>,
         #[arg(long, value_enum, default_value = "table")]
         format: Format,
     },
@@ -156,21 +158,59 @@ impl DtypeArg {
     }
 }
 
-/// Picks the compute device. This build runs on the CPU; CUDA arrives with the GPU runner.
+/// Picks the compute device: the first CUDA GPU when this build has CUDA and the machine has
+/// one (`auto`), else the CPU.
 fn device(arg: DeviceArg) -> Result<Device> {
+    let built = candle_core::utils::cuda_is_available();
     match arg {
-        DeviceArg::Cpu | DeviceArg::Auto if !candle_core::utils::cuda_is_available() => {
-            Ok(Device::Cpu)
-        }
-        DeviceArg::Cuda if !candle_core::utils::cuda_is_available() => {
-            Err(eagle_check::error::Error::Device(
-                "--device cuda: this build of eagle-check has no CUDA support; use --device cpu"
-                    .into(),
-            )
-            .into())
-        }
         DeviceArg::Cpu => Ok(Device::Cpu),
-        DeviceArg::Cuda | DeviceArg::Auto => Ok(Device::new_cuda(0)?),
+        DeviceArg::Auto if !built => Ok(Device::Cpu),
+        DeviceArg::Cuda if !built => Err(eagle_check::error::Error::Device(
+            "--device cuda: this build of eagle-check has no CUDA support (build with \
+             `--features cuda`, see the README); use --device cpu"
+                .into(),
+        )
+        .into()),
+        DeviceArg::Auto if !gpu_present() => Ok(Device::Cpu),
+        DeviceArg::Cuda if !gpu_present() => Err(eagle_check::error::Error::Device(
+            "--device cuda: no CUDA driver or device found on this machine".into(),
+        )
+        .into()),
+        DeviceArg::Auto | DeviceArg::Cuda => cuda_device(),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_present() -> bool {
+    eagle_check::kernels::cuda::device_available()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_present() -> bool {
+    false
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device() -> Result<Device> {
+    let dev = candle_core::CudaDevice::new(0)?;
+    // eagle-check uses the device's one stream, so tensors need no cross-stream events; each
+    // event costs a driver call per access.
+    // SAFETY: every tensor of this process lives and is used on this one stream.
+    unsafe { dev.disable_event_tracking() };
+    Ok(Device::Cuda(dev))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device() -> Result<Device> {
+    Ok(Device::new_cuda(0)?)
+}
+
+/// `--dtype`, else bf16 on the GPU (what engines run) and f32 on the CPU (exact parity).
+fn compute_dtype(arg: Option<DtypeArg>, device: &Device) -> DType {
+    match (arg, device.is_cuda()) {
+        (Some(d), _) => d.dtype(),
+        (None, true) => DType::BF16,
+        (None, false) => DType::F32,
     }
 }
 
@@ -273,7 +313,10 @@ fn run(cli: Cli) -> Result<u8> {
             let mut source: Box<dyn ReferenceSource> = match (&reference, &target) {
                 (Some(path), _) => Box::new(DumpReference::open(path)?),
                 (None, Some(path)) => Box::new(RunnerReference {
-                    target: open_target(path, dtype.dtype(), &device(device_arg)?)?,
+                    target: {
+                        let dev = device(device_arg)?;
+                        open_target(path, compute_dtype(dtype, &dev), &dev)?
+                    },
                     path: path.clone(),
                     forward_seconds: 0.0,
                 }),
@@ -365,6 +408,7 @@ fn run(cli: Cli) -> Result<u8> {
                     ),
                 },
             };
+            let dev = device(device_arg)?;
             let report = eagle_check::runner::run(&RunInput {
                 target,
                 draft,
@@ -372,8 +416,8 @@ fn run(cli: Cli) -> Result<u8> {
                 engine,
                 tokens,
                 tokens_origin,
-                device: device(device_arg)?,
-                dtype: dtype.dtype(),
+                dtype: compute_dtype(dtype, &dev),
+                device: dev,
                 dump,
                 generate,
             })?;

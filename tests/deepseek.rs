@@ -10,7 +10,7 @@ use eagle_check::model::deepseek::{route_token, softmax_scale};
 use eagle_check::model::fp8;
 use eagle_check::model::nn::inv_freq;
 use eagle_check::model::source::{SafetensorsSource, Vb, WeightSource};
-use eagle_check::model::{Capture, CaptureRequest, Progress, load_target};
+use eagle_check::model::{Capture, CaptureRequest, ComputePath, Progress, load_target_on};
 use std::collections::HashMap;
 
 /// f32 parity target (issue 3): max |got - ref| / max |ref| per tensor. The fixtures are f32
@@ -38,9 +38,17 @@ fn rows_i64(t: &Tensor) -> Vec<Vec<i64>> {
 
 /// Runs a model directory on the reference tokens in f32.
 fn run(dir: &std::path::Path, r: &HashMap<String, Tensor>) -> (ModelConfig, Capture) {
+    run_on(dir, r, ComputePath::Candle)
+}
+
+fn run_on(
+    dir: &std::path::Path,
+    r: &HashMap<String, Tensor>,
+    path: ComputePath,
+) -> (ModelConfig, Capture) {
     let cfg = ModelConfig::load(dir).unwrap();
     let src = SafetensorsSource::open(dir).unwrap();
-    let model = load_target(&cfg, &src, DType::F32, &Device::Cpu).unwrap();
+    let model = load_target_on(&cfg, &src, DType::F32, &Device::Cpu, path).unwrap();
     let cap = model
         .forward(&ids(r), &CaptureRequest::all(), &mut Progress::hidden())
         .unwrap();
@@ -133,31 +141,52 @@ fn yarn_rope_and_softmax_scale_match_transformers() {
 /// The experts the model picks are HF's for every token of every MoE layer, with HF's weights,
 /// and the fixture is one where plain top-k (no `n_group` / `topk_group` limit) picks otherwise:
 /// a router that ignores the group limit fails here.
+/// The GPU's code path on the CPU (kernel references): MLA through flash attention over
+/// per-head keys, routing / dispatch / combine kernels, experts on sorted rows.
+#[test]
+fn kernel_path_matches_transformers_and_routes_alike() {
+    for name in FIXTURES {
+        let dir = fixture(&format!("models/{name}"));
+        let r = reference(&format!("models/{name}/reference.safetensors"));
+        let (cfg, cap) = run_on(&dir, &r, ComputePath::Kernels);
+        let worst = worst_error(name, &cfg, &cap, &r);
+        assert!(
+            worst <= F32_TOL,
+            "{name} (kernel path) worst rel err {worst:.3e}"
+        );
+        check_routing(name, &cfg, &cap, &r);
+    }
+}
+
 #[test]
 fn routing_is_group_limited_like_transformers() {
     for name in FIXTURES {
         let dir = fixture(&format!("models/{name}"));
         let r = reference(&format!("models/{name}/reference.safetensors"));
         let (cfg, cap) = run(&dir, &r);
-        for l in moe_layers(&cfg) {
-            let want = rows_i64(&r[&format!("router.{l}.topk_idx")]);
-            let plain = rows_i64(&r[&format!("router.{l}.ungrouped_topk_idx")]);
-            let got = rows_i64(&cap.extras[&format!("router.{l}.topk_idx")]);
-            let differs = want.iter().zip(&plain).filter(|(a, b)| a != b).count();
-            eprintln!(
-                "{name} layer {l}: grouped != plain top-k at {differs} of {} tokens",
-                want.len()
-            );
-            assert!(differs > 0, "{name} layer {l}: the fixture cannot tell");
-            assert_eq!(got, want, "{name} layer {l}: chosen experts");
-            let w = closeness(
-                &cap.extras[&format!("router.{l}.topk_weight")],
-                &r[&format!("router.{l}.topk_weight")],
-            )
-            .unwrap();
-            eprintln!("{name} layer {l}: topk_weight max rel {:.2e}", w.max_rel);
-            assert!(w.max_rel <= F32_TOL, "{name} layer {l} weights");
-        }
+        check_routing(name, &cfg, &cap, &r);
+    }
+}
+
+fn check_routing(name: &str, cfg: &ModelConfig, cap: &Capture, r: &HashMap<String, Tensor>) {
+    for l in moe_layers(cfg) {
+        let want = rows_i64(&r[&format!("router.{l}.topk_idx")]);
+        let plain = rows_i64(&r[&format!("router.{l}.ungrouped_topk_idx")]);
+        let got = rows_i64(&cap.extras[&format!("router.{l}.topk_idx")]);
+        let differs = want.iter().zip(&plain).filter(|(a, b)| a != b).count();
+        eprintln!(
+            "{name} layer {l}: grouped != plain top-k at {differs} of {} tokens",
+            want.len()
+        );
+        assert!(differs > 0, "{name} layer {l}: the fixture cannot tell");
+        assert_eq!(got, want, "{name} layer {l}: chosen experts");
+        let w = closeness(
+            &cap.extras[&format!("router.{l}.topk_weight")],
+            &r[&format!("router.{l}.topk_weight")],
+        )
+        .unwrap();
+        eprintln!("{name} layer {l}: topk_weight max rel {:.2e}", w.max_rel);
+        assert!(w.max_rel <= F32_TOL, "{name} layer {l} weights");
     }
 }
 

@@ -7,7 +7,7 @@ use eagle_check::compare::closeness;
 use eagle_check::config::{DraftConfig, ModelConfig};
 use eagle_check::model::draft::Eagle3Draft;
 use eagle_check::model::source::{SafetensorsSource, Vb};
-use eagle_check::model::{CaptureRequest, Progress, load_target};
+use eagle_check::model::{CaptureRequest, ComputePath, Progress, load_target, load_target_on};
 use std::collections::HashMap;
 
 /// f32 parity target of issue 3: max |got - ref| / max |ref| per tensor.
@@ -30,10 +30,14 @@ fn ids(reference: &HashMap<String, Tensor>, key: &str) -> Vec<u32> {
 
 /// Runs a fixture target and returns the worst relative error over every captured tensor.
 fn target_parity(name: &str, dtype: DType) -> f64 {
+    target_parity_on(name, dtype, ComputePath::Candle)
+}
+
+fn target_parity_on(name: &str, dtype: DType, path: ComputePath) -> f64 {
     let dir = fixture(&format!("models/{name}"));
     let cfg = ModelConfig::load(&dir).unwrap();
     let src = SafetensorsSource::open(&dir).unwrap();
-    let model = load_target(&cfg, &src, dtype, &Device::Cpu).unwrap();
+    let model = load_target_on(&cfg, &src, dtype, &Device::Cpu, path).unwrap();
     let r = reference(&format!("models/{name}/reference.safetensors"));
     let tokens = ids(&r, "input_ids");
     let cap = model
@@ -55,6 +59,20 @@ fn target_parity(name: &str, dtype: DType) -> f64 {
         worst = worst.max(c.max_rel);
     }
     worst
+}
+
+/// The GPU's code path (token-major projections, rope in place, flash attention, fused
+/// residual-add + norm) on the CPU, through the kernels' Rust references: every fixture target
+/// matches transformers as tightly as the candle path does.
+#[test]
+fn kernel_path_matches_transformers_for_every_llama_family_target() {
+    for name in ["llama", "llama_linear_bias", "mistral", "qwen2", "qwen3"] {
+        let worst = target_parity_on(name, DType::F32, ComputePath::Kernels);
+        assert!(
+            worst <= F32_TOL,
+            "{name} (kernel path) worst rel err {worst:.3e}"
+        );
+    }
 }
 
 #[test]
@@ -113,6 +131,10 @@ fn bf16_compute_stays_within_bf16_tolerance() {
 }
 
 fn draft_parity(target: &str, draft: &str) -> f64 {
+    draft_parity_on(target, draft, ComputePath::Candle)
+}
+
+fn draft_parity_on(target: &str, draft: &str, path: ComputePath) -> f64 {
     let tdir = fixture(&format!("models/{target}"));
     let tcfg = ModelConfig::load(&tdir).unwrap();
     let tsrc = SafetensorsSource::open(&tdir).unwrap();
@@ -121,7 +143,9 @@ fn draft_parity(target: &str, draft: &str) -> f64 {
     let dcfg = DraftConfig::load(&ddir).unwrap();
     let dsrc = SafetensorsSource::open(&ddir).unwrap();
     let vb = Vb::new(&dsrc, DType::F32, &Device::Cpu);
-    let d = Eagle3Draft::load(&dcfg, &vb, tcfg.hidden_size, 3).unwrap();
+    let d = Eagle3Draft::load(&dcfg, &vb, tcfg.hidden_size, 3)
+        .unwrap()
+        .with_path(path);
     let r = reference(&format!("models/{draft}/draft_reference.safetensors"));
     let out = d
         .forward(
@@ -144,6 +168,19 @@ fn draft_parity(target: &str, draft: &str) -> f64 {
 fn llama_draft_logits_match_the_pytorch_reference() {
     let worst = draft_parity("llama", "llama-draft");
     assert!(worst <= F32_TOL, "{worst:.3e}");
+}
+
+/// The drafts on the GPU's code path (CPU kernel references), the MLA draft included.
+#[test]
+fn kernel_path_drafts_match_the_pytorch_references() {
+    for (target, draft) in [
+        ("llama", "llama-draft"),
+        ("qwen3", "qwen3-draft"),
+        ("deepseek_v3", "mla-draft"),
+    ] {
+        let worst = draft_parity_on(target, draft, ComputePath::Kernels);
+        assert!(worst <= F32_TOL, "{draft} (kernel path): {worst:.3e}");
+    }
 }
 
 #[test]

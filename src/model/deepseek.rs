@@ -5,11 +5,12 @@
 
 use crate::config::{MlaConfig, ModelConfig, MoeConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
+use crate::kernels::{self, AttnParams, RopeParams, RouteParams};
 use crate::model::llama::{decoder_prefix, output_head};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
 use crate::model::{
-    Capture, CaptureRequest, LayerStep, Progress, Target, finish_capture, run_decoder,
+    Capture, CaptureRequest, ComputePath, LayerStep, Progress, Target, finish_capture, run_decoder,
 };
 use candle_core::{D, DType, Device, Tensor};
 
@@ -151,6 +152,55 @@ impl Mla {
         }
     }
 
+    /// The kernel path: token-major throughout, rope in place on each head's rope part, flash
+    /// attention over the per-head keys `cat(k_nope, k_rot)` (k_rot shared by every head).
+    /// `xs`: [T, in_dim] -> [T, hidden]
+    pub(crate) fn forward_kernels(
+        &self,
+        xs: &Tensor,
+        rope: &RopeTables,
+    ) -> candle_core::Result<Tensor> {
+        let t = xs.dim(0)?;
+        let (nh, nope, rd, vd) = (self.heads, self.nope, self.rope, self.v_dim);
+        let rot = |heads, head_stride, rot_offset| RopeParams {
+            heads,
+            head_stride,
+            rot_offset,
+            rot_dim: rd,
+            interleaved: self.interleave,
+        };
+        // [T, nh * (nope + rope)]
+        let q = self.q.forward(xs)?.contiguous()?;
+        kernels::rope_in_place(&q, &rope.cos32, &rope.sin32, &rot(nh, nope + rd, nope))?;
+        let ckv = self.kv_a.forward(xs)?; // [T, kv_rank + rope]
+        let kv_latent = self.kv_norm.forward(&ckv.narrow(1, 0, self.kv_rank)?)?;
+        let k_rot = ckv.narrow(1, self.kv_rank, rd)?.contiguous()?;
+        kernels::rope_in_place(&k_rot, &rope.cos32, &rope.sin32, &rot(1, rd, 0))?;
+        let kv = self.kv_b.forward(&kv_latent)?.reshape((t, nh, nope + vd))?;
+        let k = Tensor::cat(
+            &[
+                &kv.narrow(2, 0, nope)?,
+                &k_rot.reshape((t, 1, rd))?.broadcast_as((t, nh, rd))?,
+            ],
+            2,
+        )?
+        .reshape((t, nh * (nope + rd)))?;
+        let v = kv
+            .narrow(2, nope, vd)?
+            .contiguous()?
+            .reshape((t, nh * vd))?;
+        let params = AttnParams {
+            nh,
+            nkv: nh,
+            dk: nope + rd,
+            dv: vd,
+            scale: self.scale,
+            window: None,
+        };
+        self.o
+            .forward(&kernels::flash_attention(&q, &k, &v, &params)?)
+    }
+
     /// `xs`: [T, in_dim] -> [T, hidden]
     pub(crate) fn forward(
         &self,
@@ -254,6 +304,8 @@ struct Router {
     weight: Tensor,
     /// [E]
     bias: Vec<f32>,
+    /// The same bias as an f32 tensor on the model's device, for the routing kernel.
+    bias_t: Tensor,
 }
 
 impl Router {
@@ -264,7 +316,12 @@ impl Router {
         Ok(logits
             .iter()
             .map(|row| {
-                let scores: Vec<f32> = row.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+                // The routing kernel's sigmoid (exp in f64, rounded once), so that the CPU and
+                // the GPU choose the same experts at near-ties.
+                let scores: Vec<f32> = row
+                    .iter()
+                    .map(|&x| kernels::moe::router_sigmoid(x))
+                    .collect();
                 route_token(&scores, &self.bias, moe)
             })
             .collect())
@@ -306,9 +363,11 @@ impl Moe {
             // transformers initialises the buffer to zeros; DeepSeek-V2-style checkpoints lack it.
             None => vec![0.0; e],
         };
+        let bias_t = Tensor::new(bias.as_slice(), &vb.device).ctx(|| gate.path("bias"))?;
         let router = Router {
             weight: get_f32(&gate, "weight", &[e, h])?,
             bias,
+            bias_t,
         };
         let experts = load_experts(vb, e, h, inter)?;
         let shared = if moe.n_shared_experts > 0 {
@@ -326,6 +385,71 @@ impl Moe {
             experts,
             shared,
         })
+    }
+
+    /// The kernel path: routing, dispatch plan, gather and combine as kernels
+    /// (kernels/moe.cu, kernels/gather.cu), the experts as one grouped GEMM per projection on
+    /// the GPU (each touched expert's weights read once; no per-expert host loop) or a matmul
+    /// per expert on the CPU. `xs`: [T, H] -> ([T, H], topk_idx [T, K] u32, topk_w [T, K] f32).
+    fn forward_kernels(&self, xs: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let logits = xs.to_dtype(DType::F32)?.matmul(&self.router.weight.t()?)?;
+        let routing =
+            kernels::moe_route(&logits, &self.router.bias_t, &RouteParams::of(&self.cfg))?;
+        let e = self.experts.len();
+        let plan = kernels::moe_plan(&routing.topk_idx, e)?;
+        let sorted = kernels::gather_rows(xs, &plan.perm_token)?; // [T*K, H]
+        let counts: Vec<usize> = plan
+            .counts
+            .to_vec1::<u32>()?
+            .into_iter()
+            .map(|c| c as usize)
+            .collect();
+        let ys = self.experts_forward(&sorted, &counts)?;
+        let shared = match &self.shared {
+            Some(s) => Some(s.forward(xs)?),
+            None => None,
+        };
+        let out = kernels::moe_combine(&ys, &plan, &routing.topk_w, shared.as_ref())?;
+        Ok((out, routing.topk_idx, routing.topk_w))
+    }
+
+    /// The experts on rows sorted by expert (`counts[e]` rows each): `[R, H]` -> `[R, H]`.
+    fn experts_forward(&self, sorted: &Tensor, counts: &[usize]) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if sorted.device().is_cuda() {
+            let (rows, h) = sorted.dims2()?;
+            let inter = self.cfg.moe_intermediate_size;
+            let grouped = |a: &Tensor, ws: Vec<&Tensor>, n: usize| -> candle_core::Result<Tensor> {
+                let out = Tensor::zeros((rows, n), a.dtype(), a.device())?;
+                kernels::gemm::grouped_gemm_into(&out, a, &ws, counts)?;
+                Ok(out)
+            };
+            let gate = grouped(
+                sorted,
+                self.experts.iter().map(|m| &m.gate.weight).collect(),
+                inter,
+            )?;
+            let up = grouped(
+                sorted,
+                self.experts.iter().map(|m| &m.up.weight).collect(),
+                inter,
+            )?;
+            let act = kernels::silu_mul(&gate, &up)?;
+            return grouped(
+                &act,
+                self.experts.iter().map(|m| &m.down.weight).collect(),
+                h,
+            );
+        }
+        let mut parts = Vec::with_capacity(self.experts.len());
+        let mut start = 0;
+        for (expert, &n) in self.experts.iter().zip(counts) {
+            if n > 0 {
+                parts.push(expert.forward(&sorted.narrow(0, start, n)?)?);
+            }
+            start += n;
+        }
+        Tensor::cat(&parts, 0)
     }
 
     /// `xs`: [T, H] -> ([T, H], the routing of every token).
@@ -410,6 +534,7 @@ pub struct Deepseek {
     norm: RmsNorm,
     lm_head: Tensor,
     dtype: DType,
+    path: ComputePath,
 }
 
 /// Config checks the forward relies on, with the numbers in the message.
@@ -447,7 +572,7 @@ fn validate(cfg: &ModelConfig) -> Result<(&MlaConfig, Option<&MoeConfig>)> {
 }
 
 impl Deepseek {
-    pub fn load(cfg: &ModelConfig, vb: &Vb) -> Result<Deepseek> {
+    pub fn load(cfg: &ModelConfig, vb: &Vb, path: ComputePath) -> Result<Deepseek> {
         let (mla, moe) = validate(cfg)?;
         let m = decoder_prefix(vb);
         let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
@@ -475,6 +600,7 @@ impl Deepseek {
             layers,
             lm_head,
             dtype: vb.dtype,
+            path,
         })
     }
 
@@ -516,30 +642,44 @@ impl Target for Deepseek {
         let device = self.embed.device();
         let t = ids.len();
         let rope = RopeTables::new(&self.cfg.rope, self.rope_dim(), t, self.dtype, device)?;
-        let mask = causal_mask(t, None, self.dtype, device)?;
+        let mask = match self.path {
+            ComputePath::Candle => causal_mask(t, None, self.dtype, device)?,
+            ComputePath::Kernels => Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
+        };
         let n = self.layers.len();
         let (mut capture, xs) = run_decoder(&self.embed, ids, n, want, progress, |i, xs| {
             let layer = &self.layers[i];
-            let step = || -> candle_core::Result<(Tensor, Tensor, Option<Vec<Routed>>)> {
-                let a = layer
-                    .attn
-                    .forward(&layer.input_norm.forward(xs)?, &rope, &mask)?;
-                let xs = (xs + a)?;
-                let normed = layer.post_norm.forward(&xs)?;
-                let (f, routing) = match &layer.ffn {
-                    Ffn::Dense(mlp) => (mlp.forward(&normed)?, None),
-                    Ffn::Moe(moe) => {
+            // (next, ffn output, routing as [T, K] expert ids i64 and weights f32)
+            type Step = (Tensor, Tensor, Option<(Tensor, Tensor)>);
+            let step = || -> candle_core::Result<Step> {
+                let normed = layer.input_norm.forward(xs)?;
+                let (xs, normed) = match self.path {
+                    ComputePath::Candle => {
+                        let xs = (xs + layer.attn.forward(&normed, &rope, &mask)?)?;
+                        let normed = layer.post_norm.forward(&xs)?;
+                        (xs, normed)
+                    }
+                    ComputePath::Kernels => {
+                        let a = layer.attn.forward_kernels(&normed, &rope)?;
+                        layer.post_norm.add_forward(xs, &a)?
+                    }
+                };
+                let (f, routing) = match (&layer.ffn, self.path) {
+                    (Ffn::Dense(mlp), _) => (mlp.forward(&normed)?, None),
+                    (Ffn::Moe(moe), ComputePath::Candle) => {
                         let (f, r) = moe.forward(&normed)?;
-                        (f, Some(r))
+                        (f, Some(routing_tensors(&r, device)?))
+                    }
+                    (Ffn::Moe(moe), ComputePath::Kernels) => {
+                        let (f, idx, w) = moe.forward_kernels(&normed)?;
+                        (f, Some((idx.to_dtype(DType::I64)?, w)))
                     }
                 };
                 Ok(((xs + &f)?, f, routing))
             };
             let (next, ffn_out, routing) = step().ctx(|| format!("decoder layer {i}"))?;
             let mut extras = Vec::new();
-            if let Some(routing) = routing {
-                let (idx, w) =
-                    routing_tensors(&routing, device).ctx(|| format!("router {i} capture"))?;
+            if let Some((idx, w)) = routing {
                 extras.push((format!("router.{i}.topk_idx"), idx));
                 extras.push((format!("router.{i}.topk_weight"), w));
             }

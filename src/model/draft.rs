@@ -8,6 +8,8 @@
 
 use crate::config::DraftConfig;
 use crate::error::{CandleContext, Error, Result};
+use crate::kernels::{self, AttnParams, RopeParams};
+use crate::model::ComputePath;
 use crate::model::deepseek::{Mla, MlaDims, softmax_scale_for};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
@@ -73,6 +75,34 @@ impl DraftAttention {
             .map_or(cfg.head_dim, |m| m.qk_rope_head_dim)
     }
 
+    /// The kernel path (token-major, rope in place, flash attention). `x`: [T, 2H] -> [T, H]
+    fn forward_kernels(
+        &self,
+        cfg: &DraftConfig,
+        x: &Tensor,
+        rope: &RopeTables,
+    ) -> candle_core::Result<Tensor> {
+        match self {
+            DraftAttention::Gqa { q, k, v, o } => {
+                let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+                let q = q.forward(x)?.contiguous()?;
+                let k = k.forward(x)?.contiguous()?;
+                kernels::rope_in_place(&q, &rope.cos32, &rope.sin32, &RopeParams::half(nh, hd))?;
+                kernels::rope_in_place(&k, &rope.cos32, &rope.sin32, &RopeParams::half(nkv, hd))?;
+                let params = AttnParams {
+                    nh,
+                    nkv,
+                    dk: hd,
+                    dv: hd,
+                    scale: 1.0 / (hd as f64).sqrt(),
+                    window: None,
+                };
+                o.forward(&kernels::flash_attention(&q, &k, &v.forward(x)?, &params)?)
+            }
+            DraftAttention::Mla(mla) => mla.forward_kernels(x, rope),
+        }
+    }
+
     /// `x`: [T, 2H] -> [T, H]
     fn forward(
         &self,
@@ -110,6 +140,7 @@ pub struct Eagle3Draft {
     d2t: Vec<i64>,
     embed: Option<Tensor>,
     dtype: DType,
+    path: ComputePath,
 }
 
 /// `t2d` must flag exactly the target ids `d2t` maps the draft vocabulary onto, and those ids
@@ -237,6 +268,7 @@ impl Eagle3Draft {
             d2t,
             cfg: cfg.clone(),
             dtype: vb.dtype,
+            path: ComputePath::for_device(&vb.device),
         };
         let unread = vb.unread();
         if let Some(first) = unread.first() {
@@ -249,6 +281,12 @@ impl Eagle3Draft {
             });
         }
         Ok(draft)
+    }
+
+    /// The same draft on another compute path (tests run the kernel path on the CPU).
+    pub fn with_path(mut self, path: ComputePath) -> Eagle3Draft {
+        self.path = path;
+        self
     }
 
     /// One draft step over a sequence. `ids`: [T] tokens whose embeddings enter (token t+1 of the
@@ -265,7 +303,10 @@ impl Eagle3Draft {
         let t = ids.len();
         let rope_dim = DraftAttention::rope_dim(&self.cfg);
         let rope = RopeTables::new(&self.cfg.rope, rope_dim, t, self.dtype, device)?;
-        let mask = causal_mask(t, None, self.dtype, device)?;
+        let mask = match self.path {
+            ComputePath::Candle => causal_mask(t, None, self.dtype, device)?,
+            ComputePath::Kernels => Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
+        };
         let run = || -> candle_core::Result<Tensor> {
             let embeds = embed.index_select(&Tensor::new(ids, device)?, 0)?;
             let fc_out = self.fc.forward(&fc_input.to_dtype(self.dtype)?)?;
@@ -277,7 +318,10 @@ impl Eagle3Draft {
                 fc_out
             };
             let x = Tensor::cat(&[&self.input_norm.forward(&embeds)?, &hidden], 1)?; // [T, 2H]
-            let attn = self.attn.forward(&self.cfg, &x, &rope, &mask)?;
+            let attn = match self.path {
+                ComputePath::Candle => self.attn.forward(&self.cfg, &x, &rope, &mask)?,
+                ComputePath::Kernels => self.attn.forward_kernels(&self.cfg, &x, &rope)?,
+            };
             let x = (residual + attn)?;
             let m = self.mlp.forward(&self.post_norm.forward(&x)?)?;
             let x = (x + m)?;

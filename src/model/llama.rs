@@ -4,10 +4,11 @@
 
 use crate::config::ModelConfig;
 use crate::error::{CandleContext, Error, Result};
+use crate::kernels::{self, AttnParams, RopeParams};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
 use crate::model::{
-    Capture, CaptureRequest, LayerStep, Progress, Target, finish_capture, run_decoder,
+    Capture, CaptureRequest, ComputePath, LayerStep, Progress, Target, finish_capture, run_decoder,
 };
 use crate::naming;
 use candle_core::{DType, Tensor};
@@ -22,6 +23,7 @@ struct Attention {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    window: Option<usize>,
 }
 
 impl Attention {
@@ -51,7 +53,38 @@ impl Attention {
             heads: nh,
             kv_heads: nkv,
             head_dim: hd,
+            window: cfg.sliding_window,
         })
+    }
+
+    /// The kernel path: token-major `[T, heads * d]` throughout, rope in place, flash
+    /// attention (kernels/rope.cu, kernels/attention.cu). `xs`: [T, H] -> [T, H]
+    fn forward_kernels(&self, xs: &Tensor, rope: &RopeTables) -> candle_core::Result<Tensor> {
+        let t = xs.dim(0)?;
+        let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let mut q = self.q.forward(xs)?.contiguous()?;
+        let mut k = self.k.forward(xs)?.contiguous()?;
+        let v = self.v.forward(xs)?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn
+                .forward(&q.reshape((t * nh, hd))?)?
+                .reshape((t, nh * hd))?;
+            k = kn
+                .forward(&k.reshape((t * nkv, hd))?)?
+                .reshape((t, nkv * hd))?;
+        }
+        kernels::rope_in_place(&q, &rope.cos32, &rope.sin32, &RopeParams::half(nh, hd))?;
+        kernels::rope_in_place(&k, &rope.cos32, &rope.sin32, &RopeParams::half(nkv, hd))?;
+        let params = AttnParams {
+            nh,
+            nkv,
+            dk: hd,
+            dv: hd,
+            scale: 1.0 / (hd as f64).sqrt(),
+            window: self.window,
+        };
+        self.o
+            .forward(&kernels::flash_attention(&q, &k, &v, &params)?)
     }
 
     /// `xs`: [T, H] -> [T, H]
@@ -91,6 +124,7 @@ pub struct Llama {
     norm: RmsNorm,
     lm_head: Tensor,
     dtype: DType,
+    path: ComputePath,
 }
 
 /// Where the decoder lives in the checkpoint ([`naming::decoder_prefix`]); `model` when none
@@ -118,7 +152,7 @@ pub fn output_head(cfg: &ModelConfig, vb: &Vb, embed: &Tensor) -> Result<Tensor>
 }
 
 impl Llama {
-    pub fn load(cfg: &ModelConfig, vb: &Vb) -> Result<Llama> {
+    pub fn load(cfg: &ModelConfig, vb: &Vb, path: ComputePath) -> Result<Llama> {
         let m = decoder_prefix(vb);
         let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
         let embed = m.get("embed_tokens.weight", &[v, h])?;
@@ -140,6 +174,7 @@ impl Llama {
             layers,
             lm_head,
             dtype: vb.dtype,
+            path,
         })
     }
 }
@@ -162,16 +197,28 @@ impl Target for Llama {
         let device = self.embed.device();
         let t = ids.len();
         let rope = RopeTables::new(&self.cfg.rope, self.cfg.head_dim, t, self.dtype, device)?;
-        let mask = causal_mask(t, self.cfg.sliding_window, self.dtype, device)?;
+        let mask = match self.path {
+            ComputePath::Candle => causal_mask(t, self.cfg.sliding_window, self.dtype, device)?,
+            // Flash attention masks by position; no [T, T] matrix.
+            ComputePath::Kernels => Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
+        };
         let n = self.layers.len();
         let (mut capture, xs) = run_decoder(&self.embed, ids, n, want, progress, |i, xs| {
             let layer = &self.layers[i];
             let step = || -> candle_core::Result<LayerStep> {
-                let h = layer
-                    .attn
-                    .forward(&layer.input_norm.forward(xs)?, &rope, &mask)?;
-                let xs = (xs + h)?;
-                let m = layer.mlp.forward(&layer.post_norm.forward(&xs)?)?;
+                let normed = layer.input_norm.forward(xs)?;
+                let (xs, normed) = match self.path {
+                    ComputePath::Candle => {
+                        let xs = (xs + layer.attn.forward(&normed, &rope, &mask)?)?;
+                        let normed = layer.post_norm.forward(&xs)?;
+                        (xs, normed)
+                    }
+                    ComputePath::Kernels => {
+                        let h = layer.attn.forward_kernels(&normed, &rope)?;
+                        layer.post_norm.add_forward(xs, &h)?
+                    }
+                };
+                let m = layer.mlp.forward(&normed)?;
                 Ok(LayerStep {
                     next: (xs + &m)?,
                     ffn_out: m,

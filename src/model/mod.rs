@@ -62,6 +62,26 @@ pub struct Capture {
     pub extras: BTreeMap<String, Tensor>,
 }
 
+/// How a model computes attention and rope: candle's ops (head-major, `[heads, T, d]`, the
+/// CPU default) or the fused kernels on token-major `[T, heads * d]` matrices (the GPU
+/// default; on the CPU the kernels' Rust references run, which the parity tests use to check
+/// the GPU code path without a GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ComputePath {
+    Candle,
+    Kernels,
+}
+
+impl ComputePath {
+    pub fn for_device(device: &Device) -> ComputePath {
+        if device.is_cuda() {
+            ComputePath::Kernels
+        } else {
+            ComputePath::Candle
+        }
+    }
+}
+
 /// A target model the runner can capture from.
 pub trait Target {
     fn config(&self) -> &ModelConfig;
@@ -84,13 +104,24 @@ pub fn load_target(
     dtype: DType,
     device: &Device,
 ) -> Result<Box<dyn Target>> {
+    load_target_on(cfg, src, dtype, device, ComputePath::for_device(device))
+}
+
+/// [`load_target`] with the compute path chosen (tests run the kernel path on the CPU).
+pub fn load_target_on(
+    cfg: &ModelConfig,
+    src: &dyn source::WeightSource,
+    dtype: DType,
+    device: &Device,
+    path: ComputePath,
+) -> Result<Box<dyn Target>> {
     let mut vb = source::Vb::new(src, dtype, device);
     vb.fp8_block = cfg.fp8_block;
     let model: Box<dyn Target> = match cfg.arch {
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
-            Box::new(llama::Llama::load(cfg, &vb)?)
+            Box::new(llama::Llama::load(cfg, &vb, path)?)
         }
-        Arch::DeepseekV3 => Box::new(deepseek::Deepseek::load(cfg, &vb)?),
+        Arch::DeepseekV3 => Box::new(deepseek::Deepseek::load(cfg, &vb, path)?),
     };
     let unread: Vec<String> = vb
         .unread()

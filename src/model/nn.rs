@@ -21,15 +21,26 @@ impl RmsNorm {
         })
     }
 
-    /// `xs`: [.., size]
+    /// `xs`: [.., size]. One pass of the `rmsnorm` kernel (kernels/rmsnorm.cu; its CPU
+    /// reference on the CPU): normalise in f32, round to the dtype, times the weight.
     pub fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let dtype = xs.dtype();
-        let x = xs.to_dtype(DType::F32)?;
-        let var = x.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = x
-            .broadcast_div(&(var + self.eps)?.sqrt()?)?
-            .to_dtype(dtype)?;
-        normed.broadcast_mul(&self.weight)
+        let dims = xs.dims().to_vec();
+        if dims.len() == 2 {
+            return crate::kernels::rms_norm(xs, &self.weight, self.eps);
+        }
+        let size = dims.last().copied().unwrap_or(0);
+        let flat = xs.contiguous()?.reshape(((), size))?;
+        crate::kernels::rms_norm(&flat, &self.weight, self.eps)?.reshape(dims)
+    }
+
+    /// `xs + delta` (rounded to the dtype, as HF adds) and its norm, in one pass: the residual
+    /// add of a decoder layer fused with the next norm. `[T, size]` each.
+    pub fn add_forward(
+        &self,
+        xs: &Tensor,
+        delta: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        crate::kernels::add_rms_norm(xs, Some(delta), &self.weight, self.eps)
     }
 }
 
@@ -84,9 +95,10 @@ impl Mlp {
         })
     }
 
+    /// `down(silu(gate(x)) * up(x))`, the activation in one pass (kernels/silu_mul.cu).
     pub fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let g = candle_core::Tensor::silu(&self.gate.forward(xs)?)?;
-        self.down.forward(&(g * self.up.forward(xs)?)?)
+        let act = crate::kernels::silu_mul(&self.gate.forward(xs)?, &self.up.forward(xs)?)?;
+        self.down.forward(&act)
     }
 }
 
@@ -169,10 +181,13 @@ pub fn inv_freq(rope: &Rope, dim: usize) -> (Vec<f64>, f64) {
     }
 }
 
-/// cos/sin tables for positions `0..seq_len`: [seq_len, dim / 2] each, already scaled.
+/// cos/sin tables for positions `0..seq_len`: [seq_len, dim / 2] each, already scaled; in the
+/// compute dtype for the candle path and in f32 for the rope kernel.
 pub struct RopeTables {
     pub cos: Tensor,
     pub sin: Tensor,
+    pub cos32: Tensor,
+    pub sin32: Tensor,
 }
 
 impl RopeTables {
@@ -196,14 +211,16 @@ impl RopeTables {
                 sin.push(angle.sin() * scale as f32);
             }
         }
-        let mk = |v: Vec<f32>| {
-            Tensor::from_vec(v, (seq_len, half), device)
-                .and_then(|t| t.to_dtype(dtype))
-                .ctx(|| "rope tables".to_string())
+        let f32s = |v: Vec<f32>| {
+            Tensor::from_vec(v, (seq_len, half), device).ctx(|| "rope tables".to_string())
         };
+        let (cos32, sin32) = (f32s(cos)?, f32s(sin)?);
+        let cast = |t: &Tensor| t.to_dtype(dtype).ctx(|| "rope tables".to_string());
         Ok(RopeTables {
-            cos: mk(cos)?,
-            sin: mk(sin)?,
+            cos: cast(&cos32)?,
+            sin: cast(&sin32)?,
+            cos32,
+            sin32,
         })
     }
 

@@ -176,11 +176,19 @@ impl<'a> Vb<'a> {
         let t = if raw.dtype() == DType::F8E4M3 && self.src.shape(&scale_name).is_some() {
             let scale = self.src.load(&scale_name, &self.device)?;
             self.mark(&scale_name);
-            match self.fp8_block {
-                Some(block) => crate::model::fp8::dequantize_blocks_with(&raw, &scale, block),
-                None => crate::model::fp8::dequantize_blocks(&raw, &scale),
-            }
-            .ctx(|| format!("dequantising {full}"))?
+            let dequant = || -> candle_core::Result<Tensor> {
+                let block = match self.fp8_block {
+                    Some(block) => block,
+                    None => crate::model::fp8::infer_block(raw.dims2()?, scale.dims2()?)?,
+                };
+                if raw.device().is_cuda() {
+                    // On the device, one kernel pass straight into the compute dtype.
+                    crate::kernels::fp8_dequant(&raw, &scale, block, self.dtype)
+                } else {
+                    crate::model::fp8::dequantize_blocks_with(&raw, &scale, block)
+                }
+            };
+            dequant().ctx(|| format!("dequantising {full}"))?
         } else {
             raw
         };
