@@ -9,7 +9,10 @@ use serde_json::Value as J;
 use super::*;
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/captures/readers")
+    std::env::var_os("EAGLE_CHECK_ROOT")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf())
+        .join("fixtures/captures/readers")
 }
 
 fn fixture(rel: &str) -> PathBuf {

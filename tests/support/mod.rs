@@ -5,8 +5,12 @@ pub mod synth;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The repository: `EAGLE_CHECK_ROOT` when set (a test binary carried to another machine, such
+/// as the GPU one, runs against a copy of the repository elsewhere), else where it was built.
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("EAGLE_CHECK_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
 pub fn fixture(rel: &str) -> PathBuf {
@@ -67,7 +71,11 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<std::ffi::OsStr>,
 {
-    let out = Command::new(env!("CARGO_BIN_EXE_eagle-check"))
+    // EAGLE_CHECK_BIN: the binary beside a carried test binary (see `root`).
+    let bin = std::env::var_os("EAGLE_CHECK_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_eagle-check")));
+    let out = Command::new(bin)
         .args(args)
         .current_dir(root())
         .output()
