@@ -192,6 +192,7 @@ fn gpu_present() -> bool {
 
 #[cfg(feature = "cuda")]
 fn cuda_device() -> Result<Device> {
+    use candle_core::backend::BackendDevice;
     let dev = candle_core::CudaDevice::new(0)?;
     // eagle-check uses the device's one stream, so tensors need no cross-stream events; each
     // event costs a driver call per access.

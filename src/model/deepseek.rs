@@ -644,7 +644,7 @@ impl Target for Deepseek {
         let rope = RopeTables::new(&self.cfg.rope, self.rope_dim(), t, self.dtype, device)?;
         let mask = match self.path {
             ComputePath::Candle => causal_mask(t, None, self.dtype, device)?,
-            ComputePath::Kernels => Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
+            ComputePath::Kernels | ComputePath::Fused => Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
         };
         let n = self.layers.len();
         let (mut capture, xs) = run_decoder(&self.embed, ids, n, want, progress, |i, xs| {
@@ -659,7 +659,7 @@ impl Target for Deepseek {
                         let normed = layer.post_norm.forward(&xs)?;
                         (xs, normed)
                     }
-                    ComputePath::Kernels => {
+                    ComputePath::Kernels | ComputePath::Fused => {
                         let a = layer.attn.forward_kernels(&normed, &rope)?;
                         layer.post_norm.add_forward(xs, &a)?
                     }
@@ -670,7 +670,7 @@ impl Target for Deepseek {
                         let (f, r) = moe.forward(&normed)?;
                         (f, Some(routing_tensors(&r, device)?))
                     }
-                    (Ffn::Moe(moe), ComputePath::Kernels) => {
+                    (Ffn::Moe(moe), ComputePath::Kernels | ComputePath::Fused) => {
                         let (f, idx, w) = moe.forward_kernels(&normed)?;
                         (f, Some((idx.to_dtype(DType::I64)?, w)))
                     }

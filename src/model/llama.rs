@@ -13,13 +13,13 @@ use crate::model::{
 use crate::naming;
 use candle_core::{DType, Tensor};
 
-struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
+pub(crate) struct Attention {
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) o: Linear,
+    pub(crate) q_norm: Option<RmsNorm>,
+    pub(crate) k_norm: Option<RmsNorm>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -110,20 +110,20 @@ impl Attention {
     }
 }
 
-struct Layer {
-    input_norm: RmsNorm,
-    attn: Attention,
-    post_norm: RmsNorm,
-    mlp: Mlp,
+pub(crate) struct Layer {
+    pub(crate) input_norm: RmsNorm,
+    pub(crate) attn: Attention,
+    pub(crate) post_norm: RmsNorm,
+    pub(crate) mlp: Mlp,
 }
 
 pub struct Llama {
-    cfg: ModelConfig,
-    embed: Tensor,
-    layers: Vec<Layer>,
-    norm: RmsNorm,
-    lm_head: Tensor,
-    dtype: DType,
+    pub(crate) cfg: ModelConfig,
+    pub(crate) embed: Tensor,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: RmsNorm,
+    pub(crate) lm_head: Tensor,
+    pub(crate) dtype: DType,
     path: ComputePath,
 }
 
@@ -200,7 +200,7 @@ impl Target for Llama {
         let mask = match self.path {
             ComputePath::Candle => causal_mask(t, self.cfg.sliding_window, self.dtype, device)?,
             // Flash attention masks by position; no [T, T] matrix.
-            ComputePath::Kernels => Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
+            ComputePath::Kernels | ComputePath::Fused => Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
         };
         let n = self.layers.len();
         let (mut capture, xs) = run_decoder(&self.embed, ids, n, want, progress, |i, xs| {
@@ -213,7 +213,7 @@ impl Target for Llama {
                         let normed = layer.post_norm.forward(&xs)?;
                         (xs, normed)
                     }
-                    ComputePath::Kernels => {
+                    ComputePath::Kernels | ComputePath::Fused => {
                         let h = layer.attn.forward_kernels(&normed, &rope)?;
                         layer.post_norm.add_forward(xs, &h)?
                     }

@@ -3,6 +3,8 @@
 
 pub mod deepseek;
 pub mod draft;
+#[cfg(feature = "cuda")]
+pub mod fast;
 pub mod fp8;
 pub mod gguf;
 pub mod llama;
@@ -66,16 +68,19 @@ pub struct Capture {
 /// CPU default) or the fused kernels on token-major `[T, heads * d]` matrices (the GPU
 /// default; on the CPU the kernels' Rust references run, which the parity tests use to check
 /// the GPU code path without a GPU).
+/// `Fused` (CUDA only, Llama family): the same kernels launched on raw pointers into
+/// preallocated buffers ([`fast`]); other architectures take the kernel path there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ComputePath {
     Candle,
     Kernels,
+    Fused,
 }
 
 impl ComputePath {
     pub fn for_device(device: &Device) -> ComputePath {
         if device.is_cuda() {
-            ComputePath::Kernels
+            ComputePath::Fused
         } else {
             ComputePath::Candle
         }
@@ -117,11 +122,19 @@ pub fn load_target_on(
 ) -> Result<Box<dyn Target>> {
     let mut vb = source::Vb::new(src, dtype, device);
     vb.fp8_block = cfg.fp8_block;
-    let model: Box<dyn Target> = match cfg.arch {
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+    let path = match (path, device.is_cuda()) {
+        (ComputePath::Fused, false) => ComputePath::Kernels,
+        (p, _) => p,
+    };
+    let model: Box<dyn Target> = match (cfg.arch, path) {
+        #[cfg(feature = "cuda")]
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, ComputePath::Fused) => Box::new(
+            fast::FastLlama::new(llama::Llama::load(cfg, &vb, ComputePath::Kernels)?)?,
+        ),
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, _) => {
             Box::new(llama::Llama::load(cfg, &vb, path)?)
         }
-        Arch::DeepseekV3 => Box::new(deepseek::Deepseek::load(cfg, &vb, path)?),
+        (Arch::DeepseekV3, _) => Box::new(deepseek::Deepseek::load(cfg, &vb, path)?),
     };
     let unread: Vec<String> = vb
         .unread()

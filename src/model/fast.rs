@@ -1,0 +1,515 @@
+//! The Llama-family capture forward on a CUDA device, launch by launch on raw device pointers:
+//! every boundary is written once, straight into the capture buffer, and nothing is allocated
+//! per op (candle allocates and frees a tensor per op, which costs more than the op itself at
+//! short sequences on this hardware: ../shared/docs/cuda-build.md measured ~188 us a candle op).
+//!
+//! Per layer, nine launches: the residual stream `caps[i]` ([T, H], the boundary b = i) goes
+//! through `q|k|v = normed @ Wqkv^T` (one cuBLAS GEMM over the fused weights; three when the
+//! model normalises q and k per head), rope on q and k in place, flash attention, `@ Wo^T`, the
+//! residual add fused with the post-attention norm, `@ Wgate|up^T`, SiLU-mul, `@ Wdown^T`, and
+//! the residual add fused with the next layer's input norm, which writes `caps[i + 1]`. After
+//! the last layer that fused norm is the final norm: `caps[L]` is the pre-norm state engines
+//! capture and the normed output is b = L as HF returns it. The same math as the kernel path
+//! of [`super::llama`] (tested against transformers on the CPU through the kernels' references);
+//! the device tests compare the two on the GPU.
+
+use super::llama::Llama;
+use super::nn::{Linear, RopeTables};
+use super::{Capture, CaptureRequest, Progress, Target};
+use crate::config::ModelConfig;
+use crate::error::{CandleContext, Result};
+use crate::kernels::cuda::{self, DevPtr, tensor_ptr};
+use crate::kernels::gemm::{GemmArgs, gemm_raw};
+use crate::kernels::KernelDType;
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Device, Tensor};
+
+/// A weight matrix `[n, k]` with its optional bias `[n]`, both on the device.
+struct Proj {
+    w: Tensor,
+    b: Option<Tensor>,
+    n: usize,
+}
+
+impl Proj {
+    /// Several projections of the same input stacked into one (`q|k|v`, `gate|up`); one
+    /// projection is taken as it is (no copy).
+    fn fused(parts: &[&Linear]) -> candle_core::Result<Proj> {
+        if let [one] = parts {
+            return Ok(Proj {
+                n: one.weight.dim(0)?,
+                w: one.weight.contiguous()?,
+                b: one.bias.clone(),
+            });
+        }
+        let ws: Vec<&Tensor> = parts.iter().map(|l| &l.weight).collect();
+        let w = Tensor::cat(&ws, 0)?.contiguous()?;
+        let b = if parts.iter().any(|l| l.bias.is_some()) {
+            let bs = parts
+                .iter()
+                .map(|l| match &l.bias {
+                    Some(b) => Ok(b.clone()),
+                    None => Tensor::zeros(l.weight.dim(0)?, l.weight.dtype(), l.weight.device()),
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Some(Tensor::cat(&bs, 0)?.contiguous()?)
+        } else {
+            None
+        };
+        Ok(Proj {
+            n: w.dim(0)?,
+            w,
+            b,
+        })
+    }
+}
+
+struct FastLayer {
+    in_norm: Tensor,
+    post_norm: Tensor,
+    /// `q|k|v` fused, or three projections when q and k are normalised per head.
+    qkv: Vec<Proj>,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    o: Proj,
+    gate_up: Proj,
+    down: Proj,
+}
+
+/// A Llama-family target on a CUDA device, with the fused launch sequence above.
+pub struct FastLlama {
+    inner: Llama,
+    dev: CudaDevice,
+    kd: KernelDType,
+    layers: Vec<FastLayer>,
+}
+
+/// The scratch of one forward: `[T, *]` buffers, reused layer after layer.
+struct Scratch {
+    normed: Tensor,
+    qkv: Tensor,
+    attn: Tensor,
+    proj: Tensor,
+    mid: Tensor,
+    gate_up: Tensor,
+    act: Tensor,
+    zeros: Tensor,
+}
+
+fn ptr(t: &Tensor) -> Result<DevPtr> {
+    tensor_ptr(t).ctx(|| "device pointer".to_string())
+}
+
+impl FastLlama {
+    /// Takes a loaded Llama-family target on a CUDA device and fuses its projections (the
+    /// unfused copies are dropped).
+    pub fn new(mut inner: Llama) -> Result<FastLlama> {
+        let dev = match inner.embed.device() {
+            Device::Cuda(d) => d.clone(),
+            _ => {
+                return Err(crate::error::Error::Device(
+                    "the fused GPU forward needs a CUDA device".into(),
+                ));
+            }
+        };
+        let kd = KernelDType::of(inner.dtype).ctx(|| "compute dtype".to_string())?;
+        let layers = inner
+            .layers
+            .iter()
+            .map(|l| -> candle_core::Result<FastLayer> {
+                let a = &l.attn;
+                let qkv = if a.q_norm.is_some() {
+                    vec![
+                        Proj::fused(&[&a.q])?,
+                        Proj::fused(&[&a.k])?,
+                        Proj::fused(&[&a.v])?,
+                    ]
+                } else {
+                    vec![Proj::fused(&[&a.q, &a.k, &a.v])?]
+                };
+                Ok(FastLayer {
+                    in_norm: l.input_norm.weight.clone(),
+                    post_norm: l.post_norm.weight.clone(),
+                    qkv,
+                    q_norm: a.q_norm.as_ref().map(|n| n.weight.clone()),
+                    k_norm: a.k_norm.as_ref().map(|n| n.weight.clone()),
+                    o: Proj::fused(&[&a.o])?,
+                    gate_up: Proj::fused(&[&l.mlp.gate, &l.mlp.up])?,
+                    down: Proj::fused(&[&l.mlp.down])?,
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()
+            .ctx(|| "fusing the projections".to_string())?;
+        inner.layers.clear();
+        Ok(FastLlama {
+            inner,
+            dev,
+            kd,
+            layers,
+        })
+    }
+
+    fn cfg(&self) -> &ModelConfig {
+        &self.inner.cfg
+    }
+
+    /// `out[T, n] (row stride out_stride) = a[T, k] @ p.w^T (+ bias)`.
+    fn gemm(
+        &self,
+        p: &Proj,
+        a: (DevPtr, usize),
+        out: (DevPtr, usize),
+        t: usize,
+        k: usize,
+        zeros: &Tensor,
+    ) -> Result<()> {
+        if let Some(b) = &p.b {
+            // Every row of `out` starts as the bias (row 0 of a one-row matrix, gathered T
+            // times), then the GEMM accumulates onto it.
+            cuda::gather_rows(
+                &self.dev,
+                self.kd,
+                &cuda::GatherArgs {
+                    src: ptr(b)?,
+                    src_stride: p.n,
+                    src_rows: 1,
+                    idx: ptr(zeros)?,
+                    dst: out.0,
+                    dst_stride: out.1,
+                    rows: t,
+                    cols: p.n,
+                },
+            )
+            .ctx(|| "bias".to_string())?;
+        }
+        gemm_raw(
+            &self.dev,
+            self.kd,
+            &GemmArgs {
+                out: out.0,
+                out_stride: out.1,
+                a: a.0,
+                a_stride: a.1,
+                w: ptr(&p.w)?,
+                w_stride: k,
+                m: t,
+                n: p.n,
+                k,
+                accumulate: p.b.is_some(),
+            },
+        )
+        .ctx(|| "projection".to_string())
+    }
+
+    fn scratch(&self, t: usize) -> candle_core::Result<Scratch> {
+        let cfg = self.cfg();
+        let (h, dt, d) = (cfg.hidden_size, self.inner.dtype, self.inner.embed.device());
+        let qkv_cols = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim;
+        let inter = cfg.intermediate_size;
+        Ok(Scratch {
+            normed: Tensor::zeros((t, h), dt, d)?,
+            qkv: Tensor::zeros((t, qkv_cols), dt, d)?,
+            attn: Tensor::zeros((t, cfg.num_heads * cfg.head_dim), dt, d)?,
+            proj: Tensor::zeros((t, h), dt, d)?,
+            mid: Tensor::zeros((t, h), dt, d)?,
+            gate_up: Tensor::zeros((t, 2 * inter), dt, d)?,
+            act: Tensor::zeros((t, inter), dt, d)?,
+            zeros: Tensor::zeros(t, DType::U32, d)?,
+        })
+    }
+
+    fn forward_fast(&self, ids: &[u32], want: &CaptureRequest) -> Result<Capture> {
+        let cfg = self.cfg();
+        let (t, h, l) = (ids.len(), cfg.hidden_size, cfg.num_layers);
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let inter = cfg.intermediate_size;
+        let qkv_cols = (nh + 2 * nkv) * hd;
+        let (dt, device) = (self.inner.dtype, self.inner.embed.device().clone());
+        let eps = cfg.rms_norm_eps as f32;
+        let alloc = |shape: (usize, usize, usize)| {
+            Tensor::zeros(shape, dt, &device).ctx(|| "capture buffers".to_string())
+        };
+        // caps[b] = boundary b for b < L, caps[L] = the pre-norm final state.
+        let caps = alloc((l + 1, t, h))?;
+        let post = Tensor::zeros((t, h), dt, &device).ctx(|| "capture buffers".to_string())?;
+        let mlp_out = if want.layer_outputs {
+            Some(alloc((l, t, h))?)
+        } else {
+            None
+        };
+        let s = self.scratch(t).ctx(|| "scratch buffers".to_string())?;
+        let ids_t = Tensor::new(ids, &device).ctx(|| "token ids".to_string())?;
+        let rope = RopeTables::new(&cfg.rope, hd, t, dt, &device)?;
+        let row = |base: DevPtr, i: usize| base + (i * t * h * self.kd.size()) as u64;
+        let caps_p = ptr(&caps)?;
+        let (normed_p, qkv_p, attn_p, proj_p, mid_p, gu_p, act_p) = (
+            ptr(&s.normed)?,
+            ptr(&s.qkv)?,
+            ptr(&s.attn)?,
+            ptr(&s.proj)?,
+            ptr(&s.mid)?,
+            ptr(&s.gate_up)?,
+            ptr(&s.act)?,
+        );
+        let el = self.kd.size() as u64;
+        let launch = |what: &str, r: candle_core::Result<()>| r.ctx(|| what.to_string());
+
+        launch(
+            "embedding",
+            cuda::gather_rows(
+                &self.dev,
+                self.kd,
+                &cuda::GatherArgs {
+                    src: ptr(&self.inner.embed)?,
+                    src_stride: h,
+                    src_rows: cfg.vocab_size,
+                    idx: ptr(&ids_t)?,
+                    dst: caps_p,
+                    dst_stride: h,
+                    rows: t,
+                    cols: h,
+                },
+            ),
+        )?;
+        launch(
+            "input norm",
+            cuda::add_rmsnorm(
+                &self.dev,
+                self.kd,
+                &cuda::RmsNormArgs {
+                    x: caps_p,
+                    x_stride: h,
+                    delta: None,
+                    w: ptr(&self.layers[0].in_norm)?,
+                    resid: None,
+                    normed: normed_p,
+                    normed_stride: h,
+                    rows: t,
+                    cols: h,
+                    eps,
+                },
+            ),
+        )?;
+        let (cos, sin) = (ptr(&rope.cos32)?, ptr(&rope.sin32)?);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let x = row(caps_p, i);
+            // q, k, v: one fused GEMM ([T, qkv_cols], heads q|k|v per row), or three into
+            // blocks [T, nh*hd] | [T, nkv*hd] | [T, nkv*hd] when q and k are normed per head.
+            let (q, k, v, qs, ks, vs) = if layer.qkv.len() == 1 {
+                self.gemm(&layer.qkv[0], (normed_p, h), (qkv_p, qkv_cols), t, h, &s.zeros)?;
+                (
+                    qkv_p,
+                    qkv_p + (nh * hd) as u64 * el,
+                    qkv_p + ((nh + nkv) * hd) as u64 * el,
+                    qkv_cols,
+                    qkv_cols,
+                    qkv_cols,
+                )
+            } else {
+                let q = qkv_p;
+                let k = q + (t * nh * hd) as u64 * el;
+                let v = k + (t * nkv * hd) as u64 * el;
+                for (p, out, n) in [(&layer.qkv[0], q, nh), (&layer.qkv[1], k, nkv), (&layer.qkv[2], v, nkv)] {
+                    self.gemm(p, (normed_p, h), (out, n * hd), t, h, &s.zeros)?;
+                }
+                for (w, base, n) in [(&layer.q_norm, q, nh), (&layer.k_norm, k, nkv)] {
+                    if let Some(w) = w {
+                        launch(
+                            "q/k norm",
+                            cuda::add_rmsnorm(
+                                &self.dev,
+                                self.kd,
+                                &cuda::RmsNormArgs {
+                                    x: base,
+                                    x_stride: hd,
+                                    delta: None,
+                                    w: ptr(w)?,
+                                    resid: None,
+                                    normed: base,
+                                    normed_stride: hd,
+                                    rows: t * n,
+                                    cols: hd,
+                                    eps,
+                                },
+                            ),
+                        )?;
+                    }
+                }
+                (q, k, v, nh * hd, nkv * hd, nkv * hd)
+            };
+            let rope_on = |base: DevPtr, stride: usize, heads: usize| {
+                cuda::rope(
+                    &self.dev,
+                    self.kd,
+                    &cuda::RopeArgs {
+                        x: base,
+                        row_stride: stride,
+                        tokens: t,
+                        heads,
+                        head_stride: hd,
+                        rot_offset: 0,
+                        rot_dim: hd,
+                        cos,
+                        sin,
+                        interleaved: false,
+                    },
+                )
+            };
+            if layer.qkv.len() == 1 {
+                // q and k heads sit side by side in each row: one launch rotates both.
+                launch("rope", rope_on(q, qs, nh + nkv))?;
+            } else {
+                launch("rope q", rope_on(q, qs, nh))?;
+                launch("rope k", rope_on(k, ks, nkv))?;
+            }
+            launch(
+                "attention",
+                cuda::flash_attn(
+                    &self.dev,
+                    self.kd,
+                    &cuda::FlashArgs {
+                        q,
+                        q_stride: qs,
+                        k,
+                        k_stride: ks,
+                        v,
+                        v_stride: vs,
+                        out: attn_p,
+                        o_stride: nh * hd,
+                        tq: t,
+                        tk: t,
+                        nh,
+                        nkv,
+                        dk: hd,
+                        dv: hd,
+                        scale: 1.0 / (hd as f32).sqrt(),
+                        window: cfg.sliding_window.unwrap_or(0),
+                    },
+                )
+                .map(|_| ()),
+            )?;
+            self.gemm(&layer.o, (attn_p, nh * hd), (proj_p, h), t, nh * hd, &s.zeros)?;
+            launch(
+                "post-attention norm",
+                cuda::add_rmsnorm(
+                    &self.dev,
+                    self.kd,
+                    &cuda::RmsNormArgs {
+                        x,
+                        x_stride: h,
+                        delta: Some((proj_p, h)),
+                        w: ptr(&layer.post_norm)?,
+                        resid: Some((mid_p, h)),
+                        normed: normed_p,
+                        normed_stride: h,
+                        rows: t,
+                        cols: h,
+                        eps,
+                    },
+                ),
+            )?;
+            self.gemm(&layer.gate_up, (normed_p, h), (gu_p, 2 * inter), t, h, &s.zeros)?;
+            launch(
+                "silu-mul",
+                cuda::silu_mul(
+                    &self.dev,
+                    self.kd,
+                    &cuda::SiluMulArgs {
+                        gate: gu_p,
+                        g_stride: 2 * inter,
+                        up: gu_p + inter as u64 * el,
+                        u_stride: 2 * inter,
+                        out: act_p,
+                        o_stride: inter,
+                        rows: t,
+                        cols: inter,
+                    },
+                ),
+            )?;
+            let down_out = match &mlp_out {
+                Some(m) => row(ptr(m)?, i),
+                None => proj_p,
+            };
+            self.gemm(&layer.down, (act_p, inter), (down_out, h), t, inter, &s.zeros)?;
+            let (next_w, normed_out) = match self.layers.get(i + 1) {
+                Some(next) => (ptr(&next.in_norm)?, normed_p),
+                None => (ptr(&self.inner.norm.weight)?, ptr(&post)?),
+            };
+            launch(
+                "residual add + norm",
+                cuda::add_rmsnorm(
+                    &self.dev,
+                    self.kd,
+                    &cuda::RmsNormArgs {
+                        x: mid_p,
+                        x_stride: h,
+                        delta: Some((down_out, h)),
+                        w: next_w,
+                        resid: Some((row(caps_p, i + 1), h)),
+                        normed: normed_out,
+                        normed_stride: h,
+                        rows: t,
+                        cols: h,
+                        eps,
+                    },
+                ),
+            )?;
+        }
+
+        let mut capture = Capture::default();
+        for b in 0..l {
+            if want.wants(b) {
+                capture
+                    .hidden
+                    .insert(b, caps.get(b).ctx(|| "capture view".to_string())?);
+            }
+        }
+        if want.final_pre_norm {
+            capture.final_pre_norm = Some(caps.get(l).ctx(|| "capture view".to_string())?);
+        }
+        if want.logits {
+            let v = cfg.vocab_size;
+            let logits = Tensor::zeros((t, v), dt, &device).ctx(|| "logits".to_string())?;
+            let head = Proj {
+                w: self.inner.lm_head.clone(),
+                b: None,
+                n: v,
+            };
+            self.gemm(&head, (ptr(&post)?, h), (ptr(&logits)?, v), t, h, &s.zeros)?;
+            capture.logits = Some(logits);
+        }
+        if want.wants(l) {
+            capture.hidden.insert(l, post);
+        }
+        if let Some(m) = mlp_out {
+            for i in 0..l {
+                capture.extras.insert(
+                    format!("mlp_out.{i}"),
+                    m.get(i).ctx(|| "capture view".to_string())?,
+                );
+            }
+        }
+        Ok(capture)
+    }
+}
+
+impl Target for FastLlama {
+    fn config(&self) -> &ModelConfig {
+        self.cfg()
+    }
+
+    fn embed_tokens(&self) -> &Tensor {
+        &self.inner.embed
+    }
+
+    fn forward(
+        &self,
+        ids: &[u32],
+        want: &CaptureRequest,
+        progress: &mut Progress,
+    ) -> Result<Capture> {
+        let capture = self.forward_fast(ids, want)?;
+        progress.finish();
+        Ok(capture)
+    }
+}
