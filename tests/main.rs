@@ -7,6 +7,8 @@ mod deepseek_cli;
 mod diff;
 mod gate;
 mod gguf;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod incidents;
 mod mla_draft;
 mod run_cli;

@@ -644,7 +644,9 @@ impl Target for Deepseek {
         let rope = RopeTables::new(&self.cfg.rope, self.rope_dim(), t, self.dtype, device)?;
         let mask = match self.path {
             ComputePath::Candle => causal_mask(t, None, self.dtype, device)?,
-            ComputePath::Kernels | ComputePath::Fused => Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
+            ComputePath::Kernels | ComputePath::Fused => {
+                Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?
+            }
         };
         let n = self.layers.len();
         let (mut capture, xs) = run_decoder(&self.embed, ids, n, want, progress, |i, xs| {

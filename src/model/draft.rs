@@ -305,7 +305,9 @@ impl Eagle3Draft {
         let rope = RopeTables::new(&self.cfg.rope, rope_dim, t, self.dtype, device)?;
         let mask = match self.path {
             ComputePath::Candle => causal_mask(t, None, self.dtype, device)?,
-            ComputePath::Kernels | ComputePath::Fused => Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
+            ComputePath::Kernels | ComputePath::Fused => {
+                Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?
+            }
         };
         let run = || -> candle_core::Result<Tensor> {
             let embeds = embed.index_select(&Tensor::new(ids, device)?, 0)?;
@@ -320,7 +322,9 @@ impl Eagle3Draft {
             let x = Tensor::cat(&[&self.input_norm.forward(&embeds)?, &hidden], 1)?; // [T, 2H]
             let attn = match self.path {
                 ComputePath::Candle => self.attn.forward(&self.cfg, &x, &rope, &mask)?,
-                ComputePath::Kernels | ComputePath::Fused => self.attn.forward_kernels(&self.cfg, &x, &rope)?,
+                ComputePath::Kernels | ComputePath::Fused => {
+                    self.attn.forward_kernels(&self.cfg, &x, &rope)?
+                }
             };
             let x = (residual + attn)?;
             let m = self.mlp.forward(&self.post_norm.forward(&x)?)?;

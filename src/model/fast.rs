@@ -18,9 +18,9 @@ use super::nn::{Linear, RopeTables};
 use super::{Capture, CaptureRequest, Progress, Target};
 use crate::config::ModelConfig;
 use crate::error::{CandleContext, Result};
+use crate::kernels::KernelDType;
 use crate::kernels::cuda::{self, DevPtr, tensor_ptr};
 use crate::kernels::gemm::{GemmArgs, gemm_raw};
-use crate::kernels::KernelDType;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
 
@@ -56,11 +56,7 @@ impl Proj {
         } else {
             None
         };
-        Ok(Proj {
-            n: w.dim(0)?,
-            w,
-            b,
-        })
+        Ok(Proj { n: w.dim(0)?, w, b })
     }
 }
 
@@ -296,7 +292,14 @@ impl FastLlama {
             // q, k, v: one fused GEMM ([T, qkv_cols], heads q|k|v per row), or three into
             // blocks [T, nh*hd] | [T, nkv*hd] | [T, nkv*hd] when q and k are normed per head.
             let (q, k, v, qs, ks, vs) = if layer.qkv.len() == 1 {
-                self.gemm(&layer.qkv[0], (normed_p, h), (qkv_p, qkv_cols), t, h, &s.zeros)?;
+                self.gemm(
+                    &layer.qkv[0],
+                    (normed_p, h),
+                    (qkv_p, qkv_cols),
+                    t,
+                    h,
+                    &s.zeros,
+                )?;
                 (
                     qkv_p,
                     qkv_p + (nh * hd) as u64 * el,
@@ -309,7 +312,11 @@ impl FastLlama {
                 let q = qkv_p;
                 let k = q + (t * nh * hd) as u64 * el;
                 let v = k + (t * nkv * hd) as u64 * el;
-                for (p, out, n) in [(&layer.qkv[0], q, nh), (&layer.qkv[1], k, nkv), (&layer.qkv[2], v, nkv)] {
+                for (p, out, n) in [
+                    (&layer.qkv[0], q, nh),
+                    (&layer.qkv[1], k, nkv),
+                    (&layer.qkv[2], v, nkv),
+                ] {
                     self.gemm(p, (normed_p, h), (out, n * hd), t, h, &s.zeros)?;
                 }
                 for (w, base, n) in [(&layer.q_norm, q, nh), (&layer.k_norm, k, nkv)] {
@@ -388,7 +395,14 @@ impl FastLlama {
                 )
                 .map(|_| ()),
             )?;
-            self.gemm(&layer.o, (attn_p, nh * hd), (proj_p, h), t, nh * hd, &s.zeros)?;
+            self.gemm(
+                &layer.o,
+                (attn_p, nh * hd),
+                (proj_p, h),
+                t,
+                nh * hd,
+                &s.zeros,
+            )?;
             launch(
                 "post-attention norm",
                 cuda::add_rmsnorm(
@@ -408,7 +422,14 @@ impl FastLlama {
                     },
                 ),
             )?;
-            self.gemm(&layer.gate_up, (normed_p, h), (gu_p, 2 * inter), t, h, &s.zeros)?;
+            self.gemm(
+                &layer.gate_up,
+                (normed_p, h),
+                (gu_p, 2 * inter),
+                t,
+                h,
+                &s.zeros,
+            )?;
             launch(
                 "silu-mul",
                 cuda::silu_mul(
@@ -430,7 +451,14 @@ impl FastLlama {
                 Some(m) => row(ptr(m)?, i),
                 None => proj_p,
             };
-            self.gemm(&layer.down, (act_p, inter), (down_out, h), t, inter, &s.zeros)?;
+            self.gemm(
+                &layer.down,
+                (act_p, inter),
+                (down_out, h),
+                t,
+                inter,
+                &s.zeros,
+            )?;
             let (next_w, normed_out) = match self.layers.get(i + 1) {
                 Some(next) => (ptr(&next.in_norm)?, normed_p),
                 None => (ptr(&self.inner.norm.weight)?, ptr(&post)?),

@@ -200,7 +200,9 @@ impl Target for Llama {
         let mask = match self.path {
             ComputePath::Candle => causal_mask(t, self.cfg.sliding_window, self.dtype, device)?,
             // Flash attention masks by position; no [T, T] matrix.
-            ComputePath::Kernels | ComputePath::Fused => Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
+            ComputePath::Kernels | ComputePath::Fused => {
+                Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?
+            }
         };
         let n = self.layers.len();
         let (mut capture, xs) = run_decoder(&self.embed, ids, n, want, progress, |i, xs| {

@@ -1,0 +1,168 @@
+//! GPU capture bench (`benches/gpu/run.sh` runs it after the HF peer, on the GPU machine):
+//! eagle-check's capture forward (every boundary, the pre-norm final state and the logits) on
+//! the model directory the peer wrote, at each sequence length, timed after warm-up as the
+//! median of several runs (device synchronised before each host clock read), then compared with
+//! the peer's boundaries and greedy tokens. Prints one JSON object per length.
+//!
+//!     gpu MODEL_DIR HF_STATES.safetensors T,T,... REPS
+//!
+//! The roofline floor (METHOD.md): the larger of the weight bytes over 4.3 TB/s (the copy rate
+//! measured on these H200s, KINDS.md) and the FLOPs over 790 TFLOP/s (the bf16 matrix rate
+//! measured there): 2 x parameters x T for the projections, plus the causal attention's
+//! 2 x T^2 x heads x head_dim x layers (QK^T and PV over the lower triangle).
+
+#[cfg(feature = "cuda")]
+fn main() {
+    gpu::main()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!("skipped: the gpu bench needs `--features cuda`");
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use candle_core::backend::BackendDevice;
+    use candle_core::{DType, Device, Tensor};
+    use eagle_check::compare::closeness;
+    use eagle_check::model::{CaptureRequest, Progress, open_target};
+    use std::path::Path;
+    use std::time::Instant;
+
+    const COPY_BYTES_PER_S: f64 = 4.3e12;
+    const BF16_FLOPS: f64 = 790e12;
+    /// Normwise tolerance for bf16 boundaries computed by two implementations (different GEMM
+    /// tilings and accumulation orders, fused vs separate roundings): each rounding step costs
+    /// ~2^-9 relative and 32 layers compound it; 5e-2 leaves room over the ~1e-2 the domain
+    /// brief reports for bf16 reproductions, and a wrong layer or a missing residual differs by
+    /// O(1).
+    const BF16_NORMWISE_TOL: f64 = 5e-2;
+
+    fn token_ids(t: usize, vocab: usize) -> Vec<u32> {
+        (0..t as u64)
+            .map(|i| (((1103515245 * i + 12345) % (1 << 31)) % vocab as u64) as u32)
+            .collect()
+    }
+
+    /// `||a - b|| / ||b||` in f64.
+    fn normwise(a: &Tensor, b: &Tensor) -> f64 {
+        let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+        let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+        let d = (&a - &b).unwrap().sqr().unwrap().sum_all().unwrap();
+        let n = b.sqr().unwrap().sum_all().unwrap();
+        (d.to_scalar::<f64>().unwrap() / n.to_scalar::<f64>().unwrap()).sqrt()
+    }
+
+    pub fn main() {
+        let args: Vec<String> = std::env::args().collect();
+        if args.len() < 5 {
+            eprintln!("usage: gpu MODEL_DIR HF_STATES T,T,... REPS");
+            std::process::exit(2);
+        }
+        let (dir, states, ts, reps) = (
+            Path::new(&args[1]),
+            Path::new(&args[2]),
+            args[3]
+                .split(',')
+                .map(|t| t.parse::<usize>().unwrap())
+                .collect::<Vec<_>>(),
+            args[4].parse::<usize>().unwrap(),
+        );
+        let dev = candle_core::CudaDevice::new(0).unwrap();
+        // SAFETY: one stream for every tensor of this process.
+        unsafe { dev.disable_event_tracking() };
+        let device = Device::Cuda(dev);
+        let start = Instant::now();
+        let target = open_target(dir, DType::BF16, &device).unwrap();
+        device.synchronize().unwrap();
+        let cfg = target.cfg.clone();
+        let load_s = start.elapsed().as_secs_f64();
+        let hf = candle_core::safetensors::load(states, &device).unwrap();
+        let (h, l, inter, v) = (
+            cfg.hidden_size,
+            cfg.num_layers,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+        );
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let per_layer = h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter + 2 * h;
+        let params = (l * per_layer + 2 * v * h + h) as f64;
+        eprintln!(
+            "gpu bench: {} loaded in {load_s:.1} s, {:.2}B params",
+            dir.display(),
+            params / 1e9
+        );
+        for &t in &ts {
+            let ids = token_ids(t, v);
+            let want = CaptureRequest::all();
+            let run = || {
+                let c = target
+                    .model
+                    .forward(&ids, &want, &mut Progress::hidden())
+                    .unwrap();
+                device.synchronize().unwrap();
+                c
+            };
+            for _ in 0..2 {
+                run();
+            }
+            let mut ms: Vec<f64> = (0..reps)
+                .map(|_| {
+                    device.synchronize().unwrap();
+                    let s = Instant::now();
+                    let c = run();
+                    let e = s.elapsed().as_secs_f64() * 1e3;
+                    drop(c);
+                    e
+                })
+                .collect();
+            ms.sort_by(f64::total_cmp);
+            let median = ms[ms.len() / 2];
+            let cap = run();
+            let mut worst = 0f64;
+            let mut errors = serde_json::Map::new();
+            for b in 0..=l {
+                if let Some(r) = hf.get(&format!("t{t}.b{b}")) {
+                    let e = normwise(&cap.hidden[&b], r);
+                    let c = closeness(&cap.hidden[&b], r).unwrap();
+                    assert_eq!(c.non_finite, 0, "T = {t} b = {b}: non-finite values");
+                    worst = worst.max(e);
+                    errors.insert(format!("b{b}"), serde_json::json!(e));
+                }
+            }
+            let greedy_agree = hf.get(&format!("t{t}.logits_argmax")).map(|r| {
+                let ours: Vec<u32> = cap
+                    .logits
+                    .as_ref()
+                    .unwrap()
+                    .argmax(1)
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let theirs: Vec<i64> = r.to_vec1().unwrap();
+                ours.iter()
+                    .zip(&theirs)
+                    .filter(|(a, b)| **a as i64 == **b)
+                    .count() as f64
+                    / t as f64
+            });
+            let weights = params * 2.0;
+            let flops = 2.0 * params * t as f64 + 2.0 * (t * t * nh * hd * l) as f64;
+            let floor_ms = (weights / COPY_BYTES_PER_S).max(flops / BF16_FLOPS) * 1e3;
+            let line = serde_json::json!({
+                "T": t,
+                "ms": median,
+                "all_ms": ms,
+                "floor_ms": floor_ms,
+                "ratio_to_floor": median / floor_ms,
+                "normwise_err": errors,
+                "worst_normwise_err": worst,
+                "tolerance": BF16_NORMWISE_TOL,
+                "within_tolerance": worst <= BF16_NORMWISE_TOL,
+                "greedy_agreement": greedy_agree,
+            });
+            println!("{line}");
+        }
+    }
+}

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""The HF transformers peer of `cargo bench --bench gpu --features cuda` (benches/gpu/run.sh).
+
+Builds a random-weight target of a real model's shape in bf16 on the GPU, saves it as an HF
+directory (safetensors) for eagle-check to load, then times HF's capture forward
+(`output_hidden_states=True`, sdpa, batch 1) at each sequence length and keeps a few of its
+boundaries so that eagle-check's can be compared with them.
+
+    python3 benches/gpu/hf_peer.py --shape llama3.1-8b --out DIR --tokens 128,512,2048,8192
+
+Writes DIR/model/ (config.json, model.safetensors), DIR/hf_times.json (median of --reps
+timed forwards after --warmup, CUDA events around each) and DIR/hf_states.safetensors
+(`t{T}.b{b}` for the boundaries listed in hf_times.json, and `t{T}.logits_argmax`).
+Token ids: ids[i] = (1103515245 * i + 12345) mod 2^31 mod vocab, the bench binary's too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+SHAPES = {
+    # Llama-3.1-8B (the shape of the issue's HF table).
+    "llama3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def token_ids(t: int, vocab: int) -> list[int]:
+    return [((1103515245 * i + 12345) % (1 << 31)) % vocab for i in range(t)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", default="128,512,2048,8192")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    out = Path(args.out)
+    (out / "model").mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    cfg = LlamaConfig(**SHAPES[args.shape])
+    t0 = time.time()
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16)
+    # transformers' init; then a scale that keeps the residual stream finite over 32 layers.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.9, 1.1)
+            else:
+                p.normal_(0.0, min(0.02, 0.8 / p.shape[-1] ** 0.5))
+    model.eval()
+    params = sum(p.numel() for p in model.parameters())
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model" / "model.safetensors"))
+    cfg.save_pretrained(out / "model")
+    print(f"hf_peer: {args.shape}: {params / 1e9:.2f}B params, built and saved in {time.time() - t0:.1f} s", flush=True)
+
+    L = cfg.num_hidden_layers
+    keep = sorted({0, 1, L // 2, L - 1, L})
+    times, states = {}, {}
+    for t in [int(x) for x in args.tokens.split(",")]:
+        ids = torch.tensor([token_ids(t, cfg.vocab_size)], device="cuda")
+        run = lambda: model(input_ids=ids, output_hidden_states=True, use_cache=False)  # noqa: E731
+        with torch.no_grad():
+            for _ in range(args.warmup):
+                run()
+            ms = []
+            for _ in range(args.reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                o = run()
+                end.record()
+                torch.cuda.synchronize()
+                ms.append(start.elapsed_time(end))
+        times[str(t)] = {"median_ms": statistics.median(ms), "all_ms": ms}
+        for b in keep:
+            states[f"t{t}.b{b}"] = o.hidden_states[b][0].contiguous()
+        states[f"t{t}.logits_argmax"] = o.logits[0].argmax(-1).to(torch.int64).contiguous()
+        print(f"hf_peer: T = {t}: {statistics.median(ms):.2f} ms (median of {args.reps})", flush=True)
+        del o
+        torch.cuda.empty_cache()
+    save_file(states, str(out / "hf_states.safetensors"))
+    meta = {
+        "shape": args.shape,
+        "params": params,
+        "layers": L,
+        "kept_boundaries": keep,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "times": times,
+    }
+    (out / "hf_times.json").write_text(json.dumps(meta, indent=1))
+
+
+if __name__ == "__main__":
+    main()

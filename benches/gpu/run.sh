@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The GPU bench, on the GPU machine, from the repository root with the binaries of
+# scripts/cuda-build.sh unpacked in bins/: the HF transformers peer builds a random bf16 model
+# of the shape (Llama-3.1-8B by default), saves it and times its capture forward; then
+# eagle-check's bench binary loads the same directory, times its own and compares the states.
+#   bash benches/gpu/run.sh [OUT_DIR]      (TOKENS=128,512,2048,8192 REPS=5 by default)
+set -euo pipefail
+out=${1:-${TMPDIR:-/tmp}/eagle-check-gpu-bench}
+tokens=${TOKENS:-128,512,2048,8192}
+reps=${REPS:-5}
+python3 benches/gpu/hf_peer.py --out "$out" --tokens "$tokens" --reps "$reps"
+bins/gpu-bench "$out/model" "$out/hf_states.safetensors" "$tokens" "$reps" | tee "$out/ours.jsonl"
+python3 benches/gpu/table.py "$out"

@@ -1,0 +1,22 @@
+#!/usr/bin/env python3
+"""Joins the HF peer's timings (hf_times.json) and eagle-check's (ours.jsonl) into the
+BENCHMARKS.md table: ms for both, eagle-check / HF, eagle-check / roofline floor, and the
+worst normwise difference of the compared boundaries."""
+
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+hf = json.loads((out / "hf_times.json").read_text())
+ours = [json.loads(line) for line in (out / "ours.jsonl").read_text().splitlines() if line.strip()]
+print(f"{hf['shape']}, {hf['params'] / 1e9:.2f}B params, {hf['gpu']}, torch {hf['torch']}, transformers {hf['transformers']}")
+print("| T | HF ms | eagle-check ms | eagle-check / HF | floor ms | eagle-check / floor | HF / floor | worst normwise diff | greedy agreement |")
+print("|---|---|---|---|---|---|---|---|---|")
+for o in ours:
+    h = hf["times"][str(o["T"])]["median_ms"]
+    print(
+        f"| {o['T']} | {h:.2f} | {o['ms']:.2f} | {o['ms'] / h:.2f} | {o['floor_ms']:.2f} | "
+        f"{o['ratio_to_floor']:.2f} | {h / o['floor_ms']:.2f} | {o['worst_normwise_err']:.2e} | "
+        f"{o['greedy_agreement']:.3f} |"
+    )

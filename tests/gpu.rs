@@ -1,0 +1,243 @@
+//! The GPU runner against the same references as the CPU: every fixture target and draft on a
+//! CUDA device (both compute paths there), DeepSeek's routing, and the verdicts of `run` and
+//! `diff` on the shipped bundles and the capture corpus, device against device. Built only with
+//! `--features cuda`; without a device each test says "skipped: no CUDA device".
+
+use crate::support::{eagle_check, fixture, p};
+use candle_core::{DType, Device, Tensor};
+use eagle_check::compare::closeness;
+use eagle_check::config::{DraftConfig, ModelConfig};
+use eagle_check::model::draft::Eagle3Draft;
+use eagle_check::model::source::{SafetensorsSource, Vb};
+use eagle_check::model::{Capture, CaptureRequest, ComputePath, Progress, load_target_on};
+use std::collections::HashMap;
+
+/// f32 on the GPU: the same math as the CPU (cuBLAS in f32, no TF32; f32 kernels), a different
+/// summation order: the CPU's parity target holds.
+const F32_TOL: f64 = 1e-4;
+/// bf16 compute against the f32 reference: the CPU's bf16 test bound (`runner.rs`), from bf16's
+/// 8-bit mantissa compounded over the layers.
+const BF16_TOL: f64 = 5e-2;
+
+fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) if eagle_check::kernels::cuda::device_available() => Some(d),
+        _ => {
+            eprintln!("skipped: no CUDA device");
+            None
+        }
+    }
+}
+
+fn reference(path: &str) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(fixture(path), &Device::Cpu).unwrap()
+}
+
+fn ids(r: &HashMap<String, Tensor>, key: &str) -> Vec<u32> {
+    r[key]
+        .to_dtype(DType::I64)
+        .unwrap()
+        .to_vec1::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|x| x as u32)
+        .collect()
+}
+
+fn capture(name: &str, dtype: DType, path: ComputePath, dev: &Device) -> (ModelConfig, Capture) {
+    let dir = fixture(&format!("models/{name}"));
+    let cfg = ModelConfig::load(&dir).unwrap();
+    let src = SafetensorsSource::open(&dir).unwrap();
+    let model = load_target_on(&cfg, &src, dtype, dev, path).unwrap();
+    let r = reference(&format!("models/{name}/reference.safetensors"));
+    let cap = model
+        .forward(
+            &ids(&r, "input_ids"),
+            &CaptureRequest::all(),
+            &mut Progress::hidden(),
+        )
+        .unwrap();
+    (cfg, cap)
+}
+
+fn worst(name: &str, cfg: &ModelConfig, cap: &Capture) -> f64 {
+    let r = reference(&format!("models/{name}/reference.safetensors"));
+    let mut worst = 0f64;
+    let mut check = |got: &Tensor, key: &str| {
+        let c = closeness(got, &r[key]).unwrap();
+        assert_eq!(c.non_finite, 0, "{name} {key}");
+        worst = worst.max(c.max_rel);
+    };
+    for b in 0..=cfg.num_layers {
+        check(&cap.hidden[&b], &format!("hidden_states.{b}"));
+    }
+    check(cap.final_pre_norm.as_ref().unwrap(), "final_pre_norm");
+    check(cap.logits.as_ref().unwrap(), "logits");
+    worst
+}
+
+const TARGETS: [&str; 7] = [
+    "llama",
+    "llama_linear_bias",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "deepseek_v3",
+    "deepseek_v3_noq",
+];
+
+#[test]
+fn gpu_captures_match_transformers_for_every_fixture_target() {
+    let Some(dev) = gpu() else { return };
+    for name in TARGETS {
+        for path in [ComputePath::Fused, ComputePath::Kernels] {
+            let (cfg, cap) = capture(name, DType::F32, path, &dev);
+            let w = worst(name, &cfg, &cap);
+            eprintln!("gpu {name} {path:?} f32: worst {w:.2e}");
+            assert!(w <= F32_TOL, "{name} {path:?} f32: {w:.3e}");
+            let (cfg, cap) = capture(name, DType::BF16, path, &dev);
+            let w = worst(name, &cfg, &cap);
+            eprintln!("gpu {name} {path:?} bf16: worst {w:.2e}");
+            assert!(w <= BF16_TOL, "{name} {path:?} bf16: {w:.3e}");
+        }
+    }
+}
+
+/// DeepSeek's group-limited routing on the GPU (routing kernel) chooses transformers' experts
+/// for every token of every MoE layer.
+#[test]
+fn gpu_deepseek_routing_matches_transformers() {
+    let Some(dev) = gpu() else { return };
+    for name in ["deepseek_v3", "deepseek_v3_noq"] {
+        let (cfg, cap) = capture(name, DType::F32, ComputePath::Kernels, &dev);
+        let r = reference(&format!("models/{name}/reference.safetensors"));
+        let moe = cfg.moe.as_ref().unwrap();
+        for l in (0..cfg.num_layers).filter(|&l| moe.is_moe_layer(l)) {
+            let want = r[&format!("router.{l}.topk_idx")].to_vec2::<i64>().unwrap();
+            let got = cap.extras[&format!("router.{l}.topk_idx")]
+                .to_dtype(DType::I64)
+                .unwrap()
+                .to_vec2::<i64>()
+                .unwrap();
+            assert_eq!(got, want, "{name} layer {l}");
+        }
+    }
+}
+
+#[test]
+fn gpu_drafts_match_the_pytorch_references() {
+    let Some(dev) = gpu() else { return };
+    for (target, draft) in [
+        ("llama", "llama-draft"),
+        ("qwen3", "qwen3-draft"),
+        ("deepseek_v3", "mla-draft"),
+    ] {
+        let tdir = fixture(&format!("models/{target}"));
+        let tcfg = ModelConfig::load(&tdir).unwrap();
+        let tsrc = SafetensorsSource::open(&tdir).unwrap();
+        let model = load_target_on(&tcfg, &tsrc, DType::F32, &dev, ComputePath::Kernels).unwrap();
+        let ddir = fixture(&format!("models/{draft}"));
+        let dcfg = DraftConfig::load(&ddir).unwrap();
+        let dsrc = SafetensorsSource::open(&ddir).unwrap();
+        let vb = Vb::new(&dsrc, DType::F32, &dev);
+        let d = Eagle3Draft::load(&dcfg, &vb, tcfg.hidden_size, 3).unwrap();
+        let r = reference(&format!("models/{draft}/draft_reference.safetensors"));
+        let out = d
+            .forward(
+                &ids(&r, "draft_input_ids"),
+                &r["draft_fc_input"].to_device(&dev).unwrap(),
+                model.embed_tokens(),
+            )
+            .unwrap();
+        let c = closeness(&out.logits, &r["draft_logits"]).unwrap();
+        eprintln!("gpu {draft}: max rel {:.2e}", c.max_rel);
+        assert!(c.max_rel <= F32_TOL, "{draft}: {:.3e}", c.max_rel);
+    }
+}
+
+/// The fused path and the kernel path on a longer sequence in bf16: two launch sequences of
+/// the same kernels, so they agree to bf16 rounding.
+#[test]
+fn gpu_fused_and_kernel_paths_agree_on_a_long_sequence() {
+    let Some(dev) = gpu() else { return };
+    let ids: Vec<u32> = (0..300u32).map(|i| (i * 37 + 11) % 256).collect();
+    for name in ["llama", "qwen3", "mistral"] {
+        let dir = fixture(&format!("models/{name}"));
+        let cfg = ModelConfig::load(&dir).unwrap();
+        let src = SafetensorsSource::open(&dir).unwrap();
+        let caps: Vec<Capture> = [ComputePath::Fused, ComputePath::Kernels]
+            .into_iter()
+            .map(|path| {
+                load_target_on(&cfg, &src, DType::BF16, &dev, path)
+                    .unwrap()
+                    .forward(&ids, &CaptureRequest::all(), &mut Progress::hidden())
+                    .unwrap()
+            })
+            .collect();
+        for b in 0..=cfg.num_layers {
+            let c = closeness(&caps[0].hidden[&b], &caps[1].hidden[&b]).unwrap();
+            assert!(c.max_rel <= BF16_TOL, "{name} b={b}: {:.3e}", c.max_rel);
+        }
+    }
+}
+
+/// `run` on every shipped bundle and `diff` on every corpus entry: the GPU gives the CPU's
+/// verdict, findings and fed layout.
+#[test]
+fn gpu_verdicts_equal_cpu_verdicts() {
+    let Some(_) = gpu() else { return };
+    let summary = |out: &crate::support::Output| {
+        let j = out.json();
+        (
+            out.code,
+            j["verdict"].clone(),
+            out.finding_names(),
+            j["subject"]["fed_b"].clone(),
+        )
+    };
+    for bundle in [
+        "tiny-llama",
+        "tiny-llama-vllm-offbyone",
+        "tiny-deepseek",
+        "tiny-deepseek-seed",
+    ] {
+        let b = p(&fixture(&format!("bundles/{bundle}")));
+        let on = |device: &str| eagle_check(["run", &b, "--device", device, "--format", "json"]);
+        let (cpu, gpu) = (on("cpu"), on("cuda"));
+        assert_eq!(summary(&gpu), summary(&cpu), "{bundle}: {}", gpu.stderr);
+    }
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("captures/corpus/manifest.json")).unwrap())
+            .unwrap();
+    for entry in manifest.as_array().unwrap() {
+        let target = p(&fixture(&format!(
+            "models/{}",
+            entry["arch"].as_str().unwrap()
+        )));
+        let on = |device: &str| {
+            eagle_check([
+                "diff",
+                "--spec",
+                entry["spec"].as_str().unwrap(),
+                "--target",
+                &target,
+                "--captures",
+                entry["path"].as_str().unwrap(),
+                "--device",
+                device,
+                "--dtype",
+                "f32",
+                "--format",
+                "json",
+            ])
+        };
+        let (cpu, gpu) = (on("cpu"), on("cuda"));
+        assert_eq!(
+            (gpu.code, gpu.finding_names()),
+            (cpu.code, cpu.finding_names()),
+            "{}: {}",
+            entry["path"],
+            gpu.stderr
+        );
+    }
+}
