@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On a GPU machine, from the repository root, with scripts/cuda-build.sh's bins.tar.xz in .gpu/:
+# unpacks the binaries, runs every kernel's device test, the GPU integration tests, the kernel
+# throughput probe and the capture bench (benches/gpu/run.sh) in one go, logging each step in
+# $OUT (default: a temp dir) and printing a summary last.
+#   CUDA_LIB: the CUDA 13 runtime libraries (libcublas, libcudart, ...), default /usr/local/cuda/lib64
+#   STEPS: which steps to run (default: kernels gpu throughput bench)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-${TMPDIR:-/tmp}/eagle-check-gpu}
+mkdir -p "$out"
+tar xJf .gpu/bins.tar.xz -C .gpu
+export LD_LIBRARY_PATH=${CUDA_LIB:-/usr/local/cuda/lib64}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export EAGLE_CHECK_ROOT=$PWD EAGLE_CHECK_BIN=$PWD/.gpu/bins/eagle-check
+ln -sfn .gpu/bins bins
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
+summary=()
+step() { # name, command...
+    local name=$1
+    shift
+    local start=$SECONDS
+    "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    summary+=("$name: exit $rc in $((SECONDS - start)) s; $(grep -E '^test result' "$out/$name.log" | tr '\n' ' ')")
+}
+for s in ${STEPS:-kernels gpu throughput bench}; do
+    case $s in
+    kernels) step kernels bins/eagle_check-lib kernels:: ;;
+    gpu) step gpu bins/main-tests gpu:: --test-threads 1 ;;
+    throughput) step throughput bins/eagle_check-lib device_throughput --ignored --nocapture ;;
+    bench) step bench bash benches/gpu/run.sh "$out/bench" ;;
+    esac
+done
+for s in ${STEPS:-kernels gpu throughput bench}; do
+    echo "== $s (last lines)"
+    grep -E "FAILED|panicked|failed|error" "$out/$s.log" | head -20
+    tail -n 25 "$out/$s.log"
+done
+printf '%s\n' "${summary[@]}"
