@@ -39,6 +39,83 @@ mod gpu {
     /// O(1).
     const BF16_NORMWISE_TOL: f64 = 5e-2;
 
+    /// Parameter counts of a target, from its config: all of them (the bytes a forward reads
+    /// when every expert is touched) and those one token uses (its FLOPs), plus the attention's
+    /// per-layer shape for the T^2 term.
+    struct Counts {
+        total: f64,
+        active: f64,
+        /// `heads * (dk + dv) * layers`: causal attention costs `T^2` times this in FLOPs
+        /// (QK^T and PV, each `2 * T^2 / 2 * heads * d`).
+        attn: f64,
+    }
+
+    impl Counts {
+        fn of(cfg: &eagle_check::config::ModelConfig) -> Counts {
+            let (h, l, v) = (
+                cfg.hidden_size as f64,
+                cfg.num_layers as f64,
+                cfg.vocab_size as f64,
+            );
+            let nh = cfg.num_heads as f64;
+            let (attn_params, dk, dv) = match &cfg.mla {
+                Some(m) => {
+                    let qk = (m.qk_nope_head_dim + m.qk_rope_head_dim) as f64;
+                    let q = match m.q_lora_rank {
+                        Some(r) => h * r as f64 + r as f64 + r as f64 * nh * qk,
+                        None => h * nh * qk,
+                    };
+                    let kvr = m.kv_lora_rank as f64;
+                    let kv = h * (kvr + m.qk_rope_head_dim as f64)
+                        + kvr
+                        + kvr * nh * (m.qk_nope_head_dim + m.v_head_dim) as f64;
+                    (
+                        q + kv + nh * m.v_head_dim as f64 * h,
+                        qk,
+                        m.v_head_dim as f64,
+                    )
+                }
+                None => {
+                    let (nkv, hd) = (cfg.num_kv_heads as f64, cfg.head_dim as f64);
+                    (h * (nh + 2.0 * nkv) * hd + nh * hd * h, hd, hd)
+                }
+            };
+            let dense = 3.0 * h * cfg.intermediate_size as f64;
+            // The floor counts the embedding matrix in `2 x params x T` too (8.03B for
+            // Llama-3.1-8B); kept so the ratios compare with its table.
+            let (mut total, mut active) = (2.0 * v * h + h, 2.0 * v * h + h);
+            for layer in 0..cfg.num_layers {
+                let base = attn_params + 2.0 * h;
+                match &cfg.moe {
+                    Some(m) if m.is_moe_layer(layer) => {
+                        let expert = 3.0 * h * m.moe_intermediate_size as f64;
+                        let router = m.n_routed_experts as f64 * (h + 1.0);
+                        let shared = expert * m.n_shared_experts as f64;
+                        total += base + router + shared + expert * m.n_routed_experts as f64;
+                        active += base + router + shared + expert * m.num_experts_per_tok as f64;
+                    }
+                    _ => {
+                        total += base + dense;
+                        active += base + dense;
+                    }
+                }
+            }
+            Counts {
+                total,
+                active,
+                attn: nh * (dk + dv) * l,
+            }
+        }
+
+        /// Every weight read once (bf16) over the copy rate, or the FLOPs over the matrix rate.
+        fn floor_ms(&self, t: usize) -> f64 {
+            let t = t as f64;
+            let bytes = self.total * 2.0;
+            let flops = 2.0 * self.active * t + t * t * self.attn;
+            (bytes / COPY_BYTES_PER_S).max(flops / BF16_FLOPS) * 1e3
+        }
+    }
+
     fn token_ids(t: usize, vocab: usize) -> Vec<u32> {
         (0..t as u64)
             .map(|i| (((1103515245 * i + 12345) % (1 << 31)) % vocab as u64) as u32)
@@ -147,9 +224,7 @@ mod gpu {
                     .count() as f64
                     / t as f64
             });
-            let weights = params * 2.0;
-            let flops = 2.0 * params * t as f64 + 2.0 * (t * t * nh * hd * l) as f64;
-            let floor_ms = (weights / COPY_BYTES_PER_S).max(flops / BF16_FLOPS) * 1e3;
+            let floor_ms = counts.floor_ms(t);
             let line = serde_json::json!({
                 "T": t,
                 "ms": median,

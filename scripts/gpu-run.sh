@@ -29,6 +29,7 @@ for s in ${STEPS:-kernels gpu throughput bench}; do
     gpu) step gpu bins/main-tests gpu:: --test-threads 1 ;;
     throughput) step throughput bins/eagle_check-lib device_throughput --ignored --nocapture ;;
     bench) step bench bash benches/gpu/run.sh "$out/bench" ;;
+    bench-deepseek) step bench-deepseek env SHAPE=deepseek-v3-3l TOKENS=${DS_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-deepseek" ;;
     esac
 done
 for s in ${STEPS:-kernels gpu throughput bench}; do

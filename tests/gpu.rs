@@ -96,6 +96,21 @@ fn gpu_captures_match_transformers_for_every_fixture_target() {
             eprintln!("gpu {name} {path:?} f32: worst {w:.2e}");
             assert!(w <= F32_TOL, "{name} {path:?} f32: {w:.3e}");
             let (cfg, cap) = capture(name, DType::BF16, path, &dev);
+            if cfg.moe.is_some() {
+                // In bf16 a router may pick another expert at a near-tie (deepseek_v3_noq: one
+                // token of layer 2, on the CPU too), which moves that token by O(1): the GPU is
+                // held to the CPU's bf16 run of the same kernels instead of to f32.
+                let (_, cpu) = capture(name, DType::BF16, ComputePath::Kernels, &Device::Cpu);
+                for b in 0..=cfg.num_layers {
+                    let c = closeness(&cap.hidden[&b], &cpu.hidden[&b]).unwrap();
+                    assert!(
+                        c.max_rel <= BF16_TOL,
+                        "{name} {path:?} bf16 b={b} vs CPU: {:.3e}",
+                        c.max_rel
+                    );
+                }
+                continue;
+            }
             let w = worst(name, &cfg, &cap);
             eprintln!("gpu {name} {path:?} bf16: worst {w:.2e}");
             assert!(w <= BF16_TOL, "{name} {path:?} bf16: {w:.3e}");

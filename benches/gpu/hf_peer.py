@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 SHAPES = {
     # Llama-3.1-8B (the shape of the issue's HF table).
@@ -47,7 +47,46 @@ SHAPES = {
         ),
         tie_word_embeddings=False,
     ),
+    # DeepSeek-V3 at full width, 1 dense + 2 MoE layers (25.5B params; the issue's anchor).
+    "deepseek-v3-3l": dict(
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vocab_size=129280,
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        rope_interleave=True,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=0,
+    ),
 }
+CLASSES = {"llama3.1-8b": (LlamaConfig, LlamaForCausalLM), "deepseek-v3-3l": (DeepseekV3Config, DeepseekV3ForCausalLM)}
 
 
 def token_ids(t: int, vocab: int) -> list[int]:
@@ -66,15 +105,18 @@ def main() -> None:
     out = Path(args.out)
     (out / "model").mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    cfg = LlamaConfig(**SHAPES[args.shape])
+    config_cls, model_cls = CLASSES[args.shape]
+    cfg = config_cls(**SHAPES[args.shape])
     t0 = time.time()
     with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16)
+        model = model_cls._from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16)
     # transformers' init; then a scale that keeps the residual stream finite over 32 layers.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.9, 1.1)
+            elif name.endswith("mlp.gate.weight"):  # a DeepSeek router: spread the scores
+                p.normal_(0.0, 0.25 / p.shape[-1] ** 0.5 * 8)
             else:
                 p.normal_(0.0, min(0.02, 0.8 / p.shape[-1] ** 0.5))
     model.eval()

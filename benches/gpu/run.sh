@@ -4,10 +4,14 @@
 # of the shape (Llama-3.1-8B by default), saves it and times its capture forward; then
 # eagle-check's bench binary loads the same directory, times its own and compares the states.
 #   bash benches/gpu/run.sh [OUT_DIR]      (TOKENS=128,512,2048,8192 REPS=5 by default)
+#   SHAPE=deepseek-v3-3l bash benches/gpu/run.sh OUT_DIR   (DeepSeek-V3, 1 dense + 2 MoE layers)
 set -euo pipefail
 out=${1:-${TMPDIR:-/tmp}/eagle-check-gpu-bench}
 tokens=${TOKENS:-128,512,2048,8192}
 reps=${REPS:-5}
-python3 benches/gpu/hf_peer.py --out "$out" --tokens "$tokens" --reps "$reps"
+shape=${SHAPE:-llama3.1-8b}
+python3 benches/gpu/hf_peer.py --shape "$shape" --out "$out" --tokens "$tokens" --reps "$reps"
 bins/gpu-bench "$out/model" "$out/hf_states.safetensors" "$tokens" "$reps" | tee "$out/ours.jsonl"
 python3 benches/gpu/table.py "$out"
+# The model directory is tens of GB: gone once measured.
+rm -rf "$out/model" "$out/hf_states.safetensors"

@@ -78,6 +78,9 @@ pub struct FastLlama {
     dev: CudaDevice,
     kd: KernelDType,
     layers: Vec<FastLayer>,
+    /// f32 cos/sin for the longest sequence seen so far (rows are positions, so a shorter
+    /// sequence reads a prefix): computing the table on the host costs milliseconds at T = 8192.
+    rope: std::sync::Mutex<Option<(usize, Tensor, Tensor)>>,
 }
 
 /// The scratch of one forward: `[T, *]` buffers, reused layer after layer.
@@ -142,6 +145,7 @@ impl FastLlama {
             dev,
             kd,
             layers,
+            rope: std::sync::Mutex::new(None),
         })
     }
 
@@ -197,21 +201,53 @@ impl FastLlama {
         .ctx(|| "projection".to_string())
     }
 
+    /// An uninitialised `[rows, cols]` buffer in the compute dtype: every buffer of the
+    /// forward is written in full before it is read, so nothing is zero-filled.
+    fn buffer(&self, rows: usize, cols: usize) -> candle_core::Result<Tensor> {
+        let n = rows * cols;
+        Ok(cuda::tensor(
+            cuda::alloc(&self.dev, self.inner.dtype, n)?,
+            (rows, cols),
+        ))
+    }
+
     fn scratch(&self, t: usize) -> candle_core::Result<Scratch> {
         let cfg = self.cfg();
-        let (h, dt, d) = (cfg.hidden_size, self.inner.dtype, self.inner.embed.device());
+        let h = cfg.hidden_size;
         let qkv_cols = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim;
         let inter = cfg.intermediate_size;
         Ok(Scratch {
-            normed: Tensor::zeros((t, h), dt, d)?,
-            qkv: Tensor::zeros((t, qkv_cols), dt, d)?,
-            attn: Tensor::zeros((t, cfg.num_heads * cfg.head_dim), dt, d)?,
-            proj: Tensor::zeros((t, h), dt, d)?,
-            mid: Tensor::zeros((t, h), dt, d)?,
-            gate_up: Tensor::zeros((t, 2 * inter), dt, d)?,
-            act: Tensor::zeros((t, inter), dt, d)?,
-            zeros: Tensor::zeros(t, DType::U32, d)?,
+            normed: self.buffer(t, h)?,
+            qkv: self.buffer(t, qkv_cols)?,
+            attn: self.buffer(t, cfg.num_heads * cfg.head_dim)?,
+            proj: self.buffer(t, h)?,
+            mid: self.buffer(t, h)?,
+            gate_up: self.buffer(t, 2 * inter)?,
+            act: self.buffer(t, inter)?,
+            zeros: Tensor::zeros(t, DType::U32, self.inner.embed.device())?,
         })
+    }
+
+    /// cos/sin `[t, hd / 2]` f32: rows of the cached table when it is long enough.
+    fn rope_tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
+        let mut cache = self
+            .rope
+            .lock()
+            .map_err(|_| crate::error::Error::Device("rope table cache poisoned".into()))?;
+        if cache.as_ref().is_none_or(|(n, _, _)| *n < t) {
+            let cfg = self.cfg();
+            let r = RopeTables::new(
+                &cfg.rope,
+                cfg.head_dim,
+                t,
+                DType::F32,
+                self.inner.embed.device(),
+            )?;
+            *cache = Some((t, r.cos32, r.sin32));
+        }
+        let (_, cos, sin) = cache.as_ref().expect("filled above");
+        let rows = |x: &Tensor| x.narrow(0, 0, t).ctx(|| "rope table".to_string());
+        Ok((rows(cos)?, rows(sin)?))
     }
 
     fn forward_fast(&self, ids: &[u32], want: &CaptureRequest) -> Result<Capture> {
@@ -220,22 +256,24 @@ impl FastLlama {
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let inter = cfg.intermediate_size;
         let qkv_cols = (nh + 2 * nkv) * hd;
-        let (dt, device) = (self.inner.dtype, self.inner.embed.device().clone());
+        let device = self.inner.embed.device().clone();
         let eps = cfg.rms_norm_eps as f32;
-        let alloc = |shape: (usize, usize, usize)| {
-            Tensor::zeros(shape, dt, &device).ctx(|| "capture buffers".to_string())
+        let alloc = |layers: usize| -> Result<Tensor> {
+            self.buffer(layers * t, h)
+                .and_then(|b| b.reshape((layers, t, h)))
+                .ctx(|| "capture buffers".to_string())
         };
         // caps[b] = boundary b for b < L, caps[L] = the pre-norm final state.
-        let caps = alloc((l + 1, t, h))?;
-        let post = Tensor::zeros((t, h), dt, &device).ctx(|| "capture buffers".to_string())?;
+        let caps = alloc(l + 1)?;
+        let post = self.buffer(t, h).ctx(|| "capture buffers".to_string())?;
         let mlp_out = if want.layer_outputs {
-            Some(alloc((l, t, h))?)
+            Some(alloc(l)?)
         } else {
             None
         };
         let s = self.scratch(t).ctx(|| "scratch buffers".to_string())?;
         let ids_t = Tensor::new(ids, &device).ctx(|| "token ids".to_string())?;
-        let rope = RopeTables::new(&cfg.rope, hd, t, dt, &device)?;
+        let (cos_t, sin_t) = self.rope_tables(t)?;
         let row = |base: DevPtr, i: usize| base + (i * t * h * self.kd.size()) as u64;
         let caps_p = ptr(&caps)?;
         let (normed_p, qkv_p, attn_p, proj_p, mid_p, gu_p, act_p) = (
@@ -286,7 +324,7 @@ impl FastLlama {
                 },
             ),
         )?;
-        let (cos, sin) = (ptr(&rope.cos32)?, ptr(&rope.sin32)?);
+        let (cos, sin) = (ptr(&cos_t)?, ptr(&sin_t)?);
         for (i, layer) in self.layers.iter().enumerate() {
             let x = row(caps_p, i);
             // q, k, v: one fused GEMM ([T, qkv_cols], heads q|k|v per row), or three into
@@ -497,7 +535,7 @@ impl FastLlama {
         }
         if want.logits {
             let v = cfg.vocab_size;
-            let logits = Tensor::zeros((t, v), dt, &device).ctx(|| "logits".to_string())?;
+            let logits = self.buffer(t, v).ctx(|| "logits".to_string())?;
             let head = Proj {
                 w: self.inner.lm_head.clone(),
                 b: None,
