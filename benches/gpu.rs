@@ -156,19 +156,13 @@ mod gpu {
         let cfg = target.cfg.clone();
         let load_s = start.elapsed().as_secs_f64();
         let hf = candle_core::safetensors::load(states, &device).unwrap();
-        let (h, l, inter, v) = (
-            cfg.hidden_size,
-            cfg.num_layers,
-            cfg.intermediate_size,
-            cfg.vocab_size,
-        );
-        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let per_layer = h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter + 2 * h;
-        let params = (l * per_layer + 2 * v * h + h) as f64;
+        let (l, v) = (cfg.num_layers, cfg.vocab_size);
+        let counts = Counts::of(&cfg);
         eprintln!(
-            "gpu bench: {} loaded in {load_s:.1} s, {:.2}B params",
+            "gpu bench: {} loaded in {load_s:.1} s, {:.2}B params ({:.2}B active per token)",
             dir.display(),
-            params / 1e9
+            counts.total / 1e9,
+            counts.active / 1e9
         );
         for &t in &ts {
             let ids = token_ids(t, v);

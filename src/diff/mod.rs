@@ -347,12 +347,8 @@ fn identify_sample(
         .collect();
     stats.scoring_seconds += start.elapsed().as_secs_f64();
 
-    let mut named: Vec<Option<FindingName>> = vec![None; ids.len()];
     let mut pending: Vec<Finding> = Vec::new();
-    let mut emit = |slot: Option<usize>, f: Finding, named: &mut Vec<Option<FindingName>>| {
-        if let Some(s) = slot {
-            named[s].get_or_insert(f.name);
-        }
+    let mut emit = |slot: Option<usize>, f: Finding| {
         pending.push(match slot {
             Some(s) => f.with_slot(s),
             None => f,
@@ -380,9 +376,7 @@ fn identify_sample(
                     FindingName::NonFinite,
                     format!("slot {s} holds {} NaN/Inf values", id.non_finite),
                 )
-                .with_fix("recapture; NaN/Inf in aux states usually means overflow in a half-precision path"),
-                &mut named,
-            );
+                .with_fix("recapture; NaN/Inf in aux states usually means overflow in a half-precision path"));
         }
         let Some(found) = id.found else {
             emit(
@@ -396,9 +390,7 @@ fn identify_sample(
                         id.score.cosine,
                         exp_text(s)
                     ),
-                ),
-                &mut named,
-            );
+                ));
             continue;
         };
         match found.state {
@@ -413,9 +405,7 @@ fn identify_sample(
                         exp_text(s)
                     ),
                 )
-                .with_fix("capture hidden_states + residual (fused-residual engines keep them apart)"),
-                &mut named,
-            ),
+                .with_fix("capture hidden_states + residual (fused-residual engines keep them apart)")),
             State::Shifted(d) => shifted.push((s, d)),
             _ => {}
         }
@@ -429,9 +419,7 @@ fn identify_sample(
                         found.boundary, id.score.norm_ratio, id.score.cosine, id.score.norm_ratio
                     ),
                 )
-                .with_fix("find the extra multiplier on this slot's capture path (an embedding scale applied twice, a stray normalisation)"),
-                &mut named,
-            );
+                .with_fix("find the extra multiplier on this slot's capture path (an embedding scale applied twice, a stray normalisation)"));
         }
         if found.boundary == l && expected(s) == Some(Boundary(l)) {
             let side = match found.state {
@@ -453,7 +441,6 @@ fn identify_sample(
                     .with_fix(format!(
                         "capture the last layer's state {want} the final norm"
                     )),
-                    &mut named,
                 );
             }
         }
@@ -470,15 +457,9 @@ fn identify_sample(
             ),
         )
         .with_fix("pair hidden state t with token t (and the draft's embedding with token t + 1) when writing captures");
-        for &(s, _) in &shifted {
-            named[s].get_or_insert(FindingName::TokenShift);
-        }
-        emit(None, f, &mut named);
+        emit(None, f);
     }
     if let Some(tp) = ids.iter().find_map(|id| id.shard_tp) {
-        for n in named.iter_mut() {
-            n.get_or_insert(FindingName::Shard);
-        }
         emit(
             None,
             Finding::error(
@@ -492,7 +473,6 @@ fn identify_sample(
             .with_fix(
                 "all-gather the aux hidden states across ranks before saving (sglang PR 14280)",
             ),
-            &mut named,
         );
     }
     // Layout: which boundaries, in which order, against the spec.
@@ -504,12 +484,12 @@ fn identify_sample(
         let found: Vec<Boundary> = found.into_iter().flatten().collect();
         if let Some((name, msg)) = classify(&found, &spec.boundaries, ("captured", "spec")) {
             // A wrong layer is a slot's fault; the other layout faults belong to the whole list.
-            let slot = (name == FindingName::WrongLayer)
-                .then(|| found.iter().zip(&spec.boundaries).position(|(f, e)| f != e))
-                .flatten();
-            for n in named.iter_mut() {
-                n.get_or_insert(name);
-            }
+            // A fault of some slots names the first; one of every slot belongs to the list.
+            let differ = crate::judge::layout::differing_slots(&found, &spec.boundaries);
+            let slot = (matches!(name, FindingName::WrongLayer | FindingName::OffByOne)
+                && differ.len() < found.len())
+            .then(|| differ.first().copied())
+            .flatten();
             let fix = format!(
                 "capture b = {} in this order: layer ids {:?} where ids name layer outputs (SpecForge, ModelOpt, TensorRT-LLM), \
                  {:?} where they name layer inputs (vLLM); or, if inference feeds what these captures hold, fix the spec",
@@ -523,7 +503,7 @@ fn identify_sample(
                     .map(|&b| Convention::In.to_id(b))
                     .collect::<Vec<_>>(),
             );
-            emit(slot, Finding::error(name, msg).with_fix(fix), &mut named);
+            emit(slot, Finding::error(name, msg).with_fix(fix));
         }
     } else {
         for (s, f) in found.iter().enumerate() {
@@ -536,7 +516,6 @@ fn identify_sample(
                         FindingName::WrongLayer,
                         format!("slot {s} holds b = {f}, the spec expects b = {e}"),
                     ),
-                    &mut named,
                 );
             }
         }
@@ -544,7 +523,61 @@ fn identify_sample(
     for f in pending {
         collector.add(at(f));
     }
-    Ok(ids.into_iter().zip(named).collect())
+    let statuses: Vec<Option<FindingName>> = ids
+        .iter()
+        .map(|id| slot_status(id, expected(id.slot), spec.final_norm, l))
+        .collect();
+    Ok(ids.into_iter().zip(statuses).collect())
+}
+
+/// What one slot holds against what the spec expects there, as a finding name (`None`: ok).
+/// Each slot is judged on its own identification, so the correct slots of a faulty file say
+/// `ok` and the faulty ones name their own fault.
+fn slot_status(
+    id: &SlotId,
+    expected: Option<Boundary>,
+    final_norm: Option<FinalNorm>,
+    l: usize,
+) -> Option<FindingName> {
+    if id.non_finite > 0 {
+        return Some(FindingName::NonFinite);
+    }
+    if id.shard_tp.is_some() {
+        return Some(FindingName::Shard);
+    }
+    let Some(found) = id.found else {
+        return Some(FindingName::Unidentified);
+    };
+    match found.state {
+        State::NoResidual => return Some(FindingName::MissingResidual),
+        State::Shifted(_) => return Some(FindingName::TokenShift),
+        _ => {}
+    }
+    if id.scaled {
+        return Some(FindingName::Scale);
+    }
+    let Some(want) = expected else {
+        return Some(FindingName::Count);
+    };
+    let got = Boundary(found.boundary);
+    if got == want {
+        let side = match found.state {
+            State::PreNorm => Some(FinalNorm::Pre),
+            State::PostNorm => Some(FinalNorm::Post),
+            _ => None,
+        };
+        return match (side, final_norm) {
+            (Some(side), Some(want)) if got.0 == l && side != want => Some(FindingName::FinalNorm),
+            _ => None,
+        };
+    }
+    if got.is_embedding() || want.is_embedding() {
+        return Some(FindingName::EmbeddingCapture);
+    }
+    if got.0.abs_diff(want.0) == 1 {
+        return Some(FindingName::OffByOne);
+    }
+    Some(FindingName::WrongLayer)
 }
 
 /// The capture paths, for messages.
