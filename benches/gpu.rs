@@ -32,12 +32,8 @@ mod gpu {
 
     const COPY_BYTES_PER_S: f64 = 4.3e12;
     const BF16_FLOPS: f64 = 790e12;
-    /// Normwise tolerance for bf16 boundaries computed by two implementations (different GEMM
-    /// tilings and accumulation orders, fused vs separate roundings): each rounding step costs
-    /// ~2^-9 relative and 32 layers compound it; 5e-2 leaves room over the ~1e-2 the domain
-    /// brief reports for bf16 reproductions, and a wrong layer or a missing residual differs by
-    /// O(1).
-    const BF16_NORMWISE_TOL: f64 = 5e-2;
+    /// bf16 boundaries of two implementations (reasons in `eagle_check::tolerance`).
+    const BF16_NORMWISE_TOL: f64 = eagle_check::tolerance::PARITY_BF16;
 
     /// Parameter counts of a target, from its config: all of them (the bytes a forward reads
     /// when every expert is touched) and those one token uses (its FLOPs), plus the attention's

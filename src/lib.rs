@@ -22,4 +22,5 @@ pub mod report;
 pub mod runner;
 pub mod spec;
 pub mod tokenize;
+pub mod tolerance;
 pub mod weights;

@@ -13,9 +13,8 @@ use eagle_check::model::source::{SafetensorsSource, Vb, WeightSource};
 use eagle_check::model::{Capture, CaptureRequest, ComputePath, Progress, load_target_on};
 use std::collections::HashMap;
 
-/// f32 parity target (issue 3): max |got - ref| / max |ref| per tensor. The fixtures are f32
-/// end to end, so anything above float rounding (~1e-6 here) is a real difference.
-const F32_TOL: f64 = 1e-4;
+/// The f32 parity bound, with its reason: `eagle_check::tolerance::PARITY_F32`.
+const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
 
 const FIXTURES: [&str; 2] = ["deepseek_v3", "deepseek_v3_noq"];
 

@@ -14,8 +14,8 @@ use eagle_check::model::load_target;
 use eagle_check::model::source::{SafetensorsSource, Vb};
 use std::collections::HashMap;
 
-/// f32 parity target (issue 3): max |got - ref| / max |ref| per tensor.
-const F32_TOL: f64 = 1e-4;
+/// The f32 parity bound, with its reason: `eagle_check::tolerance::PARITY_F32`.
+const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
 const SPEC: &str = "fixtures/bundles/tiny-deepseek/spec.yaml";
 const TARGET: &str = "fixtures/models/deepseek_v3";
 const CLEAN: &str = "fixtures/captures/deepseek-seed/clean";

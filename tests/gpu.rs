@@ -13,11 +13,9 @@ use eagle_check::model::{Capture, CaptureRequest, ComputePath, Progress, load_ta
 use std::collections::HashMap;
 
 /// f32 on the GPU: the same math as the CPU (cuBLAS in f32, no TF32; f32 kernels), a different
-/// summation order: the CPU's parity target holds.
-const F32_TOL: f64 = 1e-4;
-/// bf16 compute against the f32 reference: the CPU's bf16 test bound (`runner.rs`), from bf16's
-/// 8-bit mantissa compounded over the layers.
-const BF16_TOL: f64 = 5e-2;
+/// summation order: the CPU's parity target holds (reasons in `eagle_check::tolerance`).
+const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
+const BF16_TOL: f64 = eagle_check::tolerance::PARITY_BF16;
 
 fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {

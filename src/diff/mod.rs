@@ -13,7 +13,8 @@ use crate::judge::{check_feed, classify};
 use crate::readers::{HostTensor, Sample, capture_files, read_capture_path};
 use crate::report::{CaptureReport, CaptureSlot, Finding, FindingName, Report, ThreeWayRow};
 use crate::spec::Spec;
-use identify::{SlotId, State, Tolerance, identify_slot, no_residual_deltas};
+use crate::tolerance::CaptureTolerance;
+use identify::{SlotId, State, identify_slot, no_residual_deltas};
 use reference::ReferenceSource;
 use score::View;
 use std::collections::BTreeMap;
@@ -333,7 +334,7 @@ fn identify_sample(
         .as_ref()
         .or(sample.layers.as_ref())
         .map(|t| t.dtype);
-    let tol = Tolerance::for_dtype(dtype.unwrap_or(crate::readers::DType::F32));
+    let tol = CaptureTolerance::for_dtype(dtype.unwrap_or(crate::readers::DType::F32));
     let start = Instant::now();
     let refs = reference.states(tokens).map_err(|e| Error::Capture {
         path: sample.file.clone(),
@@ -390,7 +391,8 @@ fn identify_sample(
                         id.score.cosine,
                         exp_text(s)
                     ),
-                ));
+                ),
+            );
             continue;
         };
         match found.state {
