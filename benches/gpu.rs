@@ -77,9 +77,10 @@ mod gpu {
                 }
             };
             let dense = 3.0 * h * cfg.intermediate_size as f64;
-            // The floor counts the embedding matrix in `2 x params x T` too (8.03B for
-            // Llama-3.1-8B); kept so the ratios compare with its table.
-            let (mut total, mut active) = (2.0 * v * h + h, 2.0 * v * h + h);
+            // The embedding is a gather: its bytes count, its "FLOPs" do not. (The Llama
+            // table counted all 8.03B in `2 x params x T`, a 7% higher floor at T >= 512; its
+            // DeepSeek anchors did not.)
+            let (mut total, mut active) = (2.0 * v * h + h, v * h + h);
             for layer in 0..cfg.num_layers {
                 let base = attn_params + 2.0 * h;
                 match &cfg.moe {
