@@ -10,7 +10,7 @@ use crate::boundary::{Boundary, Convention, FinalNorm, format_list};
 use crate::engine::Feed;
 use crate::error::{Error, Result};
 use crate::judge::{check_feed, classify};
-use crate::readers::{HostTensor, Sample, capture_files, read_capture_path};
+use crate::readers::{Format, HostTensor, Sample, capture_files, read_capture_path};
 use crate::report::{CaptureReport, CaptureSlot, Finding, FindingName, Report, ThreeWayRow};
 use crate::spec::Spec;
 use crate::tolerance::CaptureTolerance;
@@ -329,6 +329,19 @@ fn identify_sample(
             return Ok(Vec::new());
         }
     };
+    // Rows and ids must pair one to one: scoring them anyway would report every slot as
+    // unidentified, blaming the layout for what is a broken file.
+    if slots.rows != tokens.len() {
+        return Err(Error::Capture {
+            path: sample.file.clone(),
+            message: format!(
+                "sample {}: {} token ids but {} rows of hidden states; they must pair one to one",
+                sample.index,
+                tokens.len(),
+                slots.rows
+            ),
+        });
+    }
     let dtype = sample
         .aux
         .as_ref()
@@ -343,9 +356,24 @@ fn identify_sample(
     stats.reference_seconds += start.elapsed().as_secs_f64();
     let start = Instant::now();
     let deltas = no_residual_deltas(&refs);
-    let ids: Vec<SlotId> = (0..slots.count)
+    let mut ids: Vec<SlotId> = (0..slots.count)
         .map(|i| identify_slot(i, slots.view(i), &refs, &deltas, &tol))
         .collect();
+    // vLLM extract_hidden_states files end with the state after the last layer when the ids
+    // asked for L (speculators appends it by default, Model-Optimizer's vLLM dump always): the
+    // training target, not an fc input. One slot more than the spec, holding b = L, is that.
+    let vllm_target = if sample.format == Format::Vllm
+        && ids.len() == spec.boundaries.len() + 1
+        && ids
+            .last()
+            .and_then(|id| id.found)
+            .is_some_and(|c| c.boundary == l)
+    {
+        ids.pop()
+    } else {
+        None
+    };
+    let target = training_target(sample, &slots, vllm_target, &refs, &deltas, &tol, hidden);
     stats.scoring_seconds += start.elapsed().as_secs_f64();
 
     let mut pending: Vec<Finding> = Vec::new();
@@ -522,6 +550,13 @@ fn identify_sample(
             }
         }
     }
+    if let Some(t) = &target {
+        // Both sides of the final norm must be in the reference to tell them apart (a vLLM
+        // all-layer dump has only the pre-norm one).
+        let sides_known = refs.boundaries.get(l).is_some_and(Option::is_some)
+            && refs.final_pre_norm.is_some();
+        pending.extend(check_target(t, l, sides_known, !shifted.is_empty()));
+    }
     for f in pending {
         collector.add(at(f));
     }
@@ -530,6 +565,166 @@ fn identify_sample(
         .map(|id| slot_status(id, expected(id.slot), spec.final_norm, l))
         .collect();
     Ok(ids.into_iter().zip(statuses).collect())
+}
+
+/// The tensor a trainer learns to predict through the target's head, with the side of the
+/// final norm the trainer expects it on.
+struct TrainingTarget {
+    id: SlotId,
+    /// Where the file keeps it.
+    name: &'static str,
+    want: FinalNorm,
+    /// Why the trainer expects that side (with its source).
+    why: &'static str,
+    /// Model-Optimizer without `hidden_states_prenorm`: a pre-norm state there is its vLLM
+    /// dump's known defect.
+    modelopt_unflagged: bool,
+}
+
+/// Finds and identifies the training target a file carries: SpecForge's `hidden_state`,
+/// Model-Optimizer's `hidden_states`, or vLLM's trailing final-state slot.
+fn training_target(
+    sample: &Sample,
+    slots: &Slots,
+    vllm_last: Option<SlotId>,
+    refs: &reference::RefStates,
+    deltas: &[Option<Vec<f32>>],
+    tol: &CaptureTolerance,
+    hidden: usize,
+) -> Option<TrainingTarget> {
+    let identify = |t: &HostTensor| -> Option<SlotId> {
+        let dims = t.dims();
+        let rows = match dims {
+            [s, h] | [1, s, h] if *h == hidden => *s,
+            _ => return None,
+        };
+        let data = t.to_f32_vec();
+        Some(identify_slot(
+            slots.count,
+            View::full(&data, rows, hidden),
+            refs,
+            deltas,
+            tol,
+        ))
+    };
+    match sample.format {
+        Format::Vllm => vllm_last.map(|id| TrainingTarget {
+            id,
+            name: "the last slot of hidden_states",
+            want: FinalNorm::Pre,
+            why: "speculators trains on it through verifier_norm then verifier_lm_head \
+                  (speculators/models/eagle3/core.py), so it must be the pre-norm state vLLM captures",
+            modelopt_unflagged: false,
+        }),
+        Format::SpecForge => sample.final_hidden.as_ref().and_then(identify).map(|id| TrainingTarget {
+            id,
+            name: "hidden_state",
+            want: FinalNorm::Post,
+            why: "SpecForge feeds it to the target's lm_head alone (offline_capture/sglang_backend/utils.py: \
+                  sglang's post-norm state)",
+            modelopt_unflagged: false,
+        }),
+        Format::ModelOpt => {
+            let prenorm = matches!(
+                sample.meta("hidden_states_prenorm"),
+                Some(crate::readers::Value::Bool(true))
+            );
+            sample.final_hidden.as_ref().and_then(identify).map(|id| TrainingTarget {
+                id,
+                name: "hidden_states",
+                want: if prenorm { FinalNorm::Pre } else { FinalNorm::Post },
+                why: if prenorm {
+                    "the file sets hidden_states_prenorm, so Model-Optimizer's trainer applies the final \
+                     norm to it first (plugins/modeling_final_norm.py)"
+                } else {
+                    "Model-Optimizer's trainer applies lm_head to it as stored unless the file sets \
+                     hidden_states_prenorm (eagle/utils.py OfflineSupervisedDataset)"
+                },
+                modelopt_unflagged: !prenorm,
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The training target must be the state after the last layer, on the side its trainer expects
+/// (judged only when the reference holds both sides). A target shifted by a token alongside
+/// shifted slots is already named by their `token-shift` finding.
+fn check_target(
+    t: &TrainingTarget,
+    l: usize,
+    sides_known: bool,
+    slots_shifted: bool,
+) -> Vec<Finding> {
+    let name = t.name;
+    let Some(found) = t.id.found else {
+        return vec![Finding::error(
+            FindingName::Unidentified,
+            format!(
+                "the training target ({name}) matches no reference state (closest: b = {} {}, cosine {:.4})",
+                t.id.best.boundary,
+                t.id.best.state.describe(),
+                t.id.score.cosine
+            ),
+        )];
+    };
+    if let State::Shifted(d) = found.state {
+        if slots_shifted {
+            return Vec::new();
+        }
+        return vec![Finding::error(
+            FindingName::TokenShift,
+            format!(
+                "the training target ({name}) holds the state of the token {} the ids say",
+                if d > 0 { "after" } else { "before" }
+            ),
+        )
+        .with_fix("pair hidden state t with token t when writing captures")];
+    }
+    if found.boundary != l || !matches!(found.state, State::PreNorm | State::PostNorm) {
+        return vec![Finding::error(
+            FindingName::WrongLayer,
+            format!(
+                "the training target ({name}) holds b = {} ({}); it must be the state after the last layer, b = {l}",
+                found.boundary,
+                found.state.describe()
+            ),
+        )
+        .with_fix("store the final hidden state the trainer predicts through the target's head")];
+    }
+    let side = if found.state == State::PreNorm {
+        FinalNorm::Pre
+    } else {
+        FinalNorm::Post
+    };
+    if side == t.want || !sides_known {
+        return Vec::new();
+    }
+    let finding = if t.modelopt_unflagged && side == FinalNorm::Pre {
+        Finding::error(
+            FindingName::FinalNorm,
+            format!(
+                "the training target ({name}) is the pre-norm state and the file does not set \
+                 hidden_states_prenorm: Model-Optimizer's trainer will apply lm_head to an unnormalised \
+                 state (its vLLM dump writes files like this: compute_hidden_states_vllm.py), so the draft \
+                 learns toward the wrong logits"
+            ),
+        )
+        .with_fix(
+            "set hidden_states_prenorm = True in these files (the trainer then applies the target's final \
+             norm) or store the post-norm state",
+        )
+    } else {
+        Finding::error(
+            FindingName::FinalNorm,
+            format!(
+                "the training target ({name}) is the {side} final state; {}",
+                t.why
+            ),
+        )
+        .with_fix(format!("store the {} final state", t.want))
+    };
+    vec![finding]
 }
 
 /// What one slot holds against what the spec expects there, as a finding name (`None`: ok).
