@@ -6,6 +6,7 @@
 //! another.
 
 pub mod boundary;
+pub mod ci;
 pub mod compare;
 pub mod config;
 pub mod diff;

@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use candle_core::{DType, Device};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use eagle_check::config::DraftConfig;
 use eagle_check::diff::reference::{DumpReference, ReferenceSource, RunnerReference};
 use eagle_check::diff::{DiffInput, diff};
@@ -30,10 +30,26 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Format {
+    /// For people: facts, slot tables, findings, verdict.
     Table,
+    /// The same report for machines.
     Json,
+    /// JUnit XML: a testcase per engine x fc slot (per capture file x slot for diff).
+    Junit,
+    /// GitHub workflow annotations on the draft config's ids line or the spec's line.
+    Github,
+}
+
+/// How a report is printed.
+#[derive(Args, Clone, Copy)]
+struct OutputArgs {
+    #[arg(long, value_enum, default_value = "table")]
+    format: Format,
+    /// Print only the verdict line (the exit code says the same).
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 #[derive(Subcommand)]
@@ -54,8 +70,8 @@ enum Command {
         /// Default: the spec's `engine`, else all. `eagle-check engines` lists the rules.
         #[arg(long)]
         engine: Option<String>,
-        #[arg(long, value_enum, default_value = "table")]
-        format: Format,
+        #[command(flatten)]
+        output: OutputArgs,
     },
     /// Run target and draft on real tokens: capture every boundary and the exact fc input.
     Run {
@@ -93,8 +109,8 @@ enum Command {
         /// Also generate N greedy tokens after the input and show them (a sanity check).
         #[arg(long, default_value_t = 0)]
         generate: usize,
-        #[arg(long, value_enum, default_value = "table")]
-        format: Format,
+        #[command(flatten)]
+        output: OutputArgs,
     },
     /// The engine rule table: every engine, version, capture path and architecture eagle-check
     /// knows, with the upstream file each rule was read from.
@@ -129,8 +145,8 @@ enum Command {
         /// Compute dtype (default: bf16 on a GPU, f32 on the CPU).
         #[arg(long, value_enum)]
         dtype: Option<DtypeArg>,
-        #[arg(long, value_enum, default_value = "table")]
-        format: Format,
+        #[command(flatten)]
+        output: OutputArgs,
     },
 }
 
@@ -253,8 +269,9 @@ fn run(cli: Cli) -> Result<u8> {
             draft,
             target,
             engine,
-            format,
+            output,
         } => {
+            output.check()?;
             let spec = Spec::load(&spec)?;
             let engines = pick_engines(engine.as_deref(), &spec)?;
             let draft_cfg = DraftConfig::load(&draft)?;
@@ -271,7 +288,7 @@ fn run(cli: Cli) -> Result<u8> {
                 },
                 &engines,
             )?;
-            Ok(emit(&report, format))
+            Ok(emit(&report, output))
         }
         Command::Engines { markdown } => {
             if markdown {
@@ -308,8 +325,9 @@ fn run(cli: Cli) -> Result<u8> {
             engine,
             device: device_arg,
             dtype,
-            format,
+            output,
         } => {
+            output.check()?;
             let spec = Spec::load(&spec)?;
             let mut source: Box<dyn ReferenceSource> = match (&reference, &target) {
                 (Some(path), _) => Box::new(DumpReference::open(path)?),
@@ -356,7 +374,9 @@ fn run(cli: Cli) -> Result<u8> {
                 },
                 source.as_mut(),
             )?;
-            Ok(emit(&report, format))
+            let mut report = report;
+            report.sources.spec = Some(spec.path.clone());
+            Ok(emit(&report, output))
         }
         Command::Run {
             bundle,
@@ -371,8 +391,9 @@ fn run(cli: Cli) -> Result<u8> {
             dtype,
             dump,
             generate,
-            format,
+            output,
         } => {
+            output.check()?;
             let bundle = bundle.as_deref().map(Bundle::open).transpose()?;
             let target = target
                 .or_else(|| bundle.as_ref().map(|b| b.target.clone()))
@@ -422,7 +443,7 @@ fn run(cli: Cli) -> Result<u8> {
                 dump,
                 generate,
             })?;
-            Ok(emit(&report, format))
+            Ok(emit(&report, output))
         }
     }
 }
@@ -453,10 +474,27 @@ fn model_weights(draft: &Path) -> Result<Option<WeightIndex>> {
     Ok((!index.is_empty()).then_some(index))
 }
 
-fn emit(report: &Report, format: Format) -> u8 {
-    match format {
+impl OutputArgs {
+    /// `--quiet` is a table without the table; with another format it is a contradiction.
+    fn check(&self) -> Result<()> {
+        if self.quiet && self.format != Format::Table {
+            return Err(eagle_check::error::Error::Usage(
+                "--quiet prints only the verdict line; it cannot be combined with --format json, junit or github"
+                    .into(),
+            )
+            .into());
+        }
+        Ok(())
+    }
+}
+
+fn emit(report: &Report, output: OutputArgs) -> u8 {
+    match output.format {
+        Format::Table if output.quiet => println!("{}", report.verdict_line()),
         Format::Table => print!("{}", report.to_table()),
         Format::Json => println!("{}", report.to_json()),
+        Format::Junit => print!("{}", eagle_check::ci::to_junit(report)),
+        Format::Github => print!("{}", eagle_check::ci::to_github(report)),
     }
     report.exit_code() as u8
 }

@@ -11,5 +11,6 @@ mod gguf;
 mod gpu;
 mod incidents;
 mod mla_draft;
+mod output;
 mod run_cli;
 mod runner;
