@@ -14,3 +14,4 @@ mod mla_draft;
 mod output;
 mod run_cli;
 mod runner;
+mod workflow;
