@@ -59,12 +59,18 @@ enum Command {
         /// Capture spec (YAML): what the drafter's training data held.
         #[arg(long)]
         spec: PathBuf,
-        /// Draft model directory or its config.json.
+        /// Draft model directory or its config.json, or an HF Hub id (org/name) in the local
+        /// HF cache.
         #[arg(long)]
         draft: PathBuf,
-        /// Target model directory or its config.json (else the spec's target block).
+        /// Target model directory or its config.json, or an HF Hub id (else the spec's target
+        /// block).
         #[arg(long)]
         target: Option<PathBuf>,
+        /// Revision of the HF Hub ids given to --target and --draft (a branch, tag or commit in
+        /// the local HF cache; default main). `org/name@REV` sets one id's revision.
+        #[arg(long)]
+        revision: Option<String>,
         /// Engine to check: NAME[:PATH][@VERSION] (sglang, vllm, trtllm, specforge, eagle,
         /// modelopt, speculators; e.g. sglang@0.5.10, vllm:v2, trtllm:two-model), or all.
         /// Default: the spec's `engine`, else all. `eagle-check engines` lists the rules.
@@ -77,12 +83,17 @@ enum Command {
     Run {
         /// A bundle directory holding target/, draft/ and spec.yaml (no other flag needed).
         bundle: Option<PathBuf>,
-        /// Target model: HF directory, HF cache entry (models--org--name) or .gguf file.
+        /// Target model: HF directory, HF cache entry (models--org--name), HF Hub id (org/name,
+        /// from the local HF cache) or .gguf file.
         #[arg(long)]
         target: Option<PathBuf>,
-        /// Draft model directory (LlamaForCausalLMEagle3 layout).
+        /// Draft model directory (LlamaForCausalLMEagle3 layout) or HF Hub id.
         #[arg(long)]
         draft: Option<PathBuf>,
+        /// Revision of the HF Hub ids given to --target and --draft (a branch, tag or commit in
+        /// the local HF cache; default main). `org/name@REV` sets one id's revision.
+        #[arg(long)]
+        revision: Option<String>,
         /// Capture spec (YAML) to judge the fed layout against.
         #[arg(long)]
         spec: Option<PathBuf>,
@@ -124,7 +135,8 @@ enum Command {
         /// Capture spec (YAML): what the drafter's training data should hold.
         #[arg(long)]
         spec: PathBuf,
-        /// Target model the captures came from, re-run on each sample's tokens.
+        /// Target model the captures came from, re-run on each sample's tokens (a directory,
+        /// an HF cache entry or an HF Hub id).
         #[arg(long, required_unless_present = "reference")]
         target: Option<PathBuf>,
         /// Capture files or directories (SpecForge .ckpt/.ckpt.gz, ModelOpt .pt, vLLM
@@ -135,9 +147,14 @@ enum Command {
         /// extract_hidden_states file of all layers) instead of running the target.
         #[arg(long)]
         reference: Option<PathBuf>,
-        /// Draft directory: with an engine, also compare what inference feeds (three-way).
+        /// Draft directory or HF Hub id: with an engine, also compare what inference feeds
+        /// (three-way).
         #[arg(long)]
         draft: Option<PathBuf>,
+        /// Revision of the HF Hub ids given to --target and --draft (a branch, tag or commit in
+        /// the local HF cache; default main). `org/name@REV` sets one id's revision.
+        #[arg(long)]
+        revision: Option<String>,
         #[arg(long)]
         engine: Option<String>,
         #[arg(long, value_enum, default_value = "auto")]
@@ -268,10 +285,13 @@ fn run(cli: Cli) -> Result<u8> {
             spec,
             draft,
             target,
+            revision,
             engine,
             output,
         } => {
             output.check()?;
+            let draft = locate::locate_model(&draft, revision.as_deref())?;
+            let target = locate_opt(target, revision.as_deref())?;
             let spec = Spec::load(&spec)?;
             let engines = pick_engines(engine.as_deref(), &spec)?;
             let draft_cfg = DraftConfig::load(&draft)?;
@@ -322,12 +342,15 @@ fn run(cli: Cli) -> Result<u8> {
             captures,
             reference,
             draft,
+            revision,
             engine,
             device: device_arg,
             dtype,
             output,
         } => {
             output.check()?;
+            let target = locate_opt(target, revision.as_deref())?;
+            let draft = locate_opt(draft, revision.as_deref())?;
             let spec = Spec::load(&spec)?;
             let mut source: Box<dyn ReferenceSource> = match (&reference, &target) {
                 (Some(path), _) => Box::new(DumpReference::open(path)?),
@@ -391,9 +414,12 @@ fn run(cli: Cli) -> Result<u8> {
             dtype,
             dump,
             generate,
+            revision,
             output,
         } => {
             output.check()?;
+            let target = locate_opt(target, revision.as_deref())?;
+            let draft = locate_opt(draft, revision.as_deref())?;
             let bundle = bundle.as_deref().map(Bundle::open).transpose()?;
             let target = target
                 .or_else(|| bundle.as_ref().map(|b| b.target.clone()))
@@ -446,6 +472,13 @@ fn run(cli: Cli) -> Result<u8> {
             Ok(emit(&report, output))
         }
     }
+}
+
+/// A model argument through [`locate::locate_model`]: paths as they are, Hub ids from the cache.
+fn locate_opt(arg: Option<PathBuf>, revision: Option<&str>) -> Result<Option<PathBuf>> {
+    Ok(arg
+        .map(|a| locate::locate_model(&a, revision))
+        .transpose()?)
 }
 
 /// `--engine NAME` wins, then the spec's `engine:`, then every engine (newest versions).

@@ -9,6 +9,7 @@ mod gate;
 mod gguf;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod hub;
 mod incidents;
 mod mla_draft;
 mod output;
