@@ -22,5 +22,6 @@ pub mod readers;
 pub mod report;
 pub mod runner;
 pub mod spec;
+pub mod spec_init;
 pub mod tokenize;
 pub mod weights;

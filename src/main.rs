@@ -14,6 +14,7 @@ use eagle_check::model::open_target;
 use eagle_check::report::Report;
 use eagle_check::runner::RunInput;
 use eagle_check::spec::Spec;
+use eagle_check::spec_init;
 use eagle_check::tokenize::{Tokenizer, read_token_file};
 use eagle_check::weights::WeightIndex;
 use std::path::{Path, PathBuf};
@@ -130,6 +131,11 @@ enum Command {
         #[arg(long)]
         markdown: bool,
     },
+    /// Capture specs: `spec init` writes the one a trainer's rule implies for a draft config.
+    Spec {
+        #[command(subcommand)]
+        command: SpecCommand,
+    },
     /// Identify what each slot of captured tensors (training data, engine dumps) really is.
     Diff {
         /// Capture spec (YAML): what the drafter's training data should hold.
@@ -164,6 +170,49 @@ enum Command {
         dtype: Option<DtypeArg>,
         #[command(flatten)]
         output: OutputArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum SpecCommand {
+    /// Write the spec the trainer's own rule implies for a draft config (the rule is the
+    /// trainer's row of the engine table, so `gate --engine TRAINER` agrees with it).
+    Init {
+        /// Draft model directory or its config.json, or an HF Hub id in the local HF cache.
+        #[arg(long)]
+        draft: PathBuf,
+        /// The trainer: specforge, eagle, modelopt or speculators (NAME[:PATH][@VERSION], e.g.
+        /// specforge:online, modelopt:vllm).
+        #[arg(long)]
+        trainer: String,
+        /// Target model directory or config.json (or HF Hub id): L, hidden size, model_type.
+        #[arg(
+            long,
+            conflicts_with = "num_layers",
+            required_unless_present = "num_layers"
+        )]
+        target: Option<PathBuf>,
+        /// The target's decoder layer count L, when no --target is at hand.
+        #[arg(long)]
+        num_layers: Option<usize>,
+        /// The target's hidden size (default: the draft's target_hidden_size, else its own).
+        #[arg(long, conflicts_with = "target")]
+        hidden_size: Option<usize>,
+        /// The target's model_type (picks a trainer's per-architecture rule; e.g. deepseek_v3).
+        #[arg(long, conflicts_with = "target")]
+        model_type: Option<String>,
+        /// The spec's name (default: the draft's directory name and the trainer).
+        #[arg(long)]
+        name: Option<String>,
+        /// Write the spec here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Replace --out if it exists.
+        #[arg(long, requires = "out")]
+        force: bool,
+        /// Revision of the HF Hub ids (default main).
+        #[arg(long)]
+        revision: Option<String>,
     },
 }
 
@@ -309,6 +358,64 @@ fn run(cli: Cli) -> Result<u8> {
                 &engines,
             )?;
             Ok(emit(&report, output))
+        }
+        Command::Spec {
+            command:
+                SpecCommand::Init {
+                    draft,
+                    trainer,
+                    target,
+                    num_layers,
+                    hidden_size,
+                    model_type,
+                    name,
+                    out,
+                    force,
+                    revision,
+                },
+        } => {
+            let trainer = spec_init::trainer(&trainer)?;
+            let draft = locate::locate_model(&draft, revision.as_deref())?;
+            let target = locate_opt(target, revision.as_deref())?;
+            let draft_cfg = DraftConfig::load(&draft)?;
+            let (num_layers, hidden_size, model_type, target_origin) = match &target {
+                Some(t) => {
+                    let info = locate::target_info(t)?;
+                    (
+                        info.num_layers,
+                        Some(info.hidden_size),
+                        Some(info.model_type),
+                        format!("target {}", t.display()),
+                    )
+                }
+                None => (
+                    num_layers.context("spec init needs --target DIR or --num-layers N")?,
+                    hidden_size,
+                    model_type,
+                    "--num-layers".to_string(),
+                ),
+            };
+            let text = spec_init::init(&spec_init::InitInput {
+                draft: &draft_cfg,
+                trainer,
+                num_layers,
+                hidden_size,
+                model_type,
+                name: name.unwrap_or_else(|| spec_init::default_name(&draft, &trainer)),
+                target_origin,
+            })?;
+            match out {
+                None => print!("{text}"),
+                Some(path) => {
+                    if path.exists() && !force {
+                        bail!("{}: exists; pass --force to replace it", path.display());
+                    }
+                    std::fs::write(&path, &text)
+                        .map_err(|e| eagle_check::error::Error::io(&path, e))?;
+                    eprintln!("eagle-check: wrote {}", path.display());
+                }
+            }
+            Ok(0)
         }
         Command::Engines { markdown } => {
             if markdown {

@@ -15,4 +15,5 @@ mod mla_draft;
 mod output;
 mod run_cli;
 mod runner;
+mod spec_init;
 mod workflow;
