@@ -18,6 +18,7 @@ pub mod kernels;
 pub mod locate;
 pub mod model;
 pub mod naming;
+pub mod progress;
 pub mod readers;
 pub mod report;
 pub mod runner;

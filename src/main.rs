@@ -11,6 +11,7 @@ use eagle_check::gate::gate;
 use eagle_check::judge::StaticInput;
 use eagle_check::locate::{self, Bundle};
 use eagle_check::model::open_target;
+use eagle_check::progress;
 use eagle_check::report::Report;
 use eagle_check::runner::RunInput;
 use eagle_check::spec::Spec;
@@ -495,6 +496,7 @@ fn run(cli: Cli) -> Result<u8> {
                 }
                 None => None,
             };
+            let mut counted = progress::Counted::new(source.as_mut(), "samples compared");
             let (report, _) = diff(
                 &DiffInput {
                     spec: &spec,
@@ -502,8 +504,9 @@ fn run(cli: Cli) -> Result<u8> {
                     feed: feed.as_ref(),
                     arch: arch.as_deref(),
                 },
-                source.as_mut(),
+                &mut counted,
             )?;
+            counted.finish();
             let mut report = report;
             report.sources.spec = Some(spec.path.clone());
             Ok(emit(&report, output))
@@ -616,7 +619,9 @@ fn model_weights(draft: &Path) -> Result<Option<WeightIndex>> {
 
 impl OutputArgs {
     /// `--quiet` is a table without the table; with another format it is a contradiction.
+    /// Progress bars are for people reading a table on a terminal: off otherwise.
     fn check(&self) -> Result<()> {
+        progress::set_enabled(self.format == Format::Table && !self.quiet);
         if self.quiet && self.format != Format::Table {
             return Err(eagle_check::error::Error::Usage(
                 "--quiet prints only the verdict line; it cannot be combined with --format json, junit or github"

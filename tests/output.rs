@@ -364,3 +364,11 @@ fn github_annotations_point_at_the_ids_line_or_the_spec_line() {
         lines[0]
     );
 }
+
+/// Progress bars are for a terminal: a run whose stderr is a pipe writes nothing there.
+#[test]
+fn no_progress_reaches_stderr_off_a_terminal() {
+    let out = eagle_check(["run", "fixtures/bundles/tiny-llama"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.stderr, "");
+}
