@@ -57,6 +57,9 @@ pub enum Error {
     /// A command-line mistake.
     #[error("{0}")]
     Usage(String),
+    /// An HF Hub id (`org/name`) the local HF cache cannot resolve; eagle-check never downloads.
+    #[error("{id}: {message}")]
+    Hub { id: String, message: String },
     /// A device the build or the machine cannot provide.
     #[error("{0}")]
     Device(String),

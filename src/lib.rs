@@ -6,6 +6,7 @@
 //! another.
 
 pub mod boundary;
+pub mod ci;
 pub mod compare;
 pub mod config;
 pub mod diff;
@@ -17,10 +18,12 @@ pub mod kernels;
 pub mod locate;
 pub mod model;
 pub mod naming;
+pub mod progress;
 pub mod readers;
 pub mod report;
 pub mod runner;
 pub mod spec;
+pub mod spec_init;
 pub mod tokenize;
 pub mod tolerance;
 pub mod weights;

@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use candle_core::{DType, Device};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use eagle_check::config::DraftConfig;
 use eagle_check::diff::reference::{DumpReference, ReferenceSource, RunnerReference};
 use eagle_check::diff::{DiffInput, diff};
@@ -11,9 +11,11 @@ use eagle_check::gate::gate;
 use eagle_check::judge::StaticInput;
 use eagle_check::locate::{self, Bundle};
 use eagle_check::model::open_target;
+use eagle_check::progress;
 use eagle_check::report::Report;
 use eagle_check::runner::RunInput;
 use eagle_check::spec::Spec;
+use eagle_check::spec_init;
 use eagle_check::tokenize::{Tokenizer, read_token_file};
 use eagle_check::weights::WeightIndex;
 use std::path::{Path, PathBuf};
@@ -30,10 +32,26 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Format {
+    /// For people: facts, slot tables, findings, verdict.
     Table,
+    /// The same report for machines.
     Json,
+    /// JUnit XML: a testcase per engine x fc slot (per capture file x slot for diff).
+    Junit,
+    /// GitHub workflow annotations on the draft config's ids line or the spec's line.
+    Github,
+}
+
+/// How a report is printed.
+#[derive(Args, Clone, Copy)]
+struct OutputArgs {
+    #[arg(long, value_enum, default_value = "table")]
+    format: Format,
+    /// Print only the verdict line (the exit code says the same).
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 #[derive(Subcommand)]
@@ -43,30 +61,41 @@ enum Command {
         /// Capture spec (YAML): what the drafter's training data held.
         #[arg(long)]
         spec: PathBuf,
-        /// Draft model directory or its config.json.
+        /// Draft model directory or its config.json, or an HF Hub id (org/name) in the local
+        /// HF cache.
         #[arg(long)]
         draft: PathBuf,
-        /// Target model directory or its config.json (else the spec's target block).
+        /// Target model directory or its config.json, or an HF Hub id (else the spec's target
+        /// block).
         #[arg(long)]
         target: Option<PathBuf>,
+        /// Revision of the HF Hub ids given to --target and --draft (a branch, tag or commit in
+        /// the local HF cache; default main). `org/name@REV` sets one id's revision.
+        #[arg(long)]
+        revision: Option<String>,
         /// Engine to check: NAME[:PATH][@VERSION] (sglang, vllm, trtllm, specforge, eagle,
         /// modelopt, speculators; e.g. sglang@0.5.10, vllm:v2, trtllm:two-model), or all.
         /// Default: the spec's `engine`, else all. `eagle-check engines` lists the rules.
         #[arg(long)]
         engine: Option<String>,
-        #[arg(long, value_enum, default_value = "table")]
-        format: Format,
+        #[command(flatten)]
+        output: OutputArgs,
     },
     /// Run target and draft on real tokens: capture every boundary and the exact fc input.
     Run {
         /// A bundle directory holding target/, draft/ and spec.yaml (no other flag needed).
         bundle: Option<PathBuf>,
-        /// Target model: HF directory, HF cache entry (models--org--name) or .gguf file.
+        /// Target model: HF directory, HF cache entry (models--org--name), HF Hub id (org/name,
+        /// from the local HF cache) or .gguf file.
         #[arg(long)]
         target: Option<PathBuf>,
-        /// Draft model directory (LlamaForCausalLMEagle3 layout).
+        /// Draft model directory (LlamaForCausalLMEagle3 layout) or HF Hub id.
         #[arg(long)]
         draft: Option<PathBuf>,
+        /// Revision of the HF Hub ids given to --target and --draft (a branch, tag or commit in
+        /// the local HF cache; default main). `org/name@REV` sets one id's revision.
+        #[arg(long)]
+        revision: Option<String>,
         /// Capture spec (YAML) to judge the fed layout against.
         #[arg(long)]
         spec: Option<PathBuf>,
@@ -93,8 +122,8 @@ enum Command {
         /// Also generate N greedy tokens after the input and show them (a sanity check).
         #[arg(long, default_value_t = 0)]
         generate: usize,
-        #[arg(long, value_enum, default_value = "table")]
-        format: Format,
+        #[command(flatten)]
+        output: OutputArgs,
     },
     /// The engine rule table: every engine, version, capture path and architecture eagle-check
     /// knows, with the upstream file each rule was read from.
@@ -103,12 +132,18 @@ enum Command {
         #[arg(long)]
         markdown: bool,
     },
+    /// Capture specs: `spec init` writes the one a trainer's rule implies for a draft config.
+    Spec {
+        #[command(subcommand)]
+        command: SpecCommand,
+    },
     /// Identify what each slot of captured tensors (training data, engine dumps) really is.
     Diff {
         /// Capture spec (YAML): what the drafter's training data should hold.
         #[arg(long)]
         spec: PathBuf,
-        /// Target model the captures came from, re-run on each sample's tokens.
+        /// Target model the captures came from, re-run on each sample's tokens (a directory,
+        /// an HF cache entry or an HF Hub id).
         #[arg(long, required_unless_present = "reference")]
         target: Option<PathBuf>,
         /// Capture files or directories (SpecForge .ckpt/.ckpt.gz, ModelOpt .pt, vLLM
@@ -119,9 +154,14 @@ enum Command {
         /// extract_hidden_states file of all layers) instead of running the target.
         #[arg(long)]
         reference: Option<PathBuf>,
-        /// Draft directory: with an engine, also compare what inference feeds (three-way).
+        /// Draft directory or HF Hub id: with an engine, also compare what inference feeds
+        /// (three-way).
         #[arg(long)]
         draft: Option<PathBuf>,
+        /// Revision of the HF Hub ids given to --target and --draft (a branch, tag or commit in
+        /// the local HF cache; default main). `org/name@REV` sets one id's revision.
+        #[arg(long)]
+        revision: Option<String>,
         #[arg(long)]
         engine: Option<String>,
         #[arg(long, value_enum, default_value = "auto")]
@@ -129,8 +169,51 @@ enum Command {
         /// Compute dtype (default: bf16 on a GPU, f32 on the CPU).
         #[arg(long, value_enum)]
         dtype: Option<DtypeArg>,
-        #[arg(long, value_enum, default_value = "table")]
-        format: Format,
+        #[command(flatten)]
+        output: OutputArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum SpecCommand {
+    /// Write the spec the trainer's own rule implies for a draft config (the rule is the
+    /// trainer's row of the engine table, so `gate --engine TRAINER` agrees with it).
+    Init {
+        /// Draft model directory or its config.json, or an HF Hub id in the local HF cache.
+        #[arg(long)]
+        draft: PathBuf,
+        /// The trainer: specforge, eagle, modelopt or speculators (NAME[:PATH][@VERSION], e.g.
+        /// specforge:online, modelopt:vllm).
+        #[arg(long)]
+        trainer: String,
+        /// Target model directory or config.json (or HF Hub id): L, hidden size, model_type.
+        #[arg(
+            long,
+            conflicts_with = "num_layers",
+            required_unless_present = "num_layers"
+        )]
+        target: Option<PathBuf>,
+        /// The target's decoder layer count L, when no --target is at hand.
+        #[arg(long)]
+        num_layers: Option<usize>,
+        /// The target's hidden size (default: the draft's target_hidden_size, else its own).
+        #[arg(long, conflicts_with = "target")]
+        hidden_size: Option<usize>,
+        /// The target's model_type (picks a trainer's per-architecture rule; e.g. deepseek_v3).
+        #[arg(long, conflicts_with = "target")]
+        model_type: Option<String>,
+        /// The spec's name (default: the draft's directory name and the trainer).
+        #[arg(long)]
+        name: Option<String>,
+        /// Write the spec here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Replace --out if it exists.
+        #[arg(long, requires = "out")]
+        force: bool,
+        /// Revision of the HF Hub ids (default main).
+        #[arg(long)]
+        revision: Option<String>,
     },
 }
 
@@ -252,9 +335,13 @@ fn run(cli: Cli) -> Result<u8> {
             spec,
             draft,
             target,
+            revision,
             engine,
-            format,
+            output,
         } => {
+            output.check()?;
+            let draft = locate::locate_model(&draft, revision.as_deref())?;
+            let target = locate_opt(target, revision.as_deref())?;
             let spec = Spec::load(&spec)?;
             let engines = pick_engines(engine.as_deref(), &spec)?;
             let draft_cfg = DraftConfig::load(&draft)?;
@@ -271,7 +358,65 @@ fn run(cli: Cli) -> Result<u8> {
                 },
                 &engines,
             )?;
-            Ok(emit(&report, format))
+            Ok(emit(&report, output))
+        }
+        Command::Spec {
+            command:
+                SpecCommand::Init {
+                    draft,
+                    trainer,
+                    target,
+                    num_layers,
+                    hidden_size,
+                    model_type,
+                    name,
+                    out,
+                    force,
+                    revision,
+                },
+        } => {
+            let trainer = spec_init::trainer(&trainer)?;
+            let draft = locate::locate_model(&draft, revision.as_deref())?;
+            let target = locate_opt(target, revision.as_deref())?;
+            let draft_cfg = DraftConfig::load(&draft)?;
+            let (num_layers, hidden_size, model_type, target_origin) = match &target {
+                Some(t) => {
+                    let info = locate::target_info(t)?;
+                    (
+                        info.num_layers,
+                        Some(info.hidden_size),
+                        Some(info.model_type),
+                        format!("target {}", t.display()),
+                    )
+                }
+                None => (
+                    num_layers.context("spec init needs --target DIR or --num-layers N")?,
+                    hidden_size,
+                    model_type,
+                    "--num-layers".to_string(),
+                ),
+            };
+            let text = spec_init::init(&spec_init::InitInput {
+                draft: &draft_cfg,
+                trainer,
+                num_layers,
+                hidden_size,
+                model_type,
+                name: name.unwrap_or_else(|| spec_init::default_name(&draft, &trainer)),
+                target_origin,
+            })?;
+            match out {
+                None => print!("{text}"),
+                Some(path) => {
+                    if path.exists() && !force {
+                        bail!("{}: exists; pass --force to replace it", path.display());
+                    }
+                    std::fs::write(&path, &text)
+                        .map_err(|e| eagle_check::error::Error::io(&path, e))?;
+                    eprintln!("eagle-check: wrote {}", path.display());
+                }
+            }
+            Ok(0)
         }
         Command::Engines { markdown } => {
             if markdown {
@@ -305,11 +450,15 @@ fn run(cli: Cli) -> Result<u8> {
             captures,
             reference,
             draft,
+            revision,
             engine,
             device: device_arg,
             dtype,
-            format,
+            output,
         } => {
+            output.check()?;
+            let target = locate_opt(target, revision.as_deref())?;
+            let draft = locate_opt(draft, revision.as_deref())?;
             let spec = Spec::load(&spec)?;
             let mut source: Box<dyn ReferenceSource> = match (&reference, &target) {
                 (Some(path), _) => Box::new(DumpReference::open(path)?),
@@ -347,6 +496,7 @@ fn run(cli: Cli) -> Result<u8> {
                 }
                 None => None,
             };
+            let mut counted = progress::Counted::new(source.as_mut(), "samples compared");
             let (report, _) = diff(
                 &DiffInput {
                     spec: &spec,
@@ -354,9 +504,12 @@ fn run(cli: Cli) -> Result<u8> {
                     feed: feed.as_ref(),
                     arch: arch.as_deref(),
                 },
-                source.as_mut(),
+                &mut counted,
             )?;
-            Ok(emit(&report, format))
+            counted.finish();
+            let mut report = report;
+            report.sources.spec = Some(spec.path.clone());
+            Ok(emit(&report, output))
         }
         Command::Run {
             bundle,
@@ -371,8 +524,12 @@ fn run(cli: Cli) -> Result<u8> {
             dtype,
             dump,
             generate,
-            format,
+            revision,
+            output,
         } => {
+            output.check()?;
+            let target = locate_opt(target, revision.as_deref())?;
+            let draft = locate_opt(draft, revision.as_deref())?;
             let bundle = bundle.as_deref().map(Bundle::open).transpose()?;
             let target = target
                 .or_else(|| bundle.as_ref().map(|b| b.target.clone()))
@@ -422,9 +579,16 @@ fn run(cli: Cli) -> Result<u8> {
                 dump,
                 generate,
             })?;
-            Ok(emit(&report, format))
+            Ok(emit(&report, output))
         }
     }
+}
+
+/// A model argument through [`locate::locate_model`]: paths as they are, Hub ids from the cache.
+fn locate_opt(arg: Option<PathBuf>, revision: Option<&str>) -> Result<Option<PathBuf>> {
+    Ok(arg
+        .map(|a| locate::locate_model(&a, revision))
+        .transpose()?)
 }
 
 /// `--engine NAME` wins, then the spec's `engine:`, then every engine (newest versions).
@@ -453,10 +617,29 @@ fn model_weights(draft: &Path) -> Result<Option<WeightIndex>> {
     Ok((!index.is_empty()).then_some(index))
 }
 
-fn emit(report: &Report, format: Format) -> u8 {
-    match format {
+impl OutputArgs {
+    /// `--quiet` is a table without the table; with another format it is a contradiction.
+    /// Progress bars are for people reading a table on a terminal: off otherwise.
+    fn check(&self) -> Result<()> {
+        progress::set_enabled(self.format == Format::Table && !self.quiet);
+        if self.quiet && self.format != Format::Table {
+            return Err(eagle_check::error::Error::Usage(
+                "--quiet prints only the verdict line; it cannot be combined with --format json, junit or github"
+                    .into(),
+            )
+            .into());
+        }
+        Ok(())
+    }
+}
+
+fn emit(report: &Report, output: OutputArgs) -> u8 {
+    match output.format {
+        Format::Table if output.quiet => println!("{}", report.verdict_line()),
         Format::Table => print!("{}", report.to_table()),
         Format::Json => println!("{}", report.to_json()),
+        Format::Junit => print!("{}", eagle_check::ci::to_junit(report)),
+        Format::Github => print!("{}", eagle_check::ci::to_github(report)),
     }
     report.exit_code() as u8
 }

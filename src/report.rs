@@ -1,8 +1,11 @@
-//! Findings and the one `Report` value every command returns; rendered as a table or JSON.
+//! Findings and the one `Report` value every command returns; rendered as a table or JSON here,
+//! as JUnit XML or GitHub annotations in [`crate::ci`].
 
 use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 use std::fmt::Write as _;
+use std::io::IsTerminal;
+use std::path::PathBuf;
 
 /// Stable finding names. Add new ones at the end; never rename (CI scripts match on them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -190,6 +193,15 @@ pub struct ThreeWayRow {
     pub ok: bool,
 }
 
+/// The files a report judged, for renderings that point into them (GitHub annotations).
+#[derive(Debug, Clone, Default)]
+pub struct Sources {
+    /// The capture spec (YAML).
+    pub spec: Option<PathBuf>,
+    /// The draft's `config.json` itself (not its directory).
+    pub draft_config: Option<PathBuf>,
+}
+
 /// What every command returns: rendered as a table for people or as JSON for machines.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -204,6 +216,8 @@ pub struct Report {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub three_way: Vec<ThreeWayRow>,
     pub findings: Vec<Finding>,
+    #[serde(skip)]
+    pub sources: Sources,
 }
 
 impl Report {
@@ -216,6 +230,7 @@ impl Report {
             captures: Vec::new(),
             three_way: Vec::new(),
             findings: Vec::new(),
+            sources: Sources::default(),
         }
     }
 
@@ -251,17 +266,136 @@ impl Report {
                 .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
                 .collect();
             obj.insert("subject".into(), serde_json::Value::Object(subject));
+            // One entry per finding (scripts filter on `engine`), each naming every engine whose
+            // finding is the same but for the engine: the rows the table collapses into one.
+            if let Some(findings) = obj.get_mut("findings").and_then(|f| f.as_array_mut()) {
+                for group in self.finding_groups() {
+                    let engines: Vec<serde_json::Value> = group
+                        .iter()
+                        .filter_map(|&i| self.findings[i].engine.clone())
+                        .map(serde_json::Value::String)
+                        .collect();
+                    if engines.is_empty() {
+                        continue;
+                    }
+                    for &i in &group {
+                        if let Some(f) = findings.get_mut(i).and_then(|f| f.as_object_mut()) {
+                            f.insert("engines".into(), serde_json::Value::Array(engines.clone()));
+                        }
+                    }
+                }
+            }
         }
         serde_json::to_string_pretty(&value).unwrap_or_default()
     }
 
+    /// The verdict line the table ends with; all that `--quiet` prints.
+    pub fn verdict_line(&self) -> String {
+        let errors = self
+            .findings
+            .iter()
+            .filter(|f| f.severity == Severity::Error)
+            .count();
+        let warnings = self.findings.len() - errors;
+        let verdict = match self.verdict {
+            Verdict::Consistent => "consistent",
+            Verdict::Mismatch => "MISMATCH",
+        };
+        format!("verdict: {verdict} ({errors} errors, {warnings} warnings)")
+    }
+
+    /// Findings that are the same but for their engine, as groups of indices into `findings`,
+    /// in report order (a finding without an engine is a group of its own). Two findings are
+    /// the same when name, severity, place and message agree once each one's engine label is
+    /// blanked out; their fixes may differ (each engine has its own setting).
+    pub fn finding_groups(&self) -> Vec<Vec<usize>> {
+        let mut groups: Vec<(Option<FindingKey>, Vec<usize>)> = Vec::new();
+        for (i, f) in self.findings.iter().enumerate() {
+            let key = f.engine.as_deref().map(|engine| FindingKey {
+                name: f.name,
+                severity: f.severity,
+                slot: f.slot,
+                file: f.file.clone(),
+                sample: f.sample,
+                count: f.count,
+                message: blank_engine(&f.message, engine),
+            });
+            match groups
+                .iter_mut()
+                .find(|(k, _)| key.is_some() && k.as_ref() == key.as_ref())
+            {
+                Some((_, members)) => members.push(i),
+                None => groups.push((key, vec![i])),
+            }
+        }
+        groups.into_iter().map(|(_, members)| members).collect()
+    }
+
+    /// A group of [`Report::finding_groups`] as one finding: every engine in `engines` order,
+    /// the message with the engine written "each engine", the distinct fixes each naming the
+    /// engines it is for.
+    pub fn collapsed(&self, group: &[usize]) -> CollapsedFinding {
+        let first = &self.findings[group[0]];
+        let engines: Vec<String> = group
+            .iter()
+            .filter_map(|&i| self.findings[i].engine.clone())
+            .collect();
+        if group.len() == 1 {
+            return CollapsedFinding {
+                finding: first.clone(),
+                engines,
+                fixes: first.fix.iter().cloned().collect(),
+            };
+        }
+        let message = first.engine.as_deref().map_or(first.message.clone(), |e| {
+            blank_engine(&first.message, e).replace(BLANK, "each engine")
+        });
+        // Fixes that read alike but for the engine become one, naming all of theirs.
+        let mut fixes: Vec<(String, Vec<String>)> = Vec::new();
+        for &i in group {
+            let f = &self.findings[i];
+            let (Some(fix), Some(engine)) = (&f.fix, &f.engine) else {
+                continue;
+            };
+            let blank = blank_engine(fix, engine);
+            match fixes.iter_mut().find(|(b, _)| *b == blank) {
+                Some((_, names)) => names.push(engine.clone()),
+                None => fixes.push((blank, vec![engine.clone()])),
+            }
+        }
+        CollapsedFinding {
+            finding: Finding {
+                message,
+                ..first.clone()
+            },
+            engines,
+            fixes: fixes
+                .into_iter()
+                .map(|(blank, names)| blank.replace(BLANK, &names.join(", ")))
+                .collect(),
+        }
+    }
+
+    /// The table for a terminal: as wide as the terminal when stdout is one, else 140 columns.
     pub fn to_table(&self) -> String {
+        let width = if std::io::stdout().is_terminal() {
+            None
+        } else {
+            Some(FIXED_WIDTH)
+        };
+        self.to_table_width(width)
+    }
+
+    /// The table wrapped to `width` columns (`None`: the terminal's width, as comfy-table
+    /// measures it).
+    pub fn to_table_width(&self, width: Option<u16>) -> String {
+        let new_table = |header: &[&str]| new_table(header, width);
         let mut out = String::new();
         for (key, value) in &self.subject {
             let _ = writeln!(out, "{:>12}: {value}", key.replace('_', " "));
         }
         if !self.slots.is_empty() {
-            let _ = writeln!(out, "{}", self.slot_table());
+            let _ = writeln!(out, "{}", self.slot_table(width));
         }
         if !self.three_way.is_empty() {
             let mut table = new_table(&["fc slot", "spec b", "training b", "inference b", ""]);
@@ -318,10 +452,15 @@ impl Report {
         }
         if !self.findings.is_empty() {
             let mut table = new_table(&["finding", "severity", "where", "message", "fix"]);
-            for f in &self.findings {
+            for group in self.finding_groups() {
+                let CollapsedFinding {
+                    finding: f,
+                    engines,
+                    fixes,
+                } = self.collapsed(&group);
                 let mut place = Vec::new();
-                if let Some(e) = &f.engine {
-                    place.push(e.clone());
+                if !engines.is_empty() {
+                    place.push(engines.join(", "));
                 }
                 if let Some(file) = &f.file {
                     place.push(file.clone());
@@ -340,32 +479,87 @@ impl Report {
                     format!("{:?}", f.severity).to_lowercase(),
                     place.join(", "),
                     f.message.clone(),
-                    f.fix.clone().unwrap_or_default(),
+                    match fixes.len() {
+                        0 | 1 => fixes.join(""),
+                        _ => fixes
+                            .iter()
+                            .map(|f| format!("- {f}"))
+                            .collect::<Vec<_>>()
+                            .join("\n"),
+                    },
                 ]);
             }
             let _ = writeln!(out, "{table}");
         }
-        let errors = self
-            .findings
-            .iter()
-            .filter(|f| f.severity == Severity::Error)
-            .count();
-        let warnings = self.findings.len() - errors;
-        let verdict = match self.verdict {
-            Verdict::Consistent => "consistent",
-            Verdict::Mismatch => "MISMATCH",
-        };
-        let _ = writeln!(
-            out,
-            "verdict: {verdict} ({errors} errors, {warnings} warnings)"
-        );
+        let _ = writeln!(out, "{}", self.verdict_line());
         out
     }
 }
 
+/// Findings that are the same but for their engine (see [`Report::finding_groups`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FindingKey {
+    name: FindingName,
+    severity: Severity,
+    slot: Option<usize>,
+    file: Option<String>,
+    sample: Option<usize>,
+    count: Option<usize>,
+    message: String,
+}
+
+/// One row of the findings table: a group of findings the same but for their engine.
+#[derive(Debug, Clone)]
+pub struct CollapsedFinding {
+    /// The first finding of the group, its message written for every engine of the group.
+    pub finding: Finding,
+    /// Every engine of the group, in report order (empty: the finding names no engine).
+    pub engines: Vec<String>,
+    /// The distinct fixes, each naming the engines it is for.
+    pub fixes: Vec<String>,
+}
+
+/// The width of a table written to a file or a pipe.
+const FIXED_WIDTH: u16 = 140;
+
+/// What stands for the engine in a blanked message (never in a real one).
+const BLANK: &str = "\u{0}";
+
+/// `text` with every whole-word occurrence of the engine label `engine` replaced by [`BLANK`]
+/// (`eagle` inside `eagle_config` is not the engine).
+fn blank_engine(text: &str, engine: &str) -> String {
+    if engine.is_empty() {
+        return text.to_string();
+    }
+    let word = |c: char| c.is_alphanumeric() || "_-@:".contains(c);
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(engine) {
+        let before = rest[..at].chars().next_back();
+        let after = &rest[at + engine.len()..];
+        let mut next = after.chars();
+        let follows = match next.next() {
+            // A full stop ends the word unless the word goes on after it (`eagle.py`).
+            Some('.') => next.next().is_some_and(word),
+            Some(c) => word(c),
+            None => false,
+        };
+        out.push_str(&rest[..at]);
+        if before.is_some_and(|c| word(c) || c == '.') || follows {
+            out.push_str(engine);
+        } else {
+            out.push_str(BLANK);
+        }
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
 impl Report {
     /// One engine: a row per fc slot. Several: a row per engine with the whole layout.
-    fn slot_table(&self) -> Table {
+    fn slot_table(&self, width: Option<u16>) -> Table {
+        let new_table = |header: &[&str]| new_table(header, width);
         let mut engines: Vec<&str> = Vec::new();
         for row in &self.slots {
             if !engines.contains(&row.engine.as_str()) {
@@ -416,12 +610,97 @@ fn opt(v: Option<usize>) -> String {
     v.map_or("-".into(), |x| x.to_string())
 }
 
-fn new_table(header: &[&str]) -> Table {
+/// A table that wraps its cells to `width` columns (`None`: the terminal's width).
+fn new_table(header: &[&str], width: Option<u16>) -> Table {
     let mut table = Table::new();
     table
         .load_style(UTF8_FULL_CONDENSED)
         .set_content_arrangement(ContentArrangement::Dynamic)
-        .set_width(140)
         .set_header(header.to_vec());
+    if let Some(w) = width {
+        table.set_width(w);
+    }
     table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_is_blanked_only_as_a_whole_word() {
+        assert_eq!(
+            blank_engine("set eagle_config ids for eagle.", "eagle"),
+            format!("set eagle_config ids for {BLANK}.")
+        );
+        assert_eq!(
+            blank_engine("eagle.py: eagle feeds", "eagle"),
+            format!("eagle.py: {BLANK} feeds")
+        );
+        assert_eq!(
+            blank_engine(
+                "vllm:v1@0.33.0 reads; not vllm:v1@0.33.0x",
+                "vllm:v1@0.33.0"
+            ),
+            format!("{BLANK} reads; not vllm:v1@0.33.0x")
+        );
+    }
+
+    fn fallback(engine: &str, setting: &str) -> Finding {
+        Finding::warning(
+            FindingName::DefaultFallback,
+            format!("no layer ids reach {engine}; its default matches"),
+        )
+        .with_fix(format!("set {setting} to [1, 15, 28] for {engine}"))
+        .with_engine(engine)
+    }
+
+    #[test]
+    fn findings_the_same_but_for_the_engine_collapse_with_their_fixes() {
+        let mut report = Report::new("gate");
+        report.findings = vec![
+            fallback("sglang@0.5.23", "eagle_config.ids"),
+            fallback("eagle", "eagle_config.ids"),
+            fallback("modelopt:hf", "--aux-layers"),
+            Finding::warning(FindingName::DefaultFallback, "no layer ids reach x"),
+        ];
+        let groups = report.finding_groups();
+        assert_eq!(groups, vec![vec![0, 1, 2], vec![3]]);
+        let c = report.collapsed(&groups[0]);
+        assert_eq!(c.engines, ["sglang@0.5.23", "eagle", "modelopt:hf"]);
+        assert_eq!(
+            c.finding.message,
+            "no layer ids reach each engine; its default matches"
+        );
+        assert_eq!(
+            c.fixes,
+            [
+                "set eagle_config.ids to [1, 15, 28] for sglang@0.5.23, eagle",
+                "set --aux-layers to [1, 15, 28] for modelopt:hf"
+            ]
+        );
+        // Another message, another row.
+        report.findings[1].message.push('!');
+        assert_eq!(report.finding_groups().len(), 3);
+    }
+
+    #[test]
+    fn tables_wrap_to_the_width_given() {
+        let mut report = Report::new("gate");
+        report.findings.push(fallback(
+            "sglang@0.5.23",
+            &"a_long_setting_name ".repeat(12),
+        ));
+        for width in [60u16, 100, 140] {
+            let table = report.to_table_width(Some(width));
+            for line in table.lines() {
+                assert!(
+                    line.chars().count() <= width as usize,
+                    "{width}: {line:?} is {} wide",
+                    line.chars().count()
+                );
+            }
+        }
+        assert!(report.to_table_width(Some(60)).lines().count() > 10);
+    }
 }

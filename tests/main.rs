@@ -9,7 +9,11 @@ mod gate;
 mod gguf;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod hub;
 mod incidents;
 mod mla_draft;
+mod output;
 mod run_cli;
 mod runner;
+mod spec_init;
+mod workflow;

@@ -47,6 +47,8 @@ pub fn static_report(
     let spec = input.spec;
     let dims = Dims::resolve(spec, input.draft, input.target)?;
     let mut report = Report::new(command);
+    report.sources.spec = Some(spec.path.clone());
+    report.sources.draft_config = input.draft.map(|d| d.path.clone());
     report.fact("spec", format!("{} ({})", spec.name, spec.path.display()));
     if let Some(d) = input.draft {
         report.fact(

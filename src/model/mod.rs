@@ -19,7 +19,6 @@ use crate::locate::{is_gguf, resolve_model_dir};
 use crate::naming;
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
-use std::io::IsTerminal;
 use std::path::Path;
 use std::time::Instant;
 
@@ -280,12 +279,13 @@ pub fn ids_tensor(ids: &[u32], device: &Device) -> Result<Tensor> {
     Tensor::new(ids, device).ctx(|| "token ids".to_string())
 }
 
-/// Progress on stderr for steps that take more than a moment, and only on a terminal.
+/// Progress on stderr for a step that takes more than a moment: a spinner with the time spent,
+/// turned into a bar once `tick` gives a total. A thin wrapper over [`crate::progress`]
+/// (indicatif), drawn only on a terminal and only when the output is for people.
 pub struct Progress {
     label: String,
     start: Instant,
-    enabled: bool,
-    shown: bool,
+    bar: indicatif::ProgressBar,
 }
 
 impl Progress {
@@ -293,33 +293,38 @@ impl Progress {
         Progress {
             label: label.to_string(),
             start: Instant::now(),
-            enabled: std::io::stderr().is_terminal(),
-            shown: false,
+            bar: crate::progress::spinner(label),
         }
     }
 
     pub fn hidden() -> Progress {
         Progress {
-            enabled: false,
-            ..Progress::new("")
+            label: String::new(),
+            start: Instant::now(),
+            bar: indicatif::ProgressBar::hidden(),
         }
     }
 
     pub fn tick(&mut self, done: usize, total: usize) {
-        if self.enabled && self.start.elapsed().as_millis() > 500 {
-            eprint!("\r{}: {done}/{total} ", self.label);
-            self.shown = true;
-        }
+        crate::progress::to_bar(&self.bar, total as u64);
+        self.bar.set_position(done as u64);
     }
 
+    /// Clears the bar and, when it was drawn for more than a moment, says how long it took.
     pub fn finish(&mut self) {
-        if self.shown {
-            eprintln!(
-                "\r{}: done in {:.1} s   ",
-                self.label,
-                self.start.elapsed().as_secs_f64()
-            );
-            self.shown = false;
+        if self.bar.is_hidden() || self.bar.is_finished() {
+            return;
         }
+        self.bar.finish_and_clear();
+        let secs = self.start.elapsed().as_secs_f64();
+        if secs > 0.5 {
+            eprintln!("{}: done in {secs:.1} s", self.label);
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.bar.finish_and_clear();
     }
 }

@@ -71,15 +71,29 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<std::ffi::OsStr>,
 {
+    eagle_check_in(&root(), &[], args)
+}
+
+/// [`eagle_check`] in directory `dir`, with environment variables set (`Some`) or removed
+/// (`None`).
+pub fn eagle_check_in<I, S>(dir: &Path, env: &[(&str, Option<&Path>)], args: I) -> Output
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
     // EAGLE_CHECK_BIN: the binary beside a carried test binary (see `root`).
     let bin = std::env::var_os("EAGLE_CHECK_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_eagle-check")));
-    let out = Command::new(bin)
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("the eagle-check binary runs");
+    let mut command = Command::new(bin);
+    command.args(args).current_dir(dir);
+    for (key, value) in env {
+        match value {
+            Some(v) => command.env(key, v),
+            None => command.env_remove(key),
+        };
+    }
+    let out = command.output().expect("the eagle-check binary runs");
     Output {
         code: out.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -1,0 +1,124 @@
+//! Progress on stderr for the long steps (loading weights, the target forward, the diff over
+//! samples), drawn by indicatif. Shown only to people: when stderr is a terminal and the
+//! command prints a table (the CLI turns it off for `--format json|junit|github` and
+//! `--quiet`). Hidden bars cost nothing and draw nothing.
+
+use crate::diff::reference::{RefStates, ReferenceSource};
+use crate::error::Result;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns progress off (or back on) for the whole process.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Whether a bar made now is drawn: enabled, and stderr is a terminal.
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed) && std::io::stderr().is_terminal()
+}
+
+/// A spinner with `label` and the time spent, for a step whose length is unknown (drawn only
+/// when [`enabled`]).
+pub fn spinner(label: &str) -> ProgressBar {
+    if !enabled() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new_spinner();
+    if let Ok(style) = ProgressStyle::with_template("{spinner} {msg} [{elapsed}]") {
+        bar.set_style(style);
+    }
+    bar.set_message(label.to_string());
+    bar.enable_steady_tick(Duration::from_millis(120));
+    bar
+}
+
+/// Turns `bar` into a bar of `total` steps (once; later calls only update the length).
+pub fn to_bar(bar: &ProgressBar, total: u64) {
+    if bar.length() == Some(total) {
+        return;
+    }
+    if bar.length().is_none()
+        && let Ok(style) =
+            ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} [{elapsed} < {eta}]")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_length(total);
+}
+
+/// A [`ReferenceSource`] that counts the samples the diff compares on a spinner.
+pub struct Counted<'a> {
+    inner: &'a mut dyn ReferenceSource,
+    bar: ProgressBar,
+    label: String,
+    count: u64,
+}
+
+impl<'a> Counted<'a> {
+    pub fn new(inner: &'a mut dyn ReferenceSource, label: &str) -> Counted<'a> {
+        Counted {
+            inner,
+            bar: spinner(label),
+            label: label.to_string(),
+            count: 0,
+        }
+    }
+
+    /// Clears the spinner.
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+impl ReferenceSource for Counted<'_> {
+    fn num_layers(&self) -> usize {
+        self.inner.num_layers()
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.inner.hidden_size()
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {
+        let states = self.inner.states(tokens);
+        self.count += 1;
+        self.bar
+            .set_message(format!("{}: {}", self.label, self.count));
+        states
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn off_means_hidden_and_a_tick_makes_a_bar() {
+        set_enabled(false);
+        let bar = spinner("loading");
+        assert!(bar.is_hidden());
+        assert_eq!(bar.length(), None);
+        to_bar(&bar, 5);
+        bar.set_position(3);
+        assert_eq!((bar.length(), bar.position()), (Some(5), 3));
+        let mut p = crate::model::Progress::new("forward");
+        p.tick(1, 4);
+        p.finish();
+        set_enabled(true);
+    }
+}

@@ -1,0 +1,231 @@
+//! `eagle-check spec init`: the capture spec a trainer's own rule implies for a draft config.
+//!
+//! The trainers (SpecForge, SafeAILab EAGLE, Model-Optimizer, speculators) are rows of the
+//! engine rule table ([`crate::engine::rules`]); the spec is what [`resolve`] says that row
+//! captures for the draft's ids, so `gate --engine <trainer>` with the written spec is
+//! consistent by construction, and a rule fixed in the table fixes both.
+
+use crate::boundary::{FinalNorm, format_list};
+use crate::config::DraftConfig;
+use crate::engine::{Engine, EngineSel, IdProblem, resolve};
+use crate::error::{Error, Result};
+use crate::judge::ids_fact;
+use crate::spec::Spec;
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// The engines that train drafters, and the section of `fixtures/engines/FACTS.md` that
+/// holds the upstream lines each rule was read from.
+pub const TRAINERS: [(Engine, u32); 4] = [
+    (Engine::Specforge, 4),
+    (Engine::Modelopt, 5),
+    (Engine::Speculators, 6),
+    (Engine::Eagle, 7),
+];
+
+/// What `spec init` knows.
+pub struct InitInput<'a> {
+    pub draft: &'a DraftConfig,
+    pub trainer: EngineSel,
+    /// The target's decoder layer count L.
+    pub num_layers: usize,
+    /// The target's hidden size (`None`: the draft's `target_hidden_size`, else its own).
+    pub hidden_size: Option<usize>,
+    /// The target's `model_type`, which picks a trainer's per-architecture rule.
+    pub model_type: Option<String>,
+    /// The spec's `name`.
+    pub name: String,
+    /// Where the target's dimensions came from, for the header comment.
+    pub target_origin: String,
+}
+
+/// Parses `--trainer`: one of the trainers, as `NAME[:PATH][@VERSION]`.
+pub fn trainer(text: &str) -> Result<EngineSel> {
+    let names = || {
+        TRAINERS
+            .iter()
+            .map(|(e, _)| e.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let sel = EngineSel::parse(text).map_err(|e| Error::Usage(format!("--trainer: {e}")))?;
+    if !TRAINERS.iter().any(|(e, _)| *e == sel.engine) {
+        return Err(Error::Usage(format!(
+            "--trainer: {} serves drafters, it does not train them (trainers: {})",
+            sel.engine,
+            names()
+        )));
+    }
+    Ok(sel)
+}
+
+/// The spec (YAML, with comments citing the rule) the trainer's rule implies for the draft.
+pub fn init(input: &InitInput) -> Result<String> {
+    let draft = input.draft;
+    let l = input.num_layers;
+    let feed = resolve(&input.trainer, input.model_type.as_deref(), &draft.ids, l);
+    let label = feed.engine_label();
+    if feed.refused() {
+        let why: Vec<String> = feed
+            .problems
+            .iter()
+            .filter_map(|p| match p {
+                IdProblem::Refused { reason } => Some(reason.clone()),
+                _ => None,
+            })
+            .collect();
+        return Err(Error::Config {
+            path: draft.path.clone(),
+            message: format!(
+                "{label} would not train on this draft config ({}): {}",
+                feed.describe(),
+                why.join("; ")
+            ),
+        });
+    }
+    let boundaries = feed.boundaries();
+    let hidden = draft.target_hidden(input.hidden_size);
+    let section = TRAINERS
+        .iter()
+        .find(|(e, _)| *e == input.trainer.engine)
+        .map_or(0, |(_, s)| *s);
+    let rule = feed.rule;
+
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# Written by `eagle-check spec init --trainer {}` for {}.",
+        input.trainer,
+        draft.path.display()
+    );
+    let _ = writeln!(
+        out,
+        "# The trainer's rule ({label}, read at {}; eagle-check's engine table, fixtures/engines/FACTS.md section {section}):",
+        rule.read
+    );
+    let _ = writeln!(out, "#   {}", rule.source);
+    let _ = writeln!(out, "#   {}", feed.describe());
+    let _ = writeln!(
+        out,
+        "# Draft ids: {} -> b = {} for L = {l} ({}).",
+        ids_fact(&draft.ids),
+        format_list(&boundaries),
+        input.target_origin
+    );
+    for problem in &feed.problems {
+        let line = match problem {
+            IdProblem::OutOfRange { id, reason } => {
+                format!("layer id {id} captures nothing ({reason}): training had one slot fewer")
+            }
+            IdProblem::Duplicate { id, collapsed } => format!(
+                "layer id {id} repeats a position{}",
+                if *collapsed {
+                    ": captured once"
+                } else {
+                    ": the same state in two slots"
+                }
+            ),
+            IdProblem::Unsorted { ids } => {
+                format!("ids {ids:?} are not ascending: listed in the order the trainer captures")
+            }
+            IdProblem::NotRead { read, .. } => {
+                format!("assumed: the trainer reads {read}")
+            }
+            IdProblem::Refused { reason } => reason.clone(),
+        };
+        let _ = writeln!(out, "# {line}");
+    }
+    for note in &feed.notes {
+        let _ = writeln!(out, "# note: {note}");
+    }
+    if let Some(t) = &feed.target {
+        let _ = writeln!(
+            out,
+            "# {label} also stores b = {}{} as the training target; it is not an fc slot.",
+            t.boundary,
+            t.norm.map_or(String::new(), |n| format!(" ({n})"))
+        );
+    }
+    let _ = writeln!(out, "name: {}", yaml_scalar(&input.name));
+    let mut target = format!("num_hidden_layers: {l}, hidden_size: {hidden}");
+    if let Some(m) = &input.model_type {
+        let _ = write!(target, ", model_type: {}", yaml_scalar(m));
+    }
+    let _ = writeln!(out, "target: {{ {target} }}");
+    let _ = writeln!(out, "capture:");
+    let list: Vec<String> = boundaries.iter().map(|b| b.to_string()).collect();
+    let _ = writeln!(out, "  boundaries: [{}]", list.join(", "));
+    let sides: Vec<FinalNorm> = feed
+        .slots
+        .iter()
+        .filter(|s| s.boundary.0 == l)
+        .filter_map(|s| s.norm)
+        .collect();
+    if let Some(side) = sides.first() {
+        let _ = writeln!(out, "  final_norm: {side}");
+    }
+    let _ = writeln!(out, "fc: {{ in_features: {} }}", boundaries.len() * hidden);
+
+    // What is written must read back as the spec it claims to be.
+    let back = Spec::parse(&out, Path::new("<spec init>"))?;
+    debug_assert_eq!(back.boundaries, boundaries);
+    Ok(out)
+}
+
+/// A YAML plain scalar, quoted when it could read as something else.
+fn yaml_scalar(text: &str) -> String {
+    let plain = !text.is_empty()
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        && !text.starts_with(['-', '.'])
+        && text.parse::<f64>().is_err()
+        && !["true", "false", "null", "yes", "no", "on", "off", "~"]
+            .contains(&text.to_ascii_lowercase().as_str());
+    if plain {
+        text.to_string()
+    } else {
+        format!("{text:?}")
+    }
+}
+
+/// The spec's default name: the draft's directory (or config file stem), then the trainer.
+pub fn default_name(draft: &Path, trainer: &EngineSel) -> String {
+    let stem = if draft.file_name().is_some_and(|n| n == "config.json") {
+        draft.parent().and_then(|p| p.file_name())
+    } else if draft.is_dir() {
+        draft.file_name()
+    } else {
+        draft.file_stem()
+    };
+    let stem = stem.map_or("drafter".into(), |s| s.to_string_lossy().into_owned());
+    format!("{stem}-{}", trainer.engine)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_trainers_train() {
+        assert_eq!(trainer("specforge").unwrap().engine, Engine::Specforge);
+        assert_eq!(trainer("modelopt:vllm").unwrap().path, Some("vllm"));
+        let err = trainer("sglang").unwrap_err().to_string();
+        assert!(err.contains("does not train"), "{err}");
+        assert!(
+            err.contains("specforge, modelopt, speculators, eagle"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn scalars_are_quoted_when_yaml_would_misread_them() {
+        assert_eq!(
+            yaml_scalar("llama3.1-8b-specforge"),
+            "llama3.1-8b-specforge"
+        );
+        assert_eq!(yaml_scalar("yes"), "\"yes\"");
+        assert_eq!(yaml_scalar("1.0"), "\"1.0\"");
+        assert_eq!(yaml_scalar("a b: c"), "\"a b: c\"");
+    }
+}
