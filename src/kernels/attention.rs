@@ -378,15 +378,39 @@ mod tests {
 
         /// Runs `path` on the GPU and the reference on the CPU; `q`, `k`, `v` are windows of a
         /// fused QKV made in `dtype`.
-        fn check(
+        fn check(gpu: &Device, dtype: DType, case: Case, path: Option<&'static str>) {
+            check_inputs(gpu, dtype, case, path, false);
+        }
+
+        /// [`check`]; with `ramp`, key j is scaled by 1 + j / 32 and the softmax scale is 0.5,
+        /// so every row's maximum keeps growing along the keys (by tens of log2 units over
+        /// 300 keys): the path where flash_tc2's lazy rescaling moves its reference maximum.
+        fn check_inputs(
             gpu: &Device,
             dtype: DType,
             (tq, tk, nh, nkv, dk, dv, window): Case,
             path: Option<&'static str>,
+            ramp: bool,
         ) {
-            let p = params(nh, nkv, dk, dv, window);
+            let mut p = params(nh, nkv, dk, dv, window);
             let width = nh * dk + nkv * dk + nkv * dv;
-            let qkv = random(&[tk, width], dtype, (tq * 31 + tk) as u64, &Device::Cpu);
+            let mut qkv = random(
+                &[tk, width],
+                DType::F32,
+                (tq * 31 + tk) as u64,
+                &Device::Cpu,
+            );
+            if ramp {
+                p.scale = 0.5;
+                let mut x = values(&qkv);
+                for (j, row) in x.chunks_mut(width).enumerate() {
+                    for v in &mut row[nh * dk..nh * dk + nkv * dk] {
+                        *v *= 1.0 + j as f32 / 32.0;
+                    }
+                }
+                qkv = Tensor::from_vec(x, (tk, width), &Device::Cpu).unwrap();
+            }
+            let qkv = qkv.to_dtype(dtype).unwrap();
             let split = |t: &Tensor| {
                 (
                     t.narrow(0, tk - tq, tq)
@@ -415,8 +439,52 @@ mod tests {
                 (DType::BF16, true) => (1.0 / 256.0, 1.0 / 128.0),
                 _ => (1.0 / 2048.0, 1.0 / 1024.0),
             };
-            let what = format!("{dtype:?} {path:?} tq {tq} tk {tk} {p:?}");
+            let what = format!("{dtype:?} {path:?} tq {tq} tk {tk} ramp {ramp} {p:?}");
             assert_close(&values(&got), &values(&want), atol, rtol, &what);
+        }
+
+        /// `TC_CONFIGS` against the instantiations in kernels/attention.cu and the emulator's
+        /// table (kernels/emu/attention_emu.cpp): the same tags with the same (dk, dv, MT, NW,
+        /// BN, stages), and shared memory within the 227 KiB a block may have. No GPU needed.
+        #[test]
+        fn tile_table_matches_the_instantiations() {
+            fn args(line: &str, head: &str) -> Option<Vec<String>> {
+                let rest = line.trim().strip_prefix(head)?.strip_suffix(')')?;
+                Some(rest.split(',').map(|a| a.trim().to_string()).collect())
+            }
+            let num = |a: &String| a.parse::<usize>().unwrap();
+            let mut cu = Vec::new();
+            for line in include_str!("../../kernels/attention.cu").lines() {
+                if let Some(a) = args(line, "FLASH_TC_TYPES(").filter(|a| a.len() == 6) {
+                    let [dk, dv, mt, nw, bn] = [1, 2, 3, 4, 5].map(|i| num(&a[i]));
+                    cu.push((a[0].clone(), dk, dv, mt, nw, bn, 2));
+                }
+                if let Some(a) = args(line, "FLASH_TC2_TYPES(").filter(|a| a.len() == 10) {
+                    let [dk, dv, mt, nw, bn, bc, st] = [1, 2, 3, 4, 5, 6, 7].map(|i| num(&a[i]));
+                    assert!(
+                        bn.is_multiple_of(bc) && bc.is_multiple_of(16),
+                        "{}: BC {bc} BN {bn}",
+                        a[0]
+                    );
+                    cu.push((a[0].clone(), dk, dv, mt, nw, bn, st));
+                }
+            }
+            let mut emu = Vec::new();
+            for line in include_str!("../../kernels/emu/attention_emu.cpp").lines() {
+                if let Some(a) = args(line.trim_end_matches(','), "CFG(").filter(|a| a.len() == 7) {
+                    let [dk, dv, mt, nw, bn, st] = [1, 2, 3, 4, 5, 6].map(|i| num(&a[i]));
+                    emu.push((a[0].clone(), dk, dv, mt, nw, bn, st));
+                }
+            }
+            let rust: Vec<_> = TC_CONFIGS
+                .iter()
+                .map(|c| (c.tag.to_string(), c.dk, c.dv, c.mt, c.nw, c.bn, c.stages))
+                .collect();
+            assert_eq!(rust, cu, "TC_CONFIGS vs kernels/attention.cu");
+            assert_eq!(rust, emu, "TC_CONFIGS vs kernels/emu/attention_emu.cpp");
+            for c in TC_CONFIGS {
+                assert!(c.shared_bytes(2) <= 227 * 1024, "{}: shared memory", c.tag);
+            }
         }
 
         #[test]
@@ -447,20 +515,26 @@ mod tests {
             for c in TC_CONFIGS {
                 let mla = c.dk != c.dv;
                 let (nh, nkv) = if mla { (16, 16) } else { (8, 2) };
-                // Ragged tiles: T = 1, T below and across one block, tq < tk, a short window.
-                for (tq, tk, window) in [
-                    (1, 1, None),
-                    (37, 37, None),
-                    (129, 129, None),
-                    (70, 300, None),
-                    (200, 200, Some(33)),
+                // Ragged tiles: T = 1, T below and across one block, tq < tk, a short window, a
+                // window with tq < tk over many tiles (every stage of a 4-stage ring, tiles
+                // skipped before the window), then growing row maxima (the rescale path).
+                for (tq, tk, window, ramp) in [
+                    (1, 1, None, false),
+                    (37, 37, None, false),
+                    (129, 129, None, false),
+                    (70, 300, None, false),
+                    (200, 200, Some(33), false),
+                    (100, 600, Some(150), false),
+                    (300, 300, None, true),
+                    (257, 257, Some(70), true),
                 ] {
                     for dtype in [DType::BF16, DType::F16] {
-                        check(
+                        check_inputs(
                             &gpu,
                             dtype,
                             (tq, tk, nh, nkv, c.dk, c.dv, window),
                             Some(c.tag),
+                            ramp,
                         );
                     }
                 }

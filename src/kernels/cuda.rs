@@ -331,7 +331,7 @@ pub struct FlashArgs {
 
 /// One tensor-core tile configuration, as instantiated at the end of kernels/attention.cu
 /// (`flash_attn_tc_{tag}_{bf16,f16}`): `mt` 16-row tiles per warp, `nw` warps, `bn` keys per
-/// K/V tile.
+/// K/V tile, `stages` K/V tiles in shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TcConfig {
     pub tag: &'static str,
@@ -340,6 +340,7 @@ pub struct TcConfig {
     pub mt: usize,
     pub nw: usize,
     pub bn: usize,
+    pub stages: usize,
 }
 
 impl TcConfig {
@@ -348,48 +349,53 @@ impl TcConfig {
         16 * self.mt * self.nw
     }
 
-    /// Q tile plus two K and two V tiles, rows padded by 8 elements (see `Padded` in the .cu).
+    /// The Q tile plus `stages` K and V tiles, rows padded by 8 elements (see `Padded` in the
+    /// .cu).
     pub fn shared_bytes(&self, elem: usize) -> usize {
-        (self.bm() * (self.dk + 8) + 2 * self.bn * (self.dk + 8) + 2 * self.bn * (self.dv + 8))
-            * elem
+        (self.bm() * (self.dk + 8) + self.stages * self.bn * (self.dk + 8 + self.dv + 8)) * elem
     }
 }
 
-/// Every tensor-core entry point; the first one matching (dk, dv) is the default. ptxas
-/// (sm_90): d64_v64 222 registers, d128_v128 250, d128_v128_m1 166, d192_v128 178, no spills.
+const fn tc(
+    tag: &'static str,
+    (dk, dv): (usize, usize),
+    mt: usize,
+    nw: usize,
+    bn: usize,
+    stages: usize,
+) -> TcConfig {
+    TcConfig {
+        tag,
+        dk,
+        dv,
+        mt,
+        nw,
+        bn,
+        stages,
+    }
+}
+
+/// Every tensor-core entry point; the first one matching (dk, dv) is the default, so the tiles
+/// measured before flash_tc2 come first and stay the defaults until the H200 says otherwise.
+/// The `_lean`, `_n64`, `_c64`, `_s3`, `_w8pipe`, `_w8m1` tiles are flash_tc2 (kernels/README.md
+/// has each one's design, registers and expected rate). ptxas (sm_90), registers: d64_v64 222,
+/// d128_v128 250, d128_v128_m1 166, d192_v128 178; d128 lean 242, n64 241, c64 255, s3 242,
+/// w8pipe 192, w8m1 128; d192 lean 244, lean_m1 174, w8m1 128; no stack frame, no spills.
 pub const TC_CONFIGS: &[TcConfig] = &[
-    TcConfig {
-        tag: "d64_v64",
-        dk: 64,
-        dv: 64,
-        mt: 2,
-        nw: 4,
-        bn: 64,
-    },
-    TcConfig {
-        tag: "d128_v128",
-        dk: 128,
-        dv: 128,
-        mt: 2,
-        nw: 4,
-        bn: 32,
-    },
-    TcConfig {
-        tag: "d128_v128_m1",
-        dk: 128,
-        dv: 128,
-        mt: 1,
-        nw: 4,
-        bn: 64,
-    },
-    TcConfig {
-        tag: "d192_v128",
-        dk: 192,
-        dv: 128,
-        mt: 1,
-        nw: 4,
-        bn: 64,
-    },
+    tc("d64_v64", (64, 64), 2, 4, 64, 2),
+    tc("d128_v128", (128, 128), 2, 4, 32, 2),
+    tc("d128_v128_m1", (128, 128), 1, 4, 64, 2),
+    tc("d192_v128", (192, 128), 1, 4, 64, 2),
+    // flash_tc2 (BC, the keys per compute chunk, and PIPE live only in the .cu instantiation).
+    tc("d128_v128_lean", (128, 128), 2, 4, 32, 2),
+    tc("d128_v128_n64", (128, 128), 2, 4, 64, 2),
+    tc("d128_v128_c64", (128, 128), 2, 4, 64, 2),
+    tc("d128_v128_s3", (128, 128), 2, 4, 32, 3),
+    tc("d128_v128_w8pipe", (128, 128), 1, 8, 32, 4),
+    tc("d128_v128_w8m1", (128, 128), 1, 8, 64, 2),
+    tc("d192_v128_lean", (192, 128), 2, 4, 32, 2),
+    tc("d192_v128_lean_m1", (192, 128), 1, 4, 64, 2),
+    tc("d192_v128_w8m1", (192, 128), 1, 8, 32, 2),
 ];
 
 /// Which attention kernel runs.
