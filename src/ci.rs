@@ -136,7 +136,7 @@ pub fn to_junit(report: &Report) -> String {
     // Capture files (diff): a testcase per slot; the findings are collapsed over samples, so a
     // slot carries the finding of the name its status gives.
     for capture in &report.captures {
-        let cases = capture
+        let mut cases = capture
             .slots
             .iter()
             .map(|s| {
@@ -165,7 +165,17 @@ pub fn to_junit(report: &Report) -> String {
                 }
                 case
             })
-            .collect();
+            .collect::<Vec<Case>>();
+        // A wrong slot whose own status no finding names (the one-apart slots of an embedding
+        // capture) carries the errors its file's other slots carry.
+        let file_errors: Vec<usize> = cases.iter().flat_map(|c| c.errors.clone()).collect();
+        for case in cases.iter_mut().filter(|c| c.wrong.is_some()) {
+            if case.errors.is_empty() {
+                for &i in &file_errors {
+                    case.add(i, &report.findings[i]);
+                }
+            }
+        }
         suites.push(Suite {
             name: format!("{command} {}", capture.file),
             classname: format!("{command} {}", capture.file),

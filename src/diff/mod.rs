@@ -553,8 +553,8 @@ fn identify_sample(
     if let Some(t) = &target {
         // Both sides of the final norm must be in the reference to tell them apart (a vLLM
         // all-layer dump has only the pre-norm one).
-        let sides_known = refs.boundaries.get(l).is_some_and(Option::is_some)
-            && refs.final_pre_norm.is_some();
+        let sides_known =
+            refs.boundaries.get(l).is_some_and(Option::is_some) && refs.final_pre_norm.is_some();
         pending.extend(check_target(t, l, sides_known, !shifted.is_empty()));
     }
     for f in pending {
@@ -672,14 +672,16 @@ fn check_target(
         if slots_shifted {
             return Vec::new();
         }
-        return vec![Finding::error(
-            FindingName::TokenShift,
-            format!(
-                "the training target ({name}) holds the state of the token {} the ids say",
-                if d > 0 { "after" } else { "before" }
-            ),
-        )
-        .with_fix("pair hidden state t with token t when writing captures")];
+        return vec![
+            Finding::error(
+                FindingName::TokenShift,
+                format!(
+                    "the training target ({name}) holds the state of the token {} the ids say",
+                    if d > 0 { "after" } else { "before" }
+                ),
+            )
+            .with_fix("pair hidden state t with token t when writing captures"),
+        ];
     }
     if found.boundary != l || !matches!(found.state, State::PreNorm | State::PostNorm) {
         return vec![Finding::error(
