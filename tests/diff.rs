@@ -493,3 +493,93 @@ fn captures_that_cannot_be_checked_exit_2_naming_the_file() {
         out.assert_could_not_check(&[&name, words]);
     }
 }
+
+/// Only slot 0 one boundary early: the finding names slot 0 and the other slots say `ok`.
+#[test]
+fn one_slot_off_is_named_on_that_slot_alone() {
+    check_case("one-slot-off");
+    let entry = manifest()
+        .into_iter()
+        .find(|e| e["case"] == "one-slot-off")
+        .unwrap();
+    let (report, _) = run_entry(&entry);
+    for capture in &report.captures {
+        let statuses: Vec<&str> = capture.slots.iter().map(|s| s.status.as_str()).collect();
+        assert_eq!(statuses, ["off-by-one", "ok", "ok"], "{}", capture.file);
+    }
+}
+
+/// SpecForge and Model-Optimizer (without `hidden_states_prenorm`) train on the post-norm final
+/// state; a pre-norm one stored there is named.
+#[test]
+fn pre_norm_training_target_is_named() {
+    check_case("target-pre-norm");
+}
+
+/// Model-Optimizer files that set `hidden_states_prenorm` hold the pre-norm state on purpose.
+#[test]
+fn flagged_pre_norm_training_target_is_clean() {
+    check_case("target-pre-norm-flagged");
+}
+
+/// vLLM files end with the final state speculators trains on through the verifier's norm: pre
+/// is right, post is named, and the extra slot never hides a fault of the fc slots.
+#[test]
+fn vllm_trailing_training_target_is_judged_apart_from_the_fc_slots() {
+    check_case("clean-target");
+    check_case("target-post-norm");
+    check_case("off-by-one-target");
+}
+
+/// A vLLM file whose token ids and rows differ in length is a broken file: exit 2 naming both
+/// counts, not a slot fault.
+#[test]
+fn rows_and_token_ids_of_different_lengths_cannot_be_checked() {
+    let entry = manifest()
+        .into_iter()
+        .find(|e| e["case"] == "clean-f32" && e["format"] == "vllm")
+        .unwrap();
+    let src = root().join(entry["samples"][0]["file"].as_str().unwrap());
+    let bytes = std::fs::read(&src).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids = st.tensor("token_ids").unwrap();
+    let hs = st.tensor("hidden_states").unwrap();
+    let short = ids.shape()[0] - 1;
+    let dir = scratch("diff-rows-vs-ids");
+    let file = dir.join("hs_0.safetensors");
+    let tensors = [
+        (
+            "token_ids",
+            safetensors::tensor::TensorView::new(
+                ids.dtype(),
+                vec![short],
+                &ids.data()[..short * 8],
+            )
+            .unwrap(),
+        ),
+        (
+            "hidden_states",
+            safetensors::tensor::TensorView::new(hs.dtype(), hs.shape().to_vec(), hs.data())
+                .unwrap(),
+        ),
+    ];
+    safetensors::serialize_to_file(tensors, None, &file).unwrap();
+    let out = eagle_check([
+        "diff",
+        "--spec",
+        "fixtures/captures/corpus/llama/spec.yaml",
+        "--target",
+        "fixtures/models/llama",
+        "--captures",
+        &p(&dir),
+    ]);
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    let line = out.stderr.trim();
+    assert_eq!(line.lines().count(), 1, "{line}");
+    assert!(line.contains("hs_0.safetensors"), "{line}");
+    assert!(
+        line.contains(&format!("{short} token ids"))
+            && line.contains(&format!("{} rows", hs.shape()[0])),
+        "{line}"
+    );
+}
