@@ -23,6 +23,13 @@ pub enum Error {
     Config { path: PathBuf, message: String },
     #[error("{path}: {message}")]
     Weights { path: PathBuf, message: String },
+    /// A safetensors header the one header parser refused.
+    /// (`error` is not marked `#[source]`: the message already holds it, once.)
+    #[error("{path}: {error}")]
+    Header {
+        path: PathBuf,
+        error: Box<crate::readers::safetensors_header::HeaderError>,
+    },
     #[error("{path}: tensor {name}: expected shape {expected:?}, found {got:?}")]
     Shape {
         path: PathBuf,

@@ -18,6 +18,7 @@ mod layout;
 mod numpy;
 pub mod pickle;
 mod safetensors_file;
+pub mod safetensors_header;
 pub mod tensor;
 mod torch;
 
@@ -124,6 +125,12 @@ pub enum ReadError {
         what: String,
         limit: usize,
     },
+    /// A safetensors header the one header parser refused.
+    #[error("{}: {error}", path.display())]
+    Header {
+        path: PathBuf,
+        error: safetensors_header::HeaderError,
+    },
     /// The file decoded, but its tensors do not fit the layout its names promise.
     #[error("{}: {detail}", path.display())]
     Layout { path: PathBuf, detail: String },
@@ -146,6 +153,7 @@ impl ReadError {
             | ReadError::UnsupportedDtype { path, .. }
             | ReadError::Tensor { path, .. }
             | ReadError::TooLarge { path, .. }
+            | ReadError::Header { path, .. }
             | ReadError::Layout { path, .. } => path,
         }
     }
@@ -162,7 +170,8 @@ pub struct Limits {
     pub max_gzip_bytes: usize,
     /// Largest `data.pkl`.
     pub max_pickle_bytes: usize,
-    /// Largest `.npy` or safetensors JSON header (safetensors' own limit is 100 MB).
+    /// Largest `.npy` or safetensors JSON header (safetensors' own limit is 100 MB,
+    /// [`safetensors_header::MAX_HEADER_BYTES`]).
     pub max_header_bytes: usize,
     /// Pickle stack depth (items and marks).
     pub max_pickle_stack: usize,
@@ -189,7 +198,7 @@ impl Default for Limits {
             max_file_bytes: 32 << 30,
             max_gzip_bytes: 8 << 30,
             max_pickle_bytes: 256 << 20,
-            max_header_bytes: 100_000_000,
+            max_header_bytes: safetensors_header::MAX_HEADER_BYTES as usize,
             max_pickle_stack: 1 << 20,
             max_pickle_memo: 1 << 20,
             max_pickle_objects: 1 << 22,
