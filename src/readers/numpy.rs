@@ -43,12 +43,20 @@ pub(crate) fn read_npz_noted(
         path: path.to_path_buf(),
         error,
     })?;
-    npz_from_reader(path, std::io::BufReader::new(f), limits)
+    let len = f
+        .metadata()
+        .map_err(|error| ReadError::Io {
+            path: path.to_path_buf(),
+            error,
+        })?
+        .len();
+    npz_from_reader(path, std::io::BufReader::new(f), len, limits)
 }
 
 fn npz_from_reader<R: Read + Seek>(
     path: &Path,
     reader: R,
+    archive_len: u64,
     limits: &Limits,
 ) -> Result<(Named, Vec<String>), ReadError> {
     let mut archive = zip::ZipArchive::new(reader).map_err(|e| zip_error(path, e))?;
@@ -67,7 +75,14 @@ fn npz_from_reader<R: Read + Seek>(
         if name.ends_with('/') {
             continue;
         }
-        let bytes = read_member(path, &mut archive, i, limits.max_file_bytes)?;
+        let bytes = read_member(
+            path,
+            &mut archive,
+            i,
+            limits.max_file_bytes,
+            archive_len,
+            limits,
+        )?;
         let what = format!("member {name} header");
         let (t, n) = npy_from_bytes(path, &what, Arc::new(bytes), limits)?;
         notes.extend(n.into_iter().map(|n| format!("{name}: {n}")));
