@@ -128,7 +128,8 @@ enum Kind {
 }
 
 fn kind_of(path: &Path) -> Option<Kind> {
-    let name = path.file_name()?.to_str()?.to_ascii_lowercase();
+    // Lossy: a name that is not UTF-8 is still recognised by its (ASCII) extension, and read.
+    let name = path.file_name()?.to_string_lossy().to_ascii_lowercase();
     if [".pt", ".pth", ".ckpt", ".ckpt.gz", ".pt.gz"]
         .iter()
         .any(|e| name.ends_with(e))
