@@ -15,9 +15,9 @@
 //! time. Every error is a [`ReadError`] whose message names the file and the problem on one line.
 
 mod layout;
-mod numpy;
+pub(crate) mod numpy;
 pub mod pickle;
-mod safetensors_file;
+pub(crate) mod safetensors_file;
 pub mod safetensors_header;
 pub mod tensor;
 mod torch;

@@ -53,7 +53,7 @@ pub(crate) fn read_npz_noted(
     npz_from_reader(path, std::io::BufReader::new(f), len, limits)
 }
 
-fn npz_from_reader<R: Read + Seek>(
+pub(crate) fn npz_from_reader<R: Read + Seek>(
     path: &Path,
     reader: R,
     archive_len: u64,
