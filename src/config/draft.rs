@@ -102,9 +102,9 @@ impl DraftConfig {
     pub fn load(path: &Path) -> Result<DraftConfig> {
         let (file, _) = read_config_file(path)?;
         let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
-        let raw: DraftConfigFile = serde_json::from_str(&text).map_err(|source| Error::Json {
+        let raw: DraftConfigFile = serde_json::from_str(&text).map_err(|error| Error::Json {
             path: file.clone(),
-            source,
+            error,
         })?;
         DraftConfig::resolve(&raw, &file)
     }

@@ -246,9 +246,9 @@ pub fn read_config_file(path: &Path) -> Result<(PathBuf, ConfigFile)> {
         path.to_path_buf()
     };
     let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
-    let parsed: ConfigFile = serde_json::from_str(&text).map_err(|source| Error::Json {
+    let parsed: ConfigFile = serde_json::from_str(&text).map_err(|error| Error::Json {
         path: file.clone(),
-        source,
+        error,
     })?;
     Ok((file, parsed))
 }

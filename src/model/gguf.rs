@@ -230,13 +230,16 @@ fn parse_content(path: &Path, bytes: &[u8]) -> Result<Content> {
         Ok(Err(e)) => {
             return Err(Error::weights(
                 path,
-                format!("not a readable GGUF file: {e}"),
+                format!(
+                    "not a readable GGUF file: {}",
+                    crate::error::candle_line(&e)
+                ),
             ));
         }
         Err(_) => {
             return Err(Error::weights(
                 path,
-                "not a readable GGUF file: the header reader panicked (malformed alignment or counts)",
+                "not a readable GGUF file: the header reader gave up (a zero general.alignment, or malformed counts)",
             ));
         }
     };

@@ -92,9 +92,9 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
         let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-        let parsed: IndexFile = serde_json::from_str(&text).map_err(|source| Error::Json {
+        let parsed: IndexFile = serde_json::from_str(&text).map_err(|error| Error::Json {
             path: index.clone(),
-            source,
+            error,
         })?;
         let mut files: Vec<String> = parsed.weight_map.into_values().collect();
         files.sort();
