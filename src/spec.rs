@@ -177,7 +177,7 @@ impl Spec {
                     crate::config::within(v, path, key).map_err(|_| {
                         spec_err(format!(
                             "line {}: target.{key} is {v}, more than eagle-check accepts",
-                            key_line(text, key)
+                            first_line_with(text, key)
                         ))
                     })?;
                 }
@@ -187,7 +187,7 @@ impl Spec {
             crate::config::within(fc.in_features, path, "in_features").map_err(|_| {
                 spec_err(format!(
                     "line {}: fc.in_features is {}, more than eagle-check accepts",
-                    key_line(text, "in_features"),
+                    first_line_with(text, "in_features"),
                     fc.in_features
                 ))
             })?;
@@ -229,6 +229,14 @@ fn key_line(text: &str, key: &str) -> usize {
     text.lines()
         .position(|l| is_key(l, key))
         .map_or(capture + 1, |i| i + 1)
+}
+
+/// The 1-based line where `key:` is first written, anywhere (flow mappings included).
+fn first_line_with(text: &str, key: &str) -> usize {
+    let needle = format!("{key}:");
+    text.lines()
+        .position(|l| l.contains(&needle))
+        .map_or(1, |i| i + 1)
 }
 
 /// One line: "line 4, column 3: capture: unknown field `layer`, expected ...".
