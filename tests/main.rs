@@ -10,6 +10,7 @@ mod gguf;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod incidents;
+mod malformed;
 mod mla_draft;
 mod run_cli;
 mod runner;
