@@ -2032,3 +2032,99 @@ fn headers_declaring_a_terabyte_are_refused_within_a_1_gib_address_space() {
         &["tb.gguf", "past the end of the file"],
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Reference dumps (`diff --reference`).
+
+#[test]
+fn reference_dumps_that_lie_are_refused() {
+    let dir = scratch("malformed-reference");
+    // SpecForge aux captures: their width is divided by the reference's hidden size.
+    let capture = fixture("captures/corpus/llama/clean-f32/specforge/rows_0-2/data_0.ckpt");
+    let cases: Vec<(&str, &str, Vec<u8>, &[&str])> = vec![
+        (
+            "truncated",
+            "dump.safetensors",
+            capture_st(&[
+                ("input_ids", "I64", &[4]),
+                ("hidden_states.0", "F32", &[4, 64]),
+            ])[..40]
+                .to_vec(),
+            &["runs past the end of the file"],
+        ),
+        (
+            "no token ids",
+            "noids.safetensors",
+            capture_st(&[
+                ("hidden_states.0", "F32", &[4, 64]),
+                ("hidden_states.1", "F32", &[4, 64]),
+            ]),
+            &["reference dump without token ids"],
+        ),
+        (
+            "zero tokens",
+            "empty.safetensors",
+            capture_st(&[
+                ("input_ids", "I64", &[0]),
+                ("hidden_states.0", "F32", &[0, 64]),
+                ("hidden_states.1", "F32", &[0, 64]),
+            ]),
+            &["(T = 0)"],
+        ),
+        (
+            "vLLM rows zero wide",
+            "hs_0.safetensors",
+            capture_st(&[
+                ("token_ids", "I64", &[4]),
+                ("hidden_states", "F32", &[4, 6, 0]),
+            ]),
+            &["reference states are 0 wide (hidden size 0)"],
+        ),
+        (
+            "dump rows zero wide",
+            "zero.safetensors",
+            capture_st(&[
+                ("input_ids", "I64", &[4]),
+                ("hidden_states.0", "F32", &[4, 0]),
+                ("hidden_states.1", "F32", &[4, 0]),
+            ]),
+            &["reference states disagree on [T, H] (T = 4)"],
+        ),
+        (
+            "vLLM rows for other tokens",
+            "hs_1.safetensors",
+            capture_st(&[
+                ("token_ids", "I64", &[4]),
+                ("hidden_states", "F32", &[5, 6, 64]),
+            ]),
+            &["does not match 4 tokens"],
+        ),
+        (
+            "one boundary",
+            "one.safetensors",
+            capture_st(&[
+                ("input_ids", "I64", &[4]),
+                ("hidden_states.0", "F32", &[4, 64]),
+            ]),
+            &["not a reference dump"],
+        ),
+    ];
+    for (case, file, bytes, needles) in cases {
+        let sub = dir.join(case.replace(' ', "-"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let path = sub.join(file);
+        std::fs::write(&path, &bytes).unwrap();
+        let out = eagle_check([
+            "diff".to_string(),
+            "--spec".into(),
+            p(&root().join(DIFF_SPEC)),
+            "--reference".into(),
+            p(&path),
+            "--captures".into(),
+            p(&capture),
+        ]);
+        let mut all = vec![file];
+        all.extend_from_slice(needles);
+        refused(case, &out, &all);
+    }
+}
