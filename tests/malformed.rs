@@ -1512,6 +1512,15 @@ fn vllm_sglang_modelopt_and_specforge_layouts_with_wrong_shapes_are_refused() {
             &["holds a batch of 0 sequences"],
         ),
         (
+            "no tokens",
+            "v.safetensors",
+            capture_st(&[
+                ("input_ids", "I64", &[0]),
+                ("aux_hidden_states", "F32", &[0, 192]),
+            ]),
+            &["input_ids has shape 0: it holds no tokens"],
+        ),
+        (
             "no hidden states",
             "w.safetensors",
             capture_st(&[("input_ids", "I64", &[4])]),
@@ -2069,7 +2078,7 @@ fn reference_dumps_that_lie_are_refused() {
                 ("hidden_states.0", "F32", &[0, 64]),
                 ("hidden_states.1", "F32", &[0, 64]),
             ]),
-            &["(T = 0)"],
+            &["input_ids has shape 0: it holds no tokens"],
         ),
         (
             "vLLM rows zero wide",

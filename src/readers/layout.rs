@@ -522,6 +522,15 @@ fn samples_from_entries(
                 ));
             }
         }
+        if name != "loss_mask" && t.dims().last() == Some(&0) {
+            return Err(layout_err(
+                path,
+                format!(
+                    "{name} has shape {}: it holds no tokens",
+                    fmt_shape(t.dims())
+                ),
+            ));
+        }
         if t.to_i64_vec().is_none() && name != "loss_mask" {
             return Err(layout_err(
                 path,
