@@ -2137,3 +2137,55 @@ fn reference_dumps_that_lie_are_refused() {
         refused(case, &out, &all);
     }
 }
+
+/// `--prompt` reads the target's tokenizer.json: a broken one is refused by name.
+#[test]
+fn tokenizer_files_that_are_broken_are_refused() {
+    let dir = scratch("malformed-tokenizer");
+    let cases: &[(&str, &str, &[&str])] = &[
+        ("not JSON", "[", &["not a usable tokenizer.json"]),
+        (
+            "id past u32",
+            r#"{"model": {"type": "BPE", "vocab": {"a": 99999999999}, "merges": []}}"#,
+            &["not a usable tokenizer.json", "99999999999"],
+        ),
+        (
+            "negative added token",
+            r#"{"added_tokens":[{"id":-1}]}"#,
+            &["not a usable tokenizer.json", "-1"],
+        ),
+        (
+            "unknown token missing",
+            r#"{"version":"1.0","model":{"type":"WordLevel","vocab":{},"unk_token":"x"}}"#,
+            &["tokenizing", "Missing [UNK] token"],
+        ),
+    ];
+    for (i, (case, text, needles)) in cases.iter().enumerate() {
+        let bundle = dir.join(format!("b{i}"));
+        for part in ["target", "draft"] {
+            let to = bundle.join(part);
+            std::fs::create_dir_all(&to).unwrap();
+            for f in ["config.json", "model.safetensors"] {
+                let from = fixture(&format!("bundles/tiny-llama/{part}/{f}"));
+                std::fs::copy(from, to.join(f)).unwrap();
+            }
+        }
+        std::fs::copy(
+            fixture("bundles/tiny-llama/spec.yaml"),
+            bundle.join("spec.yaml"),
+        )
+        .unwrap();
+        std::fs::write(bundle.join("target/tokenizer.json"), text).unwrap();
+        let out = eagle_check([
+            "run".to_string(),
+            p(&bundle),
+            "--device".into(),
+            "cpu".into(),
+            "--prompt".into(),
+            "hello".into(),
+        ]);
+        let mut all = vec!["tokenizer.json"];
+        all.extend_from_slice(needles);
+        refused(case, &out, &all);
+    }
+}
