@@ -5,6 +5,7 @@ mod support;
 mod deepseek;
 mod deepseek_cli;
 mod diff;
+mod fuzz_corpus;
 mod gate;
 mod gguf;
 #[cfg(feature = "cuda")]
