@@ -5,17 +5,17 @@ use std::path::PathBuf;
 /// Everything the library can refuse. The CLI maps every variant to exit code 2.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{path}: {source}")]
+    // The underlying errors are fields, not `#[source]`s: the message already holds them, and
+    // the CLI prints the whole chain (`{err:#}`), which would say them twice.
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
-    #[error("{path}: not valid JSON: {source}")]
+    #[error("{path}: not valid JSON: {error}")]
     Json {
         path: PathBuf,
-        #[source]
-        source: serde_json::Error,
+        error: serde_json::Error,
     },
     #[error("{path}: {message}")]
     Spec { path: PathBuf, message: String },
@@ -23,6 +23,13 @@ pub enum Error {
     Config { path: PathBuf, message: String },
     #[error("{path}: {message}")]
     Weights { path: PathBuf, message: String },
+    /// A safetensors header the one header parser refused.
+    /// (`error` is not marked `#[source]`: the message already holds it, once.)
+    #[error("{path}: {error}")]
+    Header {
+        path: PathBuf,
+        error: Box<crate::readers::safetensors_header::HeaderError>,
+    },
     #[error("{path}: tensor {name}: expected shape {expected:?}, found {got:?}")]
     Shape {
         path: PathBuf,
@@ -63,21 +70,20 @@ pub enum Error {
     /// A device the build or the machine cannot provide.
     #[error("{0}")]
     Device(String),
-    #[error("{context}: {source}")]
+    #[error("{context}: {}", candle_line(.error))]
     Candle {
         context: String,
-        #[source]
-        source: candle_core::Error,
+        error: candle_core::Error,
     },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
 
@@ -109,9 +115,23 @@ pub trait CandleContext<T> {
 
 impl<T> CandleContext<T> for std::result::Result<T, candle_core::Error> {
     fn ctx(self, context: impl FnOnce() -> String) -> Result<T> {
-        self.map_err(|source| Error::Candle {
+        self.map_err(|error| Error::Candle {
             context: context(),
-            source,
+            error,
         })
+    }
+}
+
+/// A candle error on one line: without the backtrace candle appends to its message when
+/// `RUST_BACKTRACE` is set (`candle_core::Error::bt`), which would break "one line on stderr".
+pub fn candle_line(e: &candle_core::Error) -> String {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => candle_line(inner),
+        other => other
+            .to_string()
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string(),
     }
 }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod diff;
 pub mod engine;
 pub mod error;
+pub mod fuzzing;
 pub mod gate;
 pub mod judge;
 pub mod kernels;

@@ -51,8 +51,14 @@ pub fn resolve_model_dir_at(path: &Path, revision: Option<&str>) -> Result<PathB
     let want = revision.unwrap_or("main");
     if let Ok(rev) = std::fs::read_to_string(path.join("refs").join(want)) {
         let dir = snapshots.join(rev.trim());
-        if dir.is_dir() {
-            return Ok(dir);
+        match std::fs::metadata(&dir) {
+            Ok(m) if m.is_dir() => return Ok(dir),
+            // A snapshot that refs/main names but that cannot be opened (a symlink loop, no
+            // permission) is reported as it is; a missing one falls back to the listing.
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(Error::io(&dir, e));
+            }
+            _ => {}
         }
         return Err(Error::config(
             path,

@@ -319,7 +319,10 @@ fn default_tokens(vocab: usize) -> Vec<u32> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return command_line_error(e),
+    };
     match run(cli) {
         Ok(code) => ExitCode::from(code),
         Err(err) => {
@@ -327,6 +330,40 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// `--help` and `--version` as clap prints them; a command-line mistake on one line, exit 2,
+/// like every other refusal (clap's own report adds the usage on further lines).
+fn command_line_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if !e.use_stderr() {
+        let _ = e.print();
+        return ExitCode::SUCCESS;
+    }
+    let text = e.render().to_string();
+    let parts: Vec<&str> = match e.kind() {
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            vec!["no subcommand given (gate, run, engines, diff)"]
+        }
+        // The `error:` paragraph (its indented lines name the arguments) and any tips.
+        _ => text
+            .lines()
+            .map(str::trim)
+            .skip_while(|l| !l.starts_with("error:"))
+            .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+            .filter(|l| !l.is_empty())
+            .map(|l| l.trim_start_matches("error: "))
+            .collect(),
+    };
+    let mut line = String::new();
+    for part in parts {
+        if !line.is_empty() {
+            line.push_str(if line.ends_with(':') { " " } else { "; " });
+        }
+        line.push_str(part);
+    }
+    eprintln!("eagle-check: {line} (see --help)");
+    ExitCode::from(2)
 }
 
 fn run(cli: Cli) -> Result<u8> {

@@ -5,6 +5,7 @@
 //! (`out`: b = k + 1; `in`: b = k; `embedding: true` puts b = 0 first).
 
 use crate::boundary::{Boundary, Convention, FinalNorm};
+use crate::config::MAX_LAYERS;
 use crate::engine::EngineSel;
 use crate::error::{Error, Result};
 use serde::Deserialize;
@@ -66,10 +67,20 @@ impl TryFrom<CaptureRaw> for CaptureFile {
 
 impl CaptureFile {
     fn validate(raw: CaptureRaw) -> std::result::Result<Self, (&'static str, String)> {
-        let to_boundary = |b: i64, field: &'static str, what: &str| {
-            usize::try_from(b).map(Boundary).map_err(|_| {
-                (field, format!("capture.{field}: {what} {b} is negative (boundaries start at 0, the embedding output)"))
-            })
+        let to_boundary = |b: i64, field: &'static str, what: &str| match usize::try_from(b) {
+            Err(_) => Err((
+                field,
+                format!(
+                    "capture.{field}: {what} {b} is negative (boundaries start at 0, the embedding output)"
+                ),
+            )),
+            Ok(b) if b > MAX_LAYERS => Err((
+                field,
+                format!(
+                    "capture.{field}: {what} {b} is past any model's layers (eagle-check accepts up to {MAX_LAYERS})"
+                ),
+            )),
+            Ok(b) => Ok(Boundary(b)),
         };
         let mut boundaries = match (raw.boundaries, raw.layers) {
             (Some(_), Some(_)) => {
@@ -157,6 +168,30 @@ impl Spec {
             message,
         };
         let raw: SpecFile = serde_norway::from_str(text).map_err(|e| spec_err(yaml_message(&e)))?;
+        if let Some(t) = &raw.target {
+            for (key, value) in [
+                ("num_hidden_layers", t.num_hidden_layers),
+                ("hidden_size", t.hidden_size),
+            ] {
+                if let Some(v) = value {
+                    crate::config::within(v, path, key).map_err(|_| {
+                        spec_err(format!(
+                            "line {}: target.{key} is {v}, more than eagle-check accepts",
+                            first_line_with(text, key)
+                        ))
+                    })?;
+                }
+            }
+        }
+        if let Some(fc) = &raw.fc {
+            crate::config::within(fc.in_features, path, "in_features").map_err(|_| {
+                spec_err(format!(
+                    "line {}: fc.in_features is {}, more than eagle-check accepts",
+                    first_line_with(text, "in_features"),
+                    fc.in_features
+                ))
+            })?;
+        }
         let capture = CaptureFile::try_from(raw.capture).map_err(|(field, message)| {
             spec_err(format!("line {}: {message}", key_line(text, field)))
         })?;
@@ -194,6 +229,14 @@ fn key_line(text: &str, key: &str) -> usize {
     text.lines()
         .position(|l| is_key(l, key))
         .map_or(capture + 1, |i| i + 1)
+}
+
+/// The 1-based line where `key:` is first written, anywhere (flow mappings included).
+fn first_line_with(text: &str, key: &str) -> usize {
+    let needle = format!("{key}:");
+    text.lines()
+        .position(|l| l.contains(&needle))
+        .map_or(1, |i| i + 1)
 }
 
 /// One line: "line 4, column 3: capture: unknown field `layer`, expected ...".

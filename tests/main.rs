@@ -5,12 +5,14 @@ mod support;
 mod deepseek;
 mod deepseek_cli;
 mod diff;
+mod fuzz_corpus;
 mod gate;
 mod gguf;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod hub;
 mod incidents;
+mod malformed;
 mod mla_draft;
 mod output;
 mod run_cli;

@@ -2,7 +2,7 @@
 //! `LlamaForCausalLM` draft, speculators-format `eagle3`, and the MLA draft
 //! `Eagle3DeepseekV2ForCausalLM` (TorchSpec `configs/draft_models/kimi_k25_eagle3_mla.json`).
 
-use super::{ConfigFile, MlaConfig, Rope, read_config_file, resolve_rope};
+use super::{ConfigFile, MAX_LAYERS, MlaConfig, Rope, read_config_file, resolve_rope, within};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -102,14 +102,56 @@ impl DraftConfig {
     pub fn load(path: &Path) -> Result<DraftConfig> {
         let (file, _) = read_config_file(path)?;
         let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
-        let raw: DraftConfigFile = serde_json::from_str(&text).map_err(|source| Error::Json {
+        let raw: DraftConfigFile = serde_json::from_str(&text).map_err(|error| Error::Json {
             path: file.clone(),
-            source,
+            error,
         })?;
         DraftConfig::resolve(&raw, &file)
     }
 
     pub fn resolve(raw: &DraftConfigFile, path: &Path) -> Result<DraftConfig> {
+        raw.model.check_sizes(path)?;
+        if let Some(inner) = &raw.transformer_layer_config {
+            inner.check_sizes(path)?;
+        }
+        for (key, value) in [
+            ("draft_vocab_size", raw.draft_vocab_size),
+            ("target_hidden_size", raw.target_hidden_size),
+            ("num_aux_hidden_states", raw.num_aux_hidden_states),
+        ] {
+            if let Some(v) = value {
+                within(v, path, key)?;
+            }
+        }
+        let nested = raw
+            .eagle_config
+            .as_ref()
+            .and_then(|e| e.eagle_aux_hidden_state_layer_ids.as_ref());
+        for ids in [raw.eagle_aux_hidden_state_layer_ids.as_ref(), nested]
+            .into_iter()
+            .flatten()
+        {
+            // Ids past the target are findings (engines drop or refuse them); ids past any
+            // real model are refused here, before the rules add or subtract one.
+            if let Some(bad) = ids.iter().find(|&&k| k.unsigned_abs() > MAX_LAYERS as u64) {
+                return Err(Error::config(
+                    path,
+                    format!(
+                        "eagle_aux_hidden_state_layer_ids holds {bad}, past any model's layers \
+                         (eagle-check accepts ids within +-{MAX_LAYERS})"
+                    ),
+                ));
+            }
+            if ids.len() > MAX_LAYERS {
+                return Err(Error::config(
+                    path,
+                    format!(
+                        "eagle_aux_hidden_state_layer_ids holds {} ids (at most {MAX_LAYERS})",
+                        ids.len()
+                    ),
+                ));
+            }
+        }
         let speculators = raw.speculators_model_type.as_deref();
         let (kind, model) = match speculators {
             Some("eagle3") => {

@@ -203,6 +203,7 @@ impl TargetInfo {
     }
 
     pub fn resolve(raw: &ConfigFile, path: &Path) -> Result<TargetInfo> {
+        raw.check_sizes(path)?;
         let raw = match &raw.text_config {
             Some(text) => merged_text_config(raw, text),
             None => raw.clone(),
@@ -245,11 +246,74 @@ pub fn read_config_file(path: &Path) -> Result<(PathBuf, ConfigFile)> {
         path.to_path_buf()
     };
     let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
-    let parsed: ConfigFile = serde_json::from_str(&text).map_err(|source| Error::Json {
+    let parsed: ConfigFile = serde_json::from_str(&text).map_err(|error| Error::Json {
         path: file.clone(),
-        source,
+        error,
     })?;
     Ok((file, parsed))
+}
+
+/// Largest width eagle-check takes from a config or spec (hidden size, heads, head dim,
+/// intermediate size, vocabulary, experts, ranks): far above any real model (hidden sizes reach
+/// ~32k, vocabularies ~260k), and small enough that the products the checks and loaders form
+/// from a few of them cannot overflow.
+pub const MAX_DIM: usize = 1 << 24;
+/// Largest layer count, boundary or layer id: real models have at most a few hundred layers.
+pub const MAX_LAYERS: usize = 1 << 16;
+
+/// Refuses a size past its bound (`MAX_LAYERS` for layer counts, `MAX_DIM` for the rest).
+pub(crate) fn within(value: usize, path: &Path, key: &str) -> Result<usize> {
+    let max = if key.contains("layer") && !key.contains("lora") {
+        MAX_LAYERS
+    } else {
+        MAX_DIM
+    };
+    if value > max {
+        return Err(Error::config(
+            path,
+            format!("`{key}` is {value}, more than eagle-check accepts ({max})"),
+        ));
+    }
+    Ok(value)
+}
+
+impl ConfigFile {
+    /// Every size the file states, within its bound, before any is used (nested
+    /// `text_config` included).
+    pub(crate) fn check_sizes(&self, path: &Path) -> Result<()> {
+        let sizes = [
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("intermediate_size", self.intermediate_size),
+            ("vocab_size", self.vocab_size),
+            ("sliding_window", self.sliding_window),
+            ("q_lora_rank", self.q_lora_rank),
+            ("kv_lora_rank", self.kv_lora_rank),
+            ("qk_nope_head_dim", self.qk_nope_head_dim),
+            ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ("v_head_dim", self.v_head_dim),
+            ("n_routed_experts", self.n_routed_experts),
+            ("n_shared_experts", self.n_shared_experts),
+            ("num_experts_per_tok", self.num_experts_per_tok),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("first_k_dense_replace", self.first_k_dense_replace),
+            ("moe_layer_freq", self.moe_layer_freq),
+            ("n_group", self.n_group),
+            ("topk_group", self.topk_group),
+        ];
+        for (key, value) in sizes {
+            if let Some(v) = value {
+                within(v, path, key)?;
+            }
+        }
+        if let Some(text) = &self.text_config {
+            text.check_sizes(path)?;
+        }
+        Ok(())
+    }
 }
 
 fn need<T>(value: Option<T>, path: &Path, key: &str) -> Result<T> {
@@ -275,6 +339,7 @@ impl ModelConfig {
 
     /// Resolves a mirror; a nested `text_config` (multimodal wrappers) wins over the top level.
     pub fn resolve(raw: &ConfigFile, path: &Path) -> Result<ModelConfig> {
+        raw.check_sizes(path)?;
         let raw = match &raw.text_config {
             Some(text) => merged_text_config(raw, text),
             None => raw.clone(),

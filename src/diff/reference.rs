@@ -149,6 +149,13 @@ impl DumpReference {
             message: "no reference dump found".into(),
         })?;
         let (num_layers, hidden_size) = (first.num_layers, first.hidden_size);
+        // Rows 0 wide would make every capture width divide by zero in the diff.
+        if hidden_size == 0 {
+            return Err(Error::Capture {
+                path: path.to_path_buf(),
+                message: "reference states are 0 wide (hidden size 0)".into(),
+            });
+        }
         if let Some(bad) = entries
             .iter()
             .find(|e| e.num_layers != num_layers || e.hidden_size != hidden_size)

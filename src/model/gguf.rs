@@ -58,6 +58,30 @@ pub struct GgufSource {
 /// every tensor to its HF name.
 pub fn open_gguf(path: &Path) -> Result<(ModelConfig, GgufSource)> {
     let (mmap, content) = read_header(path)?;
+    let (cfg, arch, tensors) = resolve(path, &content, &mmap)?;
+    Ok((
+        cfg,
+        GgufSource {
+            path: path.to_path_buf(),
+            mmap,
+            content,
+            arch,
+            tensors,
+        },
+    ))
+}
+
+/// Everything [`open_gguf`] checks, on a file held in memory: the header, every tensor's extent,
+/// the config the metadata stands for and the HF name of every tensor. The fuzz target and the
+/// corpus replay test call this.
+pub fn check_gguf_bytes(path: &Path, bytes: &[u8]) -> Result<ModelConfig> {
+    let content = parse_content(path, bytes)?;
+    Ok(resolve(path, &content, bytes)?.0)
+}
+
+type Resolved = (ModelConfig, String, BTreeMap<String, Entry>);
+
+fn resolve(path: &Path, content: &Content, data: &[u8]) -> Result<Resolved> {
     let arch = match content.metadata.get("general.architecture") {
         Some(Value::String(a)) => a.clone(),
         Some(_) => return Err(meta_err(path, "general.architecture", "is not a string")),
@@ -73,13 +97,13 @@ pub fn open_gguf(path: &Path) -> Result<(ModelConfig, GgufSource)> {
             ),
         ));
     };
-    validate_tensor_extents(path, &content, mmap.len())?;
+    validate_tensor_extents(path, content, data.len())?;
     let meta = Meta {
         path,
         arch: &arch,
         md: &content.metadata,
     };
-    let raw = config_file(&meta, model_type, &content, &mmap)?;
+    let raw = config_file(&meta, model_type, content, data)?;
     let cfg = ModelConfig::resolve(&raw, path)?;
     let mut tensors = BTreeMap::new();
     for (gguf_name, info) in &content.tensor_infos {
@@ -110,16 +134,7 @@ pub fn open_gguf(path: &Path) -> Result<(ModelConfig, GgufSource)> {
             },
         );
     }
-    Ok((
-        cfg,
-        GgufSource {
-            path: path.to_path_buf(),
-            mmap,
-            content,
-            arch,
-            tensors,
-        },
-    ))
+    Ok((cfg, arch, tensors))
 }
 
 impl GgufSource {
@@ -185,34 +200,50 @@ pub(crate) fn read_header(path: &Path) -> Result<(Mmap, Content)> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     if len < MIN_FILE_LEN {
-        return Err(Error::weights(
-            path,
-            format!("{len} bytes is too short for a GGUF file (header alone is {MIN_FILE_LEN})"),
-        ));
+        return Err(too_short(path, len));
     }
     // SAFETY: mapped read-only; eagle-check never writes model files, and every read below is
     // bounds-checked against the mapping's length.
     let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let content = parse_content(path, &mmap)?;
+    Ok((mmap, content))
+}
+
+fn too_short(path: &Path, len: u64) -> Error {
+    Error::weights(
+        path,
+        format!("{len} bytes is too short for a GGUF file (header alone is {MIN_FILE_LEN})"),
+    )
+}
+
+/// Parses the header of a GGUF file held in `bytes` with candle's reader.
+fn parse_content(path: &Path, bytes: &[u8]) -> Result<Content> {
+    if (bytes.len() as u64) < MIN_FILE_LEN {
+        return Err(too_short(path, bytes.len() as u64));
+    }
     // candle's reader bounds every count and string by the file size, but divides by the
     // file's `general.alignment` unchecked; catch that (and any other panic on hostile input)
     // and report it as a bad file instead of aborting the run.
-    let parsed = catch_quietly(|| Content::read(&mut Cursor::new(&mmap[..])));
+    let parsed = catch_quietly(|| Content::read(&mut Cursor::new(bytes)));
     let content = match parsed {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
             return Err(Error::weights(
                 path,
-                format!("not a readable GGUF file: {e}"),
+                format!(
+                    "not a readable GGUF file: {}",
+                    crate::error::candle_line(&e)
+                ),
             ));
         }
         Err(_) => {
             return Err(Error::weights(
                 path,
-                "not a readable GGUF file: the header reader panicked (malformed alignment or counts)",
+                "not a readable GGUF file: the header reader gave up (a zero general.alignment, or malformed counts)",
             ));
         }
     };
-    Ok((mmap, content))
+    Ok(content)
 }
 
 /// Every tensor's element count, byte size and extent, in checked arithmetic, before any read.
@@ -250,8 +281,8 @@ fn validate_tensor_extents(path: &Path, content: &Content, file_len: usize) -> R
     Ok(())
 }
 
-fn dequantize(content: &Content, mmap: &Mmap, gguf_name: &str) -> candle_core::Result<Tensor> {
-    let q = content.tensor(&mut Cursor::new(&mmap[..]), gguf_name, &Device::Cpu)?;
+fn dequantize(content: &Content, data: &[u8], gguf_name: &str) -> candle_core::Result<Tensor> {
+    let q = content.tensor(&mut Cursor::new(data), gguf_name, &Device::Cpu)?;
     q.dequantize(&Device::Cpu)
 }
 
@@ -416,7 +447,7 @@ fn config_file(
     meta: &Meta,
     model_type: &str,
     content: &Content,
-    mmap: &Mmap,
+    data: &[u8],
 ) -> Result<ConfigFile> {
     let path = meta.path;
     if meta.usize_opt("expert_count")?.unwrap_or(0) > 0 {
@@ -509,7 +540,7 @@ fn config_file(
                 "GGUF has both rope scaling metadata and a rope_freqs.weight tensor; not supported",
             ));
         }
-        let factors = dequantize(content, mmap, "rope_freqs.weight")
+        let factors = dequantize(content, data, "rope_freqs.weight")
             .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
             .ctx(|| format!("{}: GGUF tensor rope_freqs.weight", path.display()))?;
         rope_scaling = llama3_from_rope_freqs(

@@ -128,7 +128,8 @@ enum Kind {
 }
 
 fn kind_of(path: &Path) -> Option<Kind> {
-    let name = path.file_name()?.to_str()?.to_ascii_lowercase();
+    // Lossy: a name that is not UTF-8 is still recognised by its (ASCII) extension, and read.
+    let name = path.file_name()?.to_string_lossy().to_ascii_lowercase();
     if [".pt", ".pth", ".ckpt", ".ckpt.gz", ".pt.gz"]
         .iter()
         .any(|e| name.ends_with(e))
@@ -520,6 +521,15 @@ fn samples_from_entries(
                     ),
                 ));
             }
+        }
+        if name != "loss_mask" && t.dims().last() == Some(&0) {
+            return Err(layout_err(
+                path,
+                format!(
+                    "{name} has shape {}: it holds no tokens",
+                    fmt_shape(t.dims())
+                ),
+            ));
         }
         if t.to_i64_vec().is_none() && name != "loss_mask" {
             return Err(layout_err(

@@ -15,9 +15,10 @@
 //! time. Every error is a [`ReadError`] whose message names the file and the problem on one line.
 
 mod layout;
-mod numpy;
+pub(crate) mod numpy;
 pub mod pickle;
-mod safetensors_file;
+pub(crate) mod safetensors_file;
+pub mod safetensors_header;
 pub mod tensor;
 mod torch;
 
@@ -124,6 +125,12 @@ pub enum ReadError {
         what: String,
         limit: usize,
     },
+    /// A safetensors header the one header parser refused.
+    #[error("{}: {error}", path.display())]
+    Header {
+        path: PathBuf,
+        error: safetensors_header::HeaderError,
+    },
     /// The file decoded, but its tensors do not fit the layout its names promise.
     #[error("{}: {detail}", path.display())]
     Layout { path: PathBuf, detail: String },
@@ -146,6 +153,7 @@ impl ReadError {
             | ReadError::UnsupportedDtype { path, .. }
             | ReadError::Tensor { path, .. }
             | ReadError::TooLarge { path, .. }
+            | ReadError::Header { path, .. }
             | ReadError::Layout { path, .. } => path,
         }
     }
@@ -162,7 +170,8 @@ pub struct Limits {
     pub max_gzip_bytes: usize,
     /// Largest `data.pkl`.
     pub max_pickle_bytes: usize,
-    /// Largest `.npy` or safetensors JSON header (safetensors' own limit is 100 MB).
+    /// Largest `.npy` or safetensors JSON header (safetensors' own limit is 100 MB,
+    /// [`safetensors_header::MAX_HEADER_BYTES`]).
     pub max_header_bytes: usize,
     /// Pickle stack depth (items and marks).
     pub max_pickle_stack: usize,
@@ -178,6 +187,14 @@ pub struct Limits {
     /// `expand`, which can describe far more elements than its storage holds) may copy, per
     /// file.
     pub max_view_copy_bytes: usize,
+    /// Decompressed bytes a gzip stream or a zip member may yield per compressed byte, once
+    /// past `inflate_floor_bytes`. Deflate reaches ~1032:1, so a few MB can hold gigabytes of
+    /// zeros (a "bomb"); real captures compress ~1.1-1.5:1 (bf16/f32 states) and token ids
+    /// ~10:1, so 100:1 refuses bombs long before memory runs out and no real capture.
+    pub max_inflate_ratio: u64,
+    /// Decompressed bytes always allowed, whatever the ratio (small, very regular members such
+    /// as an all-ones loss mask compress far better than 100:1).
+    pub inflate_floor_bytes: usize,
     /// Read `.npy` descr `<V2` (how numpy stores ml_dtypes' bfloat16) as bf16; a note on the
     /// sample says so. When false such files are refused.
     pub npy_void2_as_bf16: bool,
@@ -189,15 +206,36 @@ impl Default for Limits {
             max_file_bytes: 32 << 30,
             max_gzip_bytes: 8 << 30,
             max_pickle_bytes: 256 << 20,
-            max_header_bytes: 100_000_000,
+            max_header_bytes: safetensors_header::MAX_HEADER_BYTES as usize,
             max_pickle_stack: 1 << 20,
             max_pickle_memo: 1 << 20,
             max_pickle_objects: 1 << 22,
             max_pickle_nodes: 1 << 22,
             max_pickle_depth: 200,
             max_view_copy_bytes: 4 << 30,
+            max_inflate_ratio: 100,
+            inflate_floor_bytes: 64 << 20,
             npy_void2_as_bf16: true,
         }
+    }
+}
+
+impl Limits {
+    /// Bytes that `compressed` bytes may decompress to: at most `cap`, and at most
+    /// `max_inflate_ratio` times `compressed` past the floor.
+    pub fn inflate_cap(&self, compressed: u64, cap: usize) -> usize {
+        let by_ratio = compressed.saturating_mul(self.max_inflate_ratio);
+        let by_ratio = usize::try_from(by_ratio).unwrap_or(usize::MAX);
+        cap.min(by_ratio.max(self.inflate_floor_bytes))
+    }
+
+    /// The copy budget for non-contiguous views of one file of `file_bytes`: a view can only
+    /// describe more bytes than its storage holds through zero strides (`expand`), which real
+    /// captures do not save, so a file may not copy out more than a few times its own size.
+    pub fn view_copy_budget(&self, file_bytes: u64) -> usize {
+        let scaled = usize::try_from(file_bytes.saturating_mul(4)).unwrap_or(usize::MAX);
+        self.max_view_copy_bytes
+            .min(scaled.saturating_add(self.inflate_floor_bytes))
     }
 }
 

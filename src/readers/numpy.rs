@@ -3,6 +3,18 @@
 //! Format: numpy/lib/format.py. The header is a Python dict literal
 //! `{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }`, parsed here by a small
 //! literal reader (never evaluated). Object arrays (`|O`) would need pickle and are refused.
+//!
+//! Why not the `npyz` crate (evaluated at 0.9.1, issue 14 item 8): it cannot keep our size
+//! limits, because it allocates what a header declares before anything checks it against the
+//! file. `header::read_header` does `vec![0; header_size]` with the u32 length of a v2/v3
+//! header (4 GiB from a 12-byte file); `NpyHeader::from_parts` multiplies the shape unchecked
+//! (`shape.iter().product()`: a panic in debug builds, a wrapped small count in release, so a
+//! hostile shape passes as a tiny array); and `into_vec` collects an iterator whose exact
+//! `size_hint` is that product, so a 1 TB declaration is reserved before one element is read.
+//! Wrapping it would mean parsing the header ourselves first, which is all this module does.
+//! It also reads `<V2` (ml_dtypes' bfloat16) only as raw bytes, parses headers as UTF-8 where
+//! v1/v2 are latin-1, and its `npz` feature pulls zip 0.6 beside our zip 9. (No C builds: its
+//! header parser is `py_literal` on `pest`.)
 
 use std::io::{Read, Seek};
 use std::path::Path;
@@ -43,12 +55,20 @@ pub(crate) fn read_npz_noted(
         path: path.to_path_buf(),
         error,
     })?;
-    npz_from_reader(path, std::io::BufReader::new(f), limits)
+    let len = f
+        .metadata()
+        .map_err(|error| ReadError::Io {
+            path: path.to_path_buf(),
+            error,
+        })?
+        .len();
+    npz_from_reader(path, std::io::BufReader::new(f), len, limits)
 }
 
-fn npz_from_reader<R: Read + Seek>(
+pub(crate) fn npz_from_reader<R: Read + Seek>(
     path: &Path,
     reader: R,
+    archive_len: u64,
     limits: &Limits,
 ) -> Result<(Named, Vec<String>), ReadError> {
     let mut archive = zip::ZipArchive::new(reader).map_err(|e| zip_error(path, e))?;
@@ -67,7 +87,14 @@ fn npz_from_reader<R: Read + Seek>(
         if name.ends_with('/') {
             continue;
         }
-        let bytes = read_member(path, &mut archive, i, limits.max_file_bytes)?;
+        let bytes = read_member(
+            path,
+            &mut archive,
+            i,
+            limits.max_file_bytes,
+            archive_len,
+            limits,
+        )?;
         let what = format!("member {name} header");
         let (t, n) = npy_from_bytes(path, &what, Arc::new(bytes), limits)?;
         notes.extend(n.into_iter().map(|n| format!("{name}: {n}")));

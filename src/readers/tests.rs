@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value as J;
 
+use super::safetensors_header::HeaderError;
 use super::*;
 
 fn fixtures() -> PathBuf {
@@ -448,17 +449,41 @@ fn corrupt_and_hostile_files_give_the_right_error() {
         ),
         (
             "evil/huge_shape.safetensors",
-            |e| matches!(e, ReadError::ShapeOverflow { .. }),
+            |e| {
+                matches!(
+                    e,
+                    ReadError::Header {
+                        error: HeaderError::Overflow { .. },
+                        ..
+                    }
+                )
+            },
             "tensor x declares shape",
         ),
         (
             "evil/offsets_past_end.safetensors",
-            |e| matches!(e, ReadError::Format { .. }),
+            |e| {
+                matches!(
+                    e,
+                    ReadError::Header {
+                        error: HeaderError::Outside { .. },
+                        ..
+                    }
+                )
+            },
             "data_offsets [0, 4096] lie outside the 16 bytes of data",
         ),
         (
             "evil/header_past_end.safetensors",
-            |e| matches!(e, ReadError::TooLarge { .. }),
+            |e| {
+                matches!(
+                    e,
+                    ReadError::Header {
+                        error: HeaderError::TooLarge { .. },
+                        ..
+                    }
+                )
+            },
             "safetensors header",
         ),
         (
@@ -560,4 +585,58 @@ fn mutated_files_never_panic() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(reads > 2000, "{reads}");
+}
+
+/// Gzip and deflate bombs: a few KB that inflate to far more than the ratio allows are refused
+/// once the ratio is passed, whether the size is declared (zip) or only found (gzip).
+#[test]
+fn inflate_ratio_refuses_gzip_and_zip_bombs() {
+    use std::io::Write;
+    let dir = std::env::temp_dir().join(format!("eagle_check_bombs_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let zeros = vec![0u8; 16 << 20];
+    let limits = Limits {
+        inflate_floor_bytes: 1 << 20,
+        ..Limits::default()
+    };
+
+    let gz = dir.join("bomb.ckpt.gz");
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    enc.write_all(&zeros).unwrap();
+    let packed = enc.finish().unwrap();
+    assert!(packed.len() < 100 << 10, "{}", packed.len());
+    std::fs::write(&gz, &packed).unwrap();
+    let e = read_capture_path_with(&gz, &limits).unwrap_err();
+    match &e {
+        ReadError::TooLarge { limit, .. } => assert_eq!(*limit, 100 * packed.len(), "{e}"),
+        other => panic!("{other}"),
+    }
+    assert!(e.to_string().contains("at most 100:1"), "{e}");
+
+    let npz = dir.join("bomb.npz");
+    let mut w = zip::ZipWriter::new(std::fs::File::create(&npz).unwrap());
+    let opts = zip::write::SimpleFileOptions::default()
+        .compression_method(zip::CompressionMethod::Deflated);
+    w.start_file("x.npy", opts).unwrap();
+    w.write_all(&zeros).unwrap();
+    w.finish().unwrap();
+    let e = read_capture_path_with(&npz, &limits).unwrap_err();
+    assert!(matches!(e, ReadError::TooLarge { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("zip member x.npy of 16777216 bytes (deflated from"),
+        "{e}"
+    );
+    // The same bytes stored (not deflated) are no bomb: the member is read, then refused as
+    // what it is, not an .npy.
+    let stored = dir.join("stored.npz");
+    let mut w = zip::ZipWriter::new(std::fs::File::create(&stored).unwrap());
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    w.start_file("x.npy", opts).unwrap();
+    w.write_all(&zeros).unwrap();
+    w.finish().unwrap();
+    let e = read_capture_path_with(&stored, &limits).unwrap_err();
+    assert!(e.to_string().contains("not an .npy"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -21,13 +21,14 @@ pub fn read_torch(path: &Path, limits: &Limits) -> Result<Value, ReadError> {
         error,
     };
     let mut f = std::fs::File::open(path).map_err(io)?;
+    let file_len = f.metadata().map_err(io)?.len();
     let mut magic = [0u8; 4];
     let n = read_up_to(&mut f, &mut magic).map_err(io)?;
     f.rewind().map_err(io)?;
     match sniff(magic.get(..n).unwrap_or(&[])) {
-        Container::Zip => torch_from_zip(path, std::io::BufReader::new(f), limits),
+        Container::Zip => torch_from_zip(path, std::io::BufReader::new(f), file_len, limits),
         Container::Gzip => {
-            let bytes = gunzip(path, f, limits.max_gzip_bytes)?;
+            let bytes = gunzip(path, f, file_len, limits)?;
             torch_from_bytes(path, bytes, limits)
         }
         other => Err(other.error(path, &magic[..n])),
@@ -41,7 +42,10 @@ pub(crate) fn torch_from_bytes(
     limits: &Limits,
 ) -> Result<Value, ReadError> {
     match sniff(&bytes) {
-        Container::Zip => torch_from_zip(path, std::io::Cursor::new(bytes), limits),
+        Container::Zip => {
+            let len = bytes.len() as u64;
+            torch_from_zip(path, std::io::Cursor::new(bytes), len, limits)
+        }
         other => Err(other.error(path, bytes.get(..4).unwrap_or(&bytes))),
     }
 }
@@ -95,8 +99,15 @@ fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(n)
 }
 
-/// Decompresses a gzip stream into memory, refusing more than `cap` bytes.
-pub(crate) fn gunzip(path: &Path, r: impl Read, cap: usize) -> Result<Vec<u8>, ReadError> {
+/// Decompresses a gzip stream of `compressed` bytes into memory, refusing more than `cap`
+/// bytes (see [`Limits::inflate_cap`]) whatever the stream declares, before holding them.
+pub(crate) fn gunzip(
+    path: &Path,
+    r: impl Read,
+    compressed: u64,
+    limits: &Limits,
+) -> Result<Vec<u8>, ReadError> {
+    let cap = limits.inflate_cap(compressed, limits.max_gzip_bytes);
     let mut out = Vec::new();
     flate2::read::MultiGzDecoder::new(r)
         .take(cap as u64 + 1)
@@ -108,7 +119,12 @@ pub(crate) fn gunzip(path: &Path, r: impl Read, cap: usize) -> Result<Vec<u8>, R
     if out.len() > cap {
         return Err(ReadError::TooLarge {
             path: path.to_path_buf(),
-            what: "decompressed gzip stream".into(),
+            what: format!(
+                "gzip stream of {compressed} bytes, decompressed (at most {}:1 past {}, and {} in all),",
+                limits.max_inflate_ratio,
+                fmt_bytes(limits.inflate_floor_bytes),
+                fmt_bytes(limits.max_gzip_bytes)
+            ),
             limit: cap,
         });
     }
@@ -122,20 +138,40 @@ pub(crate) fn zip_error(path: &Path, e: zip::result::ZipError) -> ReadError {
     }
 }
 
-/// Reads zip member `index` whole, refusing more than `cap` bytes whatever its header says.
+/// Reads zip member `index` whole, refusing more than `cap` bytes whatever its header says, and
+/// more than [`Limits::inflate_cap`] allows for its compressed size (at most the archive's
+/// `archive_len`): a deflated member cannot expand past that ratio.
 pub(crate) fn read_member<R: Read + Seek>(
     path: &Path,
     archive: &mut zip::ZipArchive<R>,
     index: usize,
     cap: usize,
+    archive_len: u64,
+    limits: &Limits,
 ) -> Result<Vec<u8>, ReadError> {
     let mut f = archive.by_index(index).map_err(|e| zip_error(path, e))?;
     let name = String::from_utf8_lossy(f.name_raw()).into_owned();
     let declared = f.size();
+    let compressed = f.compressed_size().min(archive_len);
+    let (cap, bomb) = match f.compression() {
+        zip::CompressionMethod::Stored => (cap, String::new()),
+        _ => {
+            let c = limits.inflate_cap(compressed, cap);
+            let why = if c < cap {
+                format!(
+                    " (deflated from {compressed} bytes: at most {}:1 is inflated)",
+                    limits.max_inflate_ratio
+                )
+            } else {
+                String::new()
+            };
+            (c, why)
+        }
+    };
     if declared > cap as u64 {
         return Err(ReadError::TooLarge {
             path: path.to_path_buf(),
-            what: format!("zip member {name} of {declared} bytes"),
+            what: format!("zip member {name} of {declared} bytes{bomb}"),
             limit: cap,
         });
     }
@@ -151,7 +187,7 @@ pub(crate) fn read_member<R: Read + Seek>(
     if out.len() > cap {
         return Err(ReadError::TooLarge {
             path: path.to_path_buf(),
-            what: format!("zip member {name}"),
+            what: format!("zip member {name}{bomb}"),
             limit: cap,
         });
     }
@@ -161,8 +197,13 @@ pub(crate) fn read_member<R: Read + Seek>(
 fn torch_from_zip<R: Read + Seek>(
     path: &Path,
     reader: R,
+    archive_len: u64,
     limits: &Limits,
 ) -> Result<Value, ReadError> {
+    let limits = &Limits {
+        max_view_copy_bytes: limits.view_copy_budget(archive_len),
+        ..limits.clone()
+    };
     let mut archive = zip::ZipArchive::new(reader).map_err(|e| zip_error(path, e))?;
     // torch writes `<archive_name>/data.pkl`; the folder name varies ("archive", the file
     // stem), so take the one data.pkl at depth 0 or 1.
@@ -200,7 +241,7 @@ fn torch_from_zip<R: Read + Seek>(
         }
     };
     if let Some(i) = archive.index_for_name(&format!("{prefix}byteorder")) {
-        let order = read_member(path, &mut archive, i, 64)?;
+        let order = read_member(path, &mut archive, i, 64, archive_len, limits)?;
         if order.trim_ascii() != b"little" {
             return Err(ReadError::Format {
                 path: path.to_path_buf(),
@@ -211,10 +252,18 @@ fn torch_from_zip<R: Read + Seek>(
             });
         }
     }
-    let pkl = read_member(path, &mut archive, pkl_index, limits.max_pickle_bytes)?;
+    let pkl = read_member(
+        path,
+        &mut archive,
+        pkl_index,
+        limits.max_pickle_bytes,
+        archive_len,
+        limits,
+    )?;
     let mut source = ZipStorages {
         path,
         archive: &mut archive,
+        archive_len,
         prefix: &prefix,
         limits,
     };
@@ -224,6 +273,7 @@ fn torch_from_zip<R: Read + Seek>(
 struct ZipStorages<'a, R> {
     path: &'a Path,
     archive: &'a mut zip::ZipArchive<R>,
+    archive_len: u64,
     prefix: &'a str,
     limits: &'a Limits,
 }
@@ -268,8 +318,20 @@ impl<R: Read + Seek> StorageSource for ZipStorages<'_, R> {
                 limit: self.limits.max_file_bytes,
             });
         }
-        let bytes = read_member(self.path, self.archive, index, expected).map_err(|e| match e {
-            ReadError::TooLarge { .. } => mismatch(expected.saturating_add(1)),
+        let bytes = read_member(
+            self.path,
+            self.archive,
+            index,
+            expected,
+            self.archive_len,
+            self.limits,
+        )
+        .map_err(|e| match e {
+            // The entry holds more than its header said (the cap was the expected size itself);
+            // a smaller cap is the inflate-ratio limit, reported as it is.
+            ReadError::TooLarge { limit, .. } if limit == expected => {
+                mismatch(expected.saturating_add(1))
+            }
             other => other,
         })?;
         if bytes.len() != expected {

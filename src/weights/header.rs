@@ -1,23 +1,23 @@
 //! safetensors headers read without trusting them, and model directories resolved to shards.
 //!
 //! The gate reads headers only (no weights), so a 671B directory is checked in milliseconds.
-//! Every size comes from untrusted bytes and is checked against the file's real length.
+//! Every size comes from untrusted bytes and is checked against the file's real length, by the
+//! one header parser ([`crate::readers::safetensors_header`]) capture files go through too.
 
 use crate::error::{Error, Result};
+use crate::readers::safetensors_header::{MAX_HEADER_BYTES, StDtype, header_len, parse_header};
 use serde::Deserialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
-
-/// Largest header we accept (the format's own reference reader caps it at 100 MB).
-const MAX_HEADER_BYTES: u64 = 100 * 1024 * 1024;
 
 /// A tensor as a safetensors header declares it, validated against the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {
     pub file: Arc<Path>,
+    /// As the header spells it (`BF16`, `F8_E4M3`, `BOOL`, ...).
     pub dtype: String,
     pub shape: Vec<usize>,
     /// Byte range inside the data section (after the 8-byte length and the header).
@@ -28,93 +28,53 @@ pub struct TensorInfo {
 
 /// Bytes per element of a safetensors dtype, or `None` for one we do not know.
 pub fn dtype_size(dtype: &str) -> Option<usize> {
-    Some(match dtype {
-        "F64" | "I64" | "U64" => 8,
-        "F32" | "I32" | "U32" => 4,
-        "F16" | "BF16" | "I16" | "U16" => 2,
-        "F8_E4M3" | "F8_E5M2" | "I8" | "U8" | "BOOL" => 1,
-        _ => return None,
-    })
+    StDtype::parse(dtype).map(StDtype::size)
 }
 
-#[derive(Deserialize)]
-struct RawEntry {
-    dtype: String,
-    shape: Vec<usize>,
-    data_offsets: (usize, usize),
-}
-
-/// Reads and validates the header of one `.safetensors` file.
+/// Reads and validates the header of one `.safetensors` file (the header only: the data is
+/// never read), through the parser capture files use too.
 pub fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>> {
-    let bad = |message: String| Error::weights(path, message);
+    let header_err = |error| Error::Header {
+        path: path.to_path_buf(),
+        error: Box::new(error),
+    };
     let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
     let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    let mut len_bytes = [0u8; 8];
-    file.read_exact(&mut len_bytes).map_err(|_| {
-        bad(format!(
-            "file of {file_len} bytes is too short for a safetensors header"
-        ))
-    })?;
-    let header_len = u64::from_le_bytes(len_bytes);
-    if header_len > MAX_HEADER_BYTES {
-        return Err(bad(format!(
-            "header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
-        )));
-    }
-    if 8 + header_len > file_len {
-        return Err(bad(format!(
-            "header claims {header_len} bytes but the file holds {file_len} bytes in all"
-        )));
-    }
-    let mut header = vec![0u8; header_len as usize];
+    let mut prefix = [0u8; 8];
+    let got = read_up_to(&mut file, &mut prefix).map_err(|e| Error::io(path, e))?;
+    let header_len = header_len(&prefix[..got], file_len, MAX_HEADER_BYTES).map_err(header_err)?;
+    let mut header = vec![0u8; header_len];
     file.read_exact(&mut header)
         .map_err(|e| Error::io(path, e))?;
-    let data_start = 8 + header_len as usize;
-    let data_len = (file_len - 8 - header_len) as usize;
-    // Entries stay raw until looked at: parsing 90k entries through `Value` costs 5x more.
-    let map: Vec<(String, &serde_json::value::RawValue)> =
-        serde_json::from_slice::<BTreeMap<String, &serde_json::value::RawValue>>(&header)
-            .map_err(|e| bad(format!("header is not a JSON object: {e}")))?
-            .into_iter()
-            .collect();
-    let mut out = Vec::with_capacity(map.len());
+    let data_start = 8 + header_len;
+    let parsed = parse_header(&header, file_len - data_start as u64).map_err(header_err)?;
     let file_name: Arc<Path> = Arc::from(path);
-    for (name, value) in map {
-        if name == "__metadata__" {
-            continue;
-        }
-        let entry: RawEntry = serde_json::from_str(value.get())
-            .map_err(|e| bad(format!("tensor {name}: malformed header entry: {e}")))?;
-        let size = dtype_size(&entry.dtype)
-            .ok_or_else(|| bad(format!("tensor {name}: unknown dtype {}", entry.dtype)))?;
-        let numel = entry
-            .shape
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| bad(format!("tensor {name}: shape {:?} overflows", entry.shape)))?;
-        let bytes = numel
-            .checked_mul(size)
-            .ok_or_else(|| bad(format!("tensor {name}: byte size overflows")))?;
-        let (begin, end) = entry.data_offsets;
-        if begin > end || end > data_len || end - begin != bytes {
-            return Err(bad(format!(
-                "tensor {name}: data_offsets [{begin}, {end}) do not hold {:?} {} ({bytes} bytes) \
-                 inside a data section of {data_len} bytes",
-                entry.shape, entry.dtype
-            )));
-        }
-        out.push((
-            name,
-            TensorInfo {
+    Ok(parsed
+        .entries
+        .into_iter()
+        .map(|e| {
+            let info = TensorInfo {
                 file: file_name.clone(),
-                dtype: entry.dtype,
-                shape: entry.shape,
-                data_offsets: (begin, end),
+                dtype: e.dtype.name().to_string(),
+                shape: e.shape,
+                data_offsets: (e.begin, e.end),
                 data_start,
-            },
-        ));
+            };
+            (e.name, info)
+        })
+        .collect())
+}
+
+/// Reads until `buf` is full or the file ends; returns how many bytes were read.
+fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
     }
-    Ok(out)
+    Ok(n)
 }
 
 #[derive(Deserialize)]
@@ -132,16 +92,21 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
         let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-        let parsed: IndexFile = serde_json::from_str(&text).map_err(|source| Error::Json {
+        let parsed: IndexFile = serde_json::from_str(&text).map_err(|error| Error::Json {
             path: index.clone(),
-            source,
+            error,
         })?;
         let mut files: Vec<String> = parsed.weight_map.into_values().collect();
         files.sort();
         files.dedup();
         let mut out = Vec::with_capacity(files.len());
         for name in files {
-            if name.contains("..") || name.starts_with('/') {
+            // Only plain relative names below the directory: no `..`, no root, no prefix.
+            let inside = !name.is_empty()
+                && Path::new(&name)
+                    .components()
+                    .all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
+            if !inside {
                 return Err(Error::weights(
                     &index,
                     format!("shard name `{name}` leaves the model directory"),

@@ -66,6 +66,14 @@ impl Output {
     }
 }
 
+/// The eagle-check binary: `EAGLE_CHECK_BIN` (the binary beside a carried test binary, see
+/// `root`), else the one cargo built.
+pub fn bin() -> PathBuf {
+    std::env::var_os("EAGLE_CHECK_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_eagle-check")))
+}
+
 pub fn eagle_check<I, S>(args: I) -> Output
 where
     I: IntoIterator<Item = S>,
@@ -81,11 +89,7 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<std::ffi::OsStr>,
 {
-    // EAGLE_CHECK_BIN: the binary beside a carried test binary (see `root`).
-    let bin = std::env::var_os("EAGLE_CHECK_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_eagle-check")));
-    let mut command = Command::new(bin);
+    let mut command = Command::new(bin());
     command.args(args).current_dir(dir);
     for (key, value) in env {
         match value {
@@ -93,7 +97,11 @@ where
             None => command.env_remove(key),
         };
     }
-    let out = command.output().expect("the eagle-check binary runs");
+    output(command.output().expect("the eagle-check binary runs"))
+}
+
+/// The exit code and both streams of a finished process.
+pub fn output(out: std::process::Output) -> Output {
     Output {
         code: out.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
