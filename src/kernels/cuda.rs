@@ -375,27 +375,31 @@ const fn tc(
     }
 }
 
-/// Every tensor-core entry point; the first one matching (dk, dv) is the default, so the tiles
-/// measured before flash_tc2 come first and stay the defaults until the H200 says otherwise.
-/// The `_lean`, `_n64`, `_c64`, `_s3`, `_w8pipe`, `_w8m1` tiles are flash_tc2 (kernels/README.md
-/// has each one's design, registers and expected rate). ptxas (sm_90), registers: d64_v64 222,
-/// d128_v128 250, d128_v128_m1 166, d192_v128 178; d128 lean 242, n64 241, c64 255, s3 242,
-/// w8pipe 192, w8m1 128; d192 lean 244, lean_m1 174, w8m1 128; no stack frame, no spills.
+/// Every tensor-core entry point; the first one matching (dk, dv) is the default, chosen by
+/// measurement on the H200 (BENCHMARKS.md, `device_throughput`, 2026-12-01): d128 `c64`
+/// 252 / 326 / 366 TFLOP/s at T = 2048 / 4096 / 8192 against the first tile's 198 / 244 / 267;
+/// d192 (MLA) `lean` 304 / 344 / 328 against 202 / 214 / 211. The `_lean`, `_n64`, `_c64`, `_s3`,
+/// `_w8pipe`, `_w8m1` tiles are flash_tc2 (kernels/README.md has each one's design, registers
+/// and expected rate); the others are the first kernel, kept for comparison and tests. ptxas
+/// (sm_90), registers: d64_v64 222, d128_v128 250, d128_v128_m1 166, d192_v128 178; d128 lean
+/// 242, n64 241, c64 255, s3 242, w8pipe 192, w8m1 128; d192 lean 244, lean_m1 174, w8m1 128;
+/// no stack frame, no spills.
 pub const TC_CONFIGS: &[TcConfig] = &[
     tc("d64_v64", (64, 64), 2, 4, 64, 2),
-    tc("d128_v128", (128, 128), 2, 4, 32, 2),
-    tc("d128_v128_m1", (128, 128), 1, 4, 64, 2),
-    tc("d192_v128", (192, 128), 1, 4, 64, 2),
     // flash_tc2 (BC, the keys per compute chunk, and PIPE live only in the .cu instantiation).
+    tc("d128_v128_c64", (128, 128), 2, 4, 64, 2),
+    tc("d192_v128_lean", (192, 128), 2, 4, 32, 2),
     tc("d128_v128_lean", (128, 128), 2, 4, 32, 2),
     tc("d128_v128_n64", (128, 128), 2, 4, 64, 2),
-    tc("d128_v128_c64", (128, 128), 2, 4, 64, 2),
     tc("d128_v128_s3", (128, 128), 2, 4, 32, 3),
     tc("d128_v128_w8pipe", (128, 128), 1, 8, 32, 4),
     tc("d128_v128_w8m1", (128, 128), 1, 8, 64, 2),
-    tc("d192_v128_lean", (192, 128), 2, 4, 32, 2),
     tc("d192_v128_lean_m1", (192, 128), 1, 4, 64, 2),
     tc("d192_v128_w8m1", (192, 128), 1, 8, 32, 2),
+    // The first kernel.
+    tc("d128_v128", (128, 128), 2, 4, 32, 2),
+    tc("d128_v128_m1", (128, 128), 1, 4, 64, 2),
+    tc("d192_v128", (192, 128), 1, 4, 64, 2),
 ];
 
 /// Which attention kernel runs.
