@@ -88,6 +88,10 @@ impl ReferenceSource for Counted<'_> {
         self.inner.describe()
     }
 
+    fn device(&self) -> candle_core::Device {
+        self.inner.device()
+    }
+
     fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {
         let states = self.inner.states(tokens);
         self.count += 1;

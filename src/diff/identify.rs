@@ -4,8 +4,9 @@
 //! and norm ratio say how exact the match is and catch scale bugs cosine cannot see.
 
 use crate::diff::reference::RefStates;
-use crate::diff::score::{Pairing, Score, View, non_finite, score_all};
+use crate::diff::score::{PairSums, Pairing, Score, View, non_finite, pair_sums, score_all};
 use crate::tolerance::{CaptureTolerance, identification_angle};
+use candle_core::{Device, Tensor};
 use serde::Serialize;
 
 /// What a slot was found to hold, beyond its boundary.
@@ -95,7 +96,8 @@ pub fn no_residual_deltas(refs: &RefStates) -> Vec<Option<Vec<f32>>> {
         .collect()
 }
 
-/// Identifies one slot `x` (a view of `rows` x `width`) against every candidate of `refs`.
+/// Identifies one slot `x` (a view of `rows` x `width`) against every candidate of `refs`, on
+/// the CPU.
 pub fn identify_slot<'a>(
     slot: usize,
     x: View<'a>,
@@ -103,121 +105,258 @@ pub fn identify_slot<'a>(
     deltas: &'a [Option<Vec<f32>>],
     tol: &CaptureTolerance,
 ) -> SlotId {
-    let (h, l) = (refs.hidden_size, refs.num_layers);
-    let rows = refs.rows();
-    let width = x.cols;
-    let shard_tp = (width < h && width > 0 && h % width == 0).then(|| h / width);
-    let cols = width.min(h);
-    let view = |data: &'a [f32]| -> View<'a> {
+    let mut id = identify_slots(&[x], refs, deltas, tol, &Device::Cpu)
+        .pop()
+        .expect("one slot in, one identification out");
+    id.slot = slot;
+    id
+}
+
+/// Every candidate reference state of a sample: the states (each `[rows, H]`) and the
+/// candidates that pair a captured row with a row of one of them.
+struct Candidates<'a> {
+    states: Vec<&'a [f32]>,
+    /// (what it is, which state, shift: captured row t pairs with state row t + shift)
+    list: Vec<(Candidate, usize, isize)>,
+}
+
+impl<'a> Candidates<'a> {
+    fn of(refs: &'a RefStates, deltas: &'a [Option<Vec<f32>>]) -> Candidates<'a> {
+        let l = refs.num_layers;
+        let mut c = Candidates {
+            states: Vec::new(),
+            list: Vec::new(),
+        };
+        let mut add = |data: &'a [f32], found: &[(usize, State, isize)]| {
+            c.states.push(data);
+            let q = c.states.len() - 1;
+            for &(boundary, state, shift) in found {
+                c.list.push((Candidate { boundary, state }, q, shift));
+            }
+        };
+        for (b, data) in refs.boundaries.iter().enumerate() {
+            let Some(data) = data else { continue };
+            let state = if b == l {
+                State::PostNorm
+            } else {
+                State::Residual
+            };
+            add(
+                data,
+                &[
+                    (b, state, 0),
+                    (b, State::Shifted(1), 1),
+                    (b, State::Shifted(-1), -1),
+                ],
+            );
+        }
+        if let Some(data) = &refs.final_pre_norm {
+            add(
+                data,
+                &[
+                    (l, State::PreNorm, 0),
+                    (l, State::Shifted(1), 1),
+                    (l, State::Shifted(-1), -1),
+                ],
+            );
+        }
+        for b in 1..=l {
+            match (refs.no_residual.get(b), deltas.get(b)) {
+                (Some(Some(data)), _) | (_, Some(Some(data))) => {
+                    add(data, &[(b, State::NoResidual, 0)])
+                }
+                _ => {}
+            }
+        }
+        c
+    }
+
+    /// State `q` as a view of its first `cols` columns.
+    fn view(&self, q: usize, rows: usize, h: usize, cols: usize) -> View<'a> {
         View {
-            data,
+            data: self.states[q],
             rows,
             stride: h,
             col: 0,
             cols,
         }
-    };
+    }
 
-    let mut cands: Vec<(Candidate, Pairing)> = Vec::new();
-    let mut add = |boundary: usize, state: State, data: &'a [f32], shift: isize| {
-        cands.push((
-            Candidate { boundary, state },
-            Pairing {
-                reference: view(data),
-                shift,
-            },
-        ));
-    };
-    for (b, data) in refs.boundaries.iter().enumerate() {
-        let Some(data) = data else { continue };
-        add(
-            b,
-            if b == l {
-                State::PostNorm
-            } else {
-                State::Residual
-            },
-            data,
-            0,
-        );
-        add(b, State::Shifted(1), data, 1);
-        add(b, State::Shifted(-1), data, -1);
-    }
-    if let Some(data) = &refs.final_pre_norm {
-        add(l, State::PreNorm, data, 0);
-        add(l, State::Shifted(1), data, 1);
-        add(l, State::Shifted(-1), data, -1);
-    }
-    for b in 1..=l {
-        match (refs.no_residual.get(b), deltas.get(b)) {
-            (Some(Some(data)), _) => add(b, State::NoResidual, data, 0),
-            (_, Some(Some(data))) => add(b, State::NoResidual, data, 0),
-            _ => {}
+    /// The sums of every slot of `xs` against `pairs` (state, shift): [`pair_sums`] on the CPU,
+    /// kernels/score.cu on a CUDA device (the data uploaded per sample).
+    fn sums(
+        &self,
+        xs: &[View],
+        pairs: &[(usize, isize)],
+        (rows, h, cols): (usize, usize, usize),
+        device: &Device,
+    ) -> Vec<PairSums> {
+        if !device.is_cpu() {
+            match self.sums_on(xs, pairs, (rows, h, cols), device) {
+                Ok(sums) => return sums,
+                Err(e) => eprintln!("warning: scoring on the GPU failed ({e}); scoring on the CPU"),
+            }
         }
+        let states: Vec<View> = (0..self.states.len())
+            .map(|q| self.view(q, rows, h, cols))
+            .collect();
+        pair_sums(xs, &states, pairs)
     }
-    let x = View {
-        rows: x.rows.min(rows),
-        ..x
-    }
-    .columns(0, cols);
-    let pairings: Vec<Pairing> = cands.iter().map(|(_, p)| *p).collect();
-    let scores = score_all(x, &pairings);
 
-    let mut order: Vec<usize> = (0..scores.len()).collect();
-    order.sort_by(|&a, &b| scores[b].cosine.total_cmp(&scores[a].cosine));
-    let best_i = order.first().copied().unwrap_or(0);
-    let best = cands.get(best_i).map(|c| c.0).unwrap_or(Candidate {
-        boundary: 0,
-        state: State::Residual,
-    });
-    let score = scores.get(best_i).copied().unwrap_or_default();
-    let runner = order.iter().copied().find(|&i| cands[i].0 != best);
-    let margin = runner.map_or(1.0, |i| score.cosine - scores[i].cosine);
-    let neighbour_margin = cands
-        .iter()
-        .enumerate()
-        .filter(|(_, (c, _))| {
-            c.state == best.state
-                && (c.boundary + 1 == best.boundary || best.boundary + 1 == c.boundary)
-        })
-        .map(|(i, _)| scores[i].cosine)
-        .reduce(f64::max)
-        .map(|n| score.cosine - n);
-    // How far `best` lies from every other candidate, in the captured rows' alignment: the
-    // best candidate's reference rows scored against the others, shifts taken relative.
-    let nearest = cands.get(best_i).map_or(1.0, |(_, bp)| {
-        let others: Vec<Pairing> = cands
+    fn sums_on(
+        &self,
+        xs: &[View],
+        pairs: &[(usize, isize)],
+        (rows, h, cols): (usize, usize, usize),
+        device: &Device,
+    ) -> candle_core::Result<Vec<PairSums>> {
+        let x_rows = xs.iter().map(|x| x.rows).min().unwrap_or(0);
+        let mut host = Vec::with_capacity(x_rows * xs.len() * cols);
+        for t in 0..x_rows {
+            for x in xs {
+                host.extend_from_slice(x.row(t));
+            }
+        }
+        let x = Tensor::from_vec(host, (x_rows, xs.len() * cols), device)?;
+        let states = self
+            .states
+            .iter()
+            .map(|s| Tensor::from_slice(&s[..rows * h], (rows, h), device))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let refs = Tensor::stack(&states, 0)?;
+        crate::kernels::score::score_slots(&x, xs.len(), cols, &refs, pairs)
+    }
+}
+
+/// Identifies every slot of one sample (views of equal width) against every candidate of
+/// `refs`. The candidates are ranked by sums from one matrix-product pass over all of them
+/// (`device`: where that pass runs); the best one is then rescored in f64 throughout, so its
+/// relative error keeps full precision.
+pub fn identify_slots<'a>(
+    xs: &[View<'a>],
+    refs: &'a RefStates,
+    deltas: &'a [Option<Vec<f32>>],
+    tol: &CaptureTolerance,
+    device: &Device,
+) -> Vec<SlotId> {
+    let (h, rows) = (refs.hidden_size, refs.rows());
+    let Some(width) = xs.first().map(|x| x.cols) else {
+        return Vec::new();
+    };
+    if xs.iter().any(|x| x.cols != width) {
+        // Slots of different widths score apart.
+        return xs
             .iter()
             .enumerate()
-            .filter(|&(i, (c, _))| i != best_i && *c != best)
-            .map(|(_, (_, p))| Pairing {
-                reference: p.reference,
-                shift: p.shift - bp.shift,
+            .map(|(i, x)| {
+                let mut id = identify_slots(&[*x], refs, deltas, tol, device)
+                    .pop()
+                    .expect("one slot in, one identification out");
+                id.slot = i;
+                id
             })
             .collect();
-        score_all(bp.reference, &others)
+    }
+    let shard_tp = (width < h && width > 0 && h % width == 0).then(|| h / width);
+    let cols = width.min(h);
+    let cands = Candidates::of(refs, deltas);
+    let pairs: Vec<(usize, isize)> = cands.list.iter().map(|&(_, q, d)| (q, d)).collect();
+    let xs: Vec<View> = xs
+        .iter()
+        .map(|x| {
+            View {
+                rows: x.rows.min(rows),
+                ..*x
+            }
+            .columns(0, cols)
+        })
+        .collect();
+    let shape = (rows, h, cols);
+    let sums = cands.sums(&xs, &pairs, shape, device);
+    let n = pairs.len();
+    let pairing = |j: usize| {
+        let (_, q, shift) = cands.list[j];
+        Pairing {
+            reference: cands.view(q, rows, h, cols),
+            shift,
+        }
+    };
+
+    // How far candidate j lies from every other candidate, in the captured rows' alignment:
+    // its reference rows scored against the others, shifts taken relative (once per distinct
+    // best candidate of the sample).
+    let mut nearest_of: Vec<Option<f64>> = vec![None; n];
+    let mut nearest = |j: usize| -> f64 {
+        if let Some(v) = nearest_of[j] {
+            return v;
+        }
+        let (best, q, shift) = cands.list[j];
+        let others: Vec<(usize, isize)> = cands
+            .list
+            .iter()
+            .enumerate()
+            .filter(|&(i, (c, _, _))| i != j && *c != best)
+            .map(|(_, &(_, p, d))| (p, d - shift))
+            .collect();
+        let v = cands
+            .sums(&[cands.view(q, rows, h, cols)], &others, shape, device)
             .iter()
             .filter(|s| s.rows > 0)
-            .map(|s| s.cosine)
-            .fold(-1.0, f64::max)
-    });
-    let identify_angle = identification_angle(nearest, tol.noise_angle);
-    let identified = score.cosine.clamp(-1.0, 1.0).acos() <= identify_angle;
-    SlotId {
-        slot,
-        found: identified.then_some(best),
-        best,
-        score,
-        runner_up: runner.map(|i| cands[i].0),
-        margin,
-        neighbour_margin,
-        non_finite: non_finite(x),
-        shard_tp,
-        scaled: identified && (score.norm_ratio - 1.0).abs() > tol.scale,
-        exact: score.rel_err <= tol.rel_err,
-        identify_angle,
-        ambiguous: nearest.clamp(-1.0, 1.0).acos() / 2.0 < tol.noise_angle,
-    }
+            .map(|s| s.score().cosine)
+            .fold(-1.0, f64::max);
+        nearest_of[j] = Some(v);
+        v
+    };
+
+    xs.iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            let scores: Vec<Score> = sums[i * n..(i + 1) * n].iter().map(|s| s.score()).collect();
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by(|&a, &b| scores[b].cosine.total_cmp(&scores[a].cosine));
+            let best_i = order.first().copied();
+            let best = best_i.map_or(
+                Candidate {
+                    boundary: 0,
+                    state: State::Residual,
+                },
+                |j| cands.list[j].0,
+            );
+            // The best pair again, in f64 throughout.
+            let score = best_i.map_or_else(Score::default, |j| score_all(x, &[pairing(j)])[0]);
+            let runner = order.iter().copied().find(|&j| cands.list[j].0 != best);
+            let margin = runner.map_or(1.0, |j| score.cosine - scores[j].cosine);
+            let neighbour_margin = cands
+                .list
+                .iter()
+                .enumerate()
+                .filter(|(_, (c, _, _))| {
+                    c.state == best.state
+                        && (c.boundary + 1 == best.boundary || best.boundary + 1 == c.boundary)
+                })
+                .map(|(j, _)| scores[j].cosine)
+                .reduce(f64::max)
+                .map(|v| score.cosine - v);
+            let nearest = best_i.map_or(1.0, &mut nearest);
+            let identify_angle = identification_angle(nearest, tol.noise_angle);
+            let identified = score.cosine.clamp(-1.0, 1.0).acos() <= identify_angle;
+            SlotId {
+                slot: i,
+                found: identified.then_some(best),
+                best,
+                score,
+                runner_up: runner.map(|j| cands.list[j].0),
+                margin,
+                neighbour_margin,
+                non_finite: non_finite(x),
+                shard_tp,
+                scaled: identified && (score.norm_ratio - 1.0).abs() > tol.scale,
+                exact: score.rel_err <= tol.rel_err,
+                identify_angle,
+                ambiguous: nearest.clamp(-1.0, 1.0).acos() / 2.0 < tol.noise_angle,
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

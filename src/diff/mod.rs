@@ -14,7 +14,7 @@ use crate::readers::{Format, HostTensor, Sample, capture_files, read_capture_pat
 use crate::report::{CaptureReport, CaptureSlot, Finding, FindingName, Report, ThreeWayRow};
 use crate::spec::Spec;
 use crate::tolerance::CaptureTolerance;
-use identify::{SlotId, State, identify_slot, no_residual_deltas};
+use identify::{SlotId, State, identify_slot, identify_slots, no_residual_deltas};
 use reference::ReferenceSource;
 use score::View;
 use std::collections::BTreeMap;
@@ -356,9 +356,9 @@ fn identify_sample(
     stats.reference_seconds += start.elapsed().as_secs_f64();
     let start = Instant::now();
     let deltas = no_residual_deltas(&refs);
-    let mut ids: Vec<SlotId> = (0..slots.count)
-        .map(|i| identify_slot(i, slots.view(i), &refs, &deltas, &tol))
-        .collect();
+    let device = reference.device();
+    let views: Vec<View> = (0..slots.count).map(|i| slots.view(i)).collect();
+    let mut ids: Vec<SlotId> = identify_slots(&views, &refs, &deltas, &tol, &device);
     // vLLM extract_hidden_states files end with the state after the last layer when the ids
     // asked for L (speculators appends it by default, Model-Optimizer's vLLM dump always): the
     // training target, not an fc input. One slot more than the spec, holding b = L, is that.

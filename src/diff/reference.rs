@@ -35,6 +35,10 @@ pub trait ReferenceSource {
     fn describe(&self) -> String;
     /// Reference states for exactly these tokens.
     fn states(&mut self, tokens: &[i64]) -> Result<RefStates>;
+    /// Where the scoring against these states runs: the runner's device, else the CPU.
+    fn device(&self) -> candle_core::Device {
+        candle_core::Device::Cpu
+    }
 }
 
 /// The target model, run here on each sample's tokens.
@@ -67,6 +71,10 @@ impl ReferenceSource for RunnerReference {
             self.target.cfg.model_type,
             self.path.display()
         )
+    }
+
+    fn device(&self) -> candle_core::Device {
+        self.target.model.embed_tokens().device().clone()
     }
 
     fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {

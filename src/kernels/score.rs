@@ -1,25 +1,10 @@
 //! The diff engine's scoring on the GPU (kernels/score.cu): every captured slot against every
 //! candidate reference state in one pass, returning the sums `x.x`, `x.c`, `c.c` and the row
-//! count per (slot, candidate), from which [`Score::from_sums`] derives cosine, relative error
+//! count per (slot, candidate), from which [`crate::diff::score::Score::from_sums`] derives cosine, relative error
 //! and norm ratio exactly as [`crate::diff::score::score_all`] does.
 
-use crate::diff::score::Score;
+pub use crate::diff::score::PairSums;
 use candle_core::{DType, Device, Result, Tensor};
-
-/// The three sums of one (slot, candidate) pair over the rows both cover.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct PairSums {
-    pub xx: f64,
-    pub xc: f64,
-    pub cc: f64,
-    pub rows: usize,
-}
-
-impl PairSums {
-    pub fn score(&self) -> Score {
-        Score::from_sums(self.xx, self.xc, self.cc, self.rows)
-    }
-}
 
 /// Where the slots and the reference states sit.
 #[derive(Clone, Copy, Debug)]
@@ -77,6 +62,38 @@ pub fn score_slots_ref(
     out
 }
 
+/// The CPU form of [`score_slots`] on host buffers laid out as [`score_slots_ref`] takes them:
+/// [`crate::diff::score::pair_sums`], the matrix-product pass (f32 products summed per row,
+/// rows in f64), so it agrees with the reference to about 1e-6 relative, as the GPU does.
+pub fn score_slots_cpu(
+    x: &[f32],
+    refs: &[f32],
+    s: &ScoreShape,
+    candidates: &[(usize, isize)],
+) -> Vec<PairSums> {
+    use crate::diff::score::{View, pair_sums};
+    let xs: Vec<View> = (0..s.slots)
+        .map(|slot| View {
+            data: x,
+            rows: s.rows,
+            stride: s.x_stride,
+            col: slot * s.cols,
+            cols: s.cols,
+        })
+        .collect();
+    let per_state = s.ref_rows * s.ref_stride;
+    let states: Vec<View> = (0..s.n_states)
+        .map(|q| View {
+            data: &refs[q * per_state..(q + 1) * per_state],
+            rows: s.ref_rows,
+            stride: s.ref_stride,
+            col: 0,
+            cols: s.cols,
+        })
+        .collect();
+    pair_sums(&xs, &states, candidates)
+}
+
 /// Scores `slots` slots of `cols` columns of `x`: `[rows, >= slots * cols]` f32 (any row
 /// stride) against `refs`: `[n_states, ref_rows, >= cols]` f32 for every candidate
 /// `(state, shift)`. Returns the sums slot-major (`[slots, candidates]`), on the host.
@@ -125,7 +142,7 @@ pub fn score_slots(
             };
             drop(xs);
             let rv = refs.flatten_all()?.to_vec1::<f32>()?;
-            Ok(score_slots_ref(&xv, &rv, &shape, candidates))
+            Ok(score_slots_cpu(&xv, &rv, &shape, candidates))
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(dev) => score_on_gpu(dev, x, &refs, &shape, candidates),
@@ -240,14 +257,13 @@ mod tests {
         let (rows, cols, slots, ref_rows, n_states) = (37, 24, 3, 38, 5);
         let (x, refs) = case(rows, cols, slots, ref_rows, n_states, 1);
         let cands = candidates(n_states);
-        let got = score_slots(
+        let got = reference_of(
             &x.narrow(1, 1, slots * cols).unwrap(),
             slots,
             cols,
             &refs,
             &cands,
-        )
-        .unwrap();
+        );
         let xv = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let rv = refs.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let xview = View {
@@ -297,6 +313,76 @@ mod tests {
         assert!(score_slots(&x, slots, cols, &refs, &[(5, 0)]).is_err());
     }
 
+    /// [`score_slots_ref`] on the buffers [`score_slots`] would read.
+    fn reference_of(
+        x: &Tensor,
+        slots: usize,
+        cols: usize,
+        refs: &Tensor,
+        cands: &[(usize, isize)],
+    ) -> Vec<PairSums> {
+        let x = x.to_device(&Device::Cpu).unwrap();
+        let refs = refs.to_device(&Device::Cpu).unwrap();
+        let (rows, _) = x.dims2().unwrap();
+        let (n_states, ref_rows, ref_cols) = refs.dims3().unwrap();
+        let xm = crate::kernels::Matrix::of(x.layout(), "x").unwrap();
+        let (xs, _) = x.storage_and_layout();
+        let xv = match &*xs {
+            candle_core::Storage::Cpu(c) => xm
+                .slice(c.as_slice::<f32>().unwrap(), "x")
+                .unwrap()
+                .to_vec(),
+            _ => unreachable!(),
+        };
+        let shape = ScoreShape {
+            rows,
+            cols,
+            slots,
+            x_stride: xm.stride,
+            n_states,
+            ref_rows,
+            ref_stride: ref_cols,
+        };
+        let rv = refs.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        score_slots_ref(&xv, &rv, &shape, cands)
+    }
+
+    /// f32 products summed per row (the CPU pass, the GPU's per-thread partials) against f64
+    /// sums: a few f32 ulps of the partial sums' size. For the cross term that size is
+    /// sqrt(xx * cc) (it may cancel to near 0), so the bound is relative to it: a cosine error
+    /// of at most 1e-5.
+    fn assert_sums_close(got: &[PairSums], want: &[PairSums]) {
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_eq!(g.rows, w.rows, "pair {i}");
+            let scale = (w.xx * w.cc).sqrt();
+            for (a, b, size) in [(g.xx, w.xx, w.xx), (g.xc, w.xc, scale), (g.cc, w.cc, w.cc)] {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + size), "pair {i}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// The CPU pass (`score_slots` on the CPU: the matrix-product form) against the scalar
+    /// reference, over ragged shapes, shifts beyond the rows, non-finite captured values and
+    /// more captured than reference rows.
+    #[test]
+    fn cpu_pass_matches_reference() {
+        for &(rows, cols, slots, ref_rows, n_states) in &[
+            (1, 1, 1, 1, 1),
+            (37, 24, 3, 38, 5),
+            (40, 9, 2, 38, 3),
+            (45, 7, 2, 38, 2),
+            (300, 1000, 4, 301, 9),
+        ] {
+            let (x, refs) = case(rows, cols, slots, ref_rows, n_states, 5);
+            let cands = candidates(n_states);
+            let xw = x.narrow(1, 2, slots * cols).unwrap();
+            let got = score_slots(&xw, slots, cols, &refs, &cands).unwrap();
+            let want = reference_of(&xw, slots, cols, &refs, &cands);
+            assert_sums_close(&got, &want);
+        }
+    }
+
     #[cfg(feature = "cuda")]
     #[test]
     fn device_matches_reference() {
@@ -312,7 +398,7 @@ mod tests {
             let (x, refs) = case(rows, cols, slots, ref_rows, n_states, 3);
             let cands = candidates(n_states);
             let xw = x.narrow(1, 2, slots * cols).unwrap();
-            let want = score_slots(&xw, slots, cols, &refs, &cands).unwrap();
+            let want = reference_of(&xw, slots, cols, &refs, &cands);
             let xg = x
                 .to_device(&gpu)
                 .unwrap()
@@ -320,17 +406,7 @@ mod tests {
                 .unwrap();
             let got =
                 score_slots(&xg, slots, cols, &refs.to_device(&gpu).unwrap(), &cands).unwrap();
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(g.rows, w.rows, "pair {i}");
-                // f32 per-thread partials under a double reduction against f64 sums: a few f32
-                // ulps of the partial sums' size. For the cross term that size is
-                // sqrt(xx * cc) (it may cancel to near 0), so the bound is relative to it: a
-                // cosine error of at most 1e-5.
-                let scale = (w.xx * w.cc).sqrt();
-                for (a, b, size) in [(g.xx, w.xx, w.xx), (g.xc, w.xc, scale), (g.cc, w.cc, w.cc)] {
-                    assert!((a - b).abs() <= 1e-5 * (1.0 + size), "pair {i}: {a} vs {b}");
-                }
-            }
+            assert_sums_close(&got, &want);
         }
     }
 }
