@@ -3,6 +3,10 @@
 //! identification scoring. A random 3-layer Llama (H 1024, GQA 8/2, MLP 1024) stands in for the
 //! target; captures hold its true boundaries [1, 2, 3], so every slot is identified in full.
 //! Samples: EAGLE_CHECK_BENCH_SAMPLES (default 1000); 10 distinct sequences, hard-linked.
+//! EAGLE_CHECK_BENCH_DEVICES (default `cpu`; `cpu,cuda` in a `cuda` build) runs the same diff
+//! once per device, each with that device's default dtype (f32 on the CPU, bf16 on the GPU), so
+//! the GPU's samples/s is read against the CPU's in one run. EAGLE_CHECK_BENCH_DIR moves the
+//! scratch directory (default `target/bench-scratch/diff` in the checkout).
 
 use candle_core::{DType, Device, Tensor};
 use eagle_check::diff::reference::{ReferenceSource, RunnerReference};
@@ -87,7 +91,12 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(1000);
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench-scratch/diff");
+    let root = std::env::var_os("EAGLE_CHECK_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench-scratch/diff")
+        });
+    let devices = std::env::var("EAGLE_CHECK_BENCH_DEVICES").unwrap_or_else(|_| "cpu".into());
     let _ = std::fs::remove_dir_all(&root);
     let target = root.join("target");
     write_target(&target);
@@ -134,16 +143,36 @@ fn main() {
     std::fs::write(&spec_path, format!("name: bench\ntarget: {{ num_hidden_layers: {L}, hidden_size: {H} }}\ncapture: {{ boundaries: [1, 2, 3] }}\n")).unwrap();
     let spec = Spec::load(&spec_path).unwrap();
 
+    for name in devices.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        let (device, dtype) = match name {
+            "cpu" => (Device::Cpu, DType::F32),
+            "cuda" => (Device::new_cuda(0).unwrap(), DType::BF16),
+            other => panic!("EAGLE_CHECK_BENCH_DEVICES: unknown device {other:?} (cpu, cuda)"),
+        };
+        bench_on(&spec, &captures, &target, samples, name, &device, dtype);
+    }
+}
+
+/// One timed diff of every capture against the target run on `device`.
+fn bench_on(
+    spec: &Spec,
+    captures: &Path,
+    target: &Path,
+    samples: usize,
+    name: &str,
+    device: &Device,
+    dtype: DType,
+) {
     let mut reference = RunnerReference {
-        target: loaded,
-        path: target,
+        target: open_target(target, dtype, device).unwrap(),
+        path: target.to_path_buf(),
         forward_seconds: 0.0,
     };
     let start = Instant::now();
     let (report, stats) = diff(
         &DiffInput {
-            spec: &spec,
-            captures: &[captures],
+            spec,
+            captures: &[captures.to_path_buf()],
             feed: None,
             arch: None,
         },
@@ -151,11 +180,15 @@ fn main() {
     )
     .unwrap();
     let wall = start.elapsed().as_secs_f64();
-    assert_eq!(report.exit_code(), 0, "bench captures must be consistent");
+    assert_eq!(
+        report.exit_code(),
+        0,
+        "bench captures must be consistent on {name}"
+    );
     assert_eq!(stats.samples, samples);
     let _ = reference.num_layers();
     println!(
-        "diff: {samples} samples, T = {T}, H = {H}, k = 3, target L = {L} (CPU, {} threads)",
+        "diff: {samples} samples, T = {T}, H = {H}, k = 3, target L = {L} ({name}, {dtype:?}, {} CPU threads)",
         candle_core::utils::get_num_threads()
     );
     println!(

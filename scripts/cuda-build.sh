@@ -5,6 +5,7 @@
 #   bins/eagle_check-lib      the library's unit tests (the kernel device tests among them)
 #   bins/main-tests           the integration tests (tests/main.rs)
 #   bins/gpu-bench            the GPU capture bench (benches/gpu.rs; benches/gpu/run.sh drives it)
+#   bins/diff-bench           the diff bench (benches/diff.rs), run on the CPU and the GPU
 #
 # What it does:
 #   1. .cuda/: a venv with nvcc and the CUDA 13.0 libraries from PyPI, pinned (the GPU
@@ -91,15 +92,19 @@ for line in sys.stdin:
 }
 lib_tests=$(test_binary eagle_check lib)
 main_tests=$(test_binary main test)
-bench_json=$(cargo bench --features cuda --bench gpu --no-run --message-format=json)
-gpu_bench=$(python3 -c '
+bench_json=$(cargo bench --features cuda --bench gpu --bench diff --no-run --message-format=json)
+bench_binary() { # $1: bench name
+    python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "gpu" \
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == sys.argv[1] \
             and m.get("executable"):
         print(m["executable"])
-' <<<"$bench_json")
+' "$1" <<<"$bench_json"
+}
+gpu_bench=$(bench_binary gpu)
+diff_bench=$(bench_binary diff)
 
 # 5. Strip and pack.
 carry=target/gpu-carry
@@ -108,6 +113,7 @@ cp target/cuda/release/eagle-check "$carry/bins/eagle-check"
 cp "$lib_tests" "$carry/bins/eagle_check-lib"
 cp "$main_tests" "$carry/bins/main-tests"
 cp "$gpu_bench" "$carry/bins/gpu-bench"
+cp "$diff_bench" "$carry/bins/diff-bench"
 strip "$carry"/bins/*
 tar -C "$carry" -cf - bins | xz -9 -T0 >"$carry/bins.tar.xz"
 ls -l "$carry"/bins/* "$carry/bins.tar.xz" | awk '{printf "%10d  %s\n", $5, $NF}'
