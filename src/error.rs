@@ -67,6 +67,11 @@ pub enum Error {
     /// An HF Hub id (`org/name`) the local HF cache cannot resolve; eagle-check never downloads.
     #[error("{id}: {message}")]
     Hub { id: String, message: String },
+    /// The probe cannot tell layouts apart: the drafter predicts no better from any layout
+    /// than from features of the wrong positions (random weights, or not an EAGLE-3 drafter
+    /// of this target).
+    #[error("{path}: {message}")]
+    NoSignal { path: PathBuf, message: String },
     /// A device the build or the machine cannot provide.
     #[error("{0}")]
     Device(String),

@@ -2,7 +2,7 @@
 //!
 //! Data flows one way: configs and spec are resolved ([`config`], [`spec`], [`engine`]) ->
 //! models compute captures ([`model`]) -> the [`judge`] decides -> [`report`] renders. The
-//! commands ([`gate`], [`runner`], [`diff`]) gather evidence and call the judge; none imports
+//! commands ([`gate`], [`runner`], [`diff`], [`probe`]) gather evidence and call the judge; none imports
 //! another.
 
 pub mod boundary;
@@ -19,12 +19,14 @@ pub mod kernels;
 pub mod locate;
 pub mod model;
 pub mod naming;
+pub mod probe;
 pub mod progress;
 pub mod readers;
 pub mod report;
 pub mod runner;
 pub mod spec;
 pub mod spec_init;
+pub mod stats;
 pub mod tokenize;
 pub mod tolerance;
 pub mod weights;

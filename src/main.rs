@@ -11,12 +11,13 @@ use eagle_check::gate::gate;
 use eagle_check::judge::StaticInput;
 use eagle_check::locate::{self, Bundle};
 use eagle_check::model::open_target;
+use eagle_check::probe::{ProbeInput, TokenSet, probe};
 use eagle_check::progress;
 use eagle_check::report::Report;
 use eagle_check::runner::RunInput;
 use eagle_check::spec::Spec;
 use eagle_check::spec_init;
-use eagle_check::tokenize::{Tokenizer, read_token_file};
+use eagle_check::tokenize::{self, Tokenizer, read_token_file};
 use eagle_check::weights::WeightIndex;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -122,6 +123,60 @@ enum Command {
         /// Also generate N greedy tokens after the input and show them (a sanity check).
         #[arg(long, default_value_t = 0)]
         generate: usize,
+        #[command(flatten)]
+        output: OutputArgs,
+    },
+    /// The acceptance probe: what each layout costs in acceptance, and (--search) which layout
+    /// the drafter was trained on, from its weights alone.
+    Probe {
+        /// A bundle directory holding target/, draft/ and spec.yaml (and tokens.txt).
+        bundle: Option<PathBuf>,
+        /// Target model: HF directory, HF cache entry, HF Hub id (org/name) or .gguf file.
+        #[arg(long)]
+        target: Option<PathBuf>,
+        /// Draft model directory or HF Hub id.
+        #[arg(long)]
+        draft: Option<PathBuf>,
+        /// Revision of the HF Hub ids given to --target and --draft (default main).
+        #[arg(long)]
+        revision: Option<String>,
+        /// Capture spec (YAML): the layout training held, if known.
+        #[arg(long)]
+        spec: Option<PathBuf>,
+        /// Engine(s) whose fed layout is judged: NAME[:PATH][@VERSION], or all (default: the
+        /// spec's `engine`, else all).
+        #[arg(long)]
+        engine: Option<String>,
+        /// Token ids, comma-separated.
+        #[arg(long, value_delimiter = ',', conflicts_with_all = ["token_file", "prompt", "prompts"])]
+        tokens: Option<Vec<u32>>,
+        /// A file of token ids: one per line, or a .npy of integers.
+        #[arg(long, conflicts_with_all = ["prompt", "prompts"])]
+        token_file: Option<PathBuf>,
+        /// Text, tokenized with the target's tokenizer.
+        #[arg(long, conflicts_with = "prompts")]
+        prompt: Option<String>,
+        /// A JSON-lines file of prompts: {"prompt": TEXT} (or "text", or "input_ids": [..])
+        /// per line, each a token set of its own.
+        #[arg(long)]
+        prompts: Option<PathBuf>,
+        /// Draft tokens per greedy chain (the accepted length is out of this many).
+        #[arg(long, default_value_t = 3)]
+        steps: usize,
+        /// Search every k-slot layout for the one the drafter predicts the target best from.
+        #[arg(long)]
+        search: bool,
+        /// With --search: write the layout found as a capture spec to this file.
+        #[arg(long, requires = "search")]
+        write_spec: Option<PathBuf>,
+        /// Seed of the bootstrap draws behind every interval.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, value_enum, default_value = "auto")]
+        device: DeviceArg,
+        /// Compute dtype (default: bf16 on a GPU, f32 on the CPU).
+        #[arg(long, value_enum)]
+        dtype: Option<DtypeArg>,
         #[command(flatten)]
         output: OutputArgs,
     },
@@ -343,7 +398,7 @@ fn command_line_error(e: clap::Error) -> ExitCode {
     let text = e.render().to_string();
     let parts: Vec<&str> = match e.kind() {
         ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
-            vec!["no subcommand given (gate, run, engines, diff)"]
+            vec!["no subcommand given (gate, run, probe, diff, engines, spec)"]
         }
         // The `error:` paragraph (its indented lines name the arguments) and any tips.
         _ => text
@@ -548,6 +603,82 @@ fn run(cli: Cli) -> Result<u8> {
             report.sources.spec = Some(spec.path.clone());
             Ok(emit(&report, output))
         }
+        Command::Probe {
+            bundle,
+            target,
+            draft,
+            revision,
+            spec,
+            engine,
+            tokens,
+            token_file,
+            prompt,
+            prompts,
+            steps,
+            search,
+            write_spec,
+            seed,
+            device: device_arg,
+            dtype,
+            output,
+        } => {
+            output.check()?;
+            if steps == 0 {
+                bail!("--steps must be at least 1");
+            }
+            let target = locate_opt(target, revision.as_deref())?;
+            let draft = locate_opt(draft, revision.as_deref())?;
+            let bundle = bundle.as_deref().map(Bundle::open).transpose()?;
+            let target = target
+                .or_else(|| bundle.as_ref().map(|b| b.target.clone()))
+                .context("probe needs a bundle directory or --target")?;
+            let draft = draft
+                .or_else(|| bundle.as_ref().and_then(|b| b.draft.clone()))
+                .context("probe needs a draft: a bundle with draft/, or --draft")?;
+            let spec = spec
+                .or_else(|| bundle.as_ref().and_then(|b| b.spec.clone()))
+                .map(|p| Spec::load(&p))
+                .transpose()?;
+            let engines = match (engine.as_deref(), &spec) {
+                (Some(name), Some(spec)) => pick_engines(Some(name), spec)?,
+                (Some("all") | None, None) => Engine::ALL.map(EngineSel::newest).to_vec(),
+                (Some(name), None) => vec![engine_sel(name)?],
+                (None, Some(spec)) => pick_engines(None, spec)?,
+            };
+            let token_sets = match prompts {
+                Some(file) => {
+                    let dir = locate::resolve_model_dir(&target)?;
+                    let tokenizer = Tokenizer::open(&dir).ok();
+                    tokenize::read_prompts(&file, tokenizer.as_ref())?
+                        .into_iter()
+                        .map(|p| TokenSet {
+                            origin: p.origin,
+                            tokens: p.ids,
+                        })
+                        .collect()
+                }
+                None => {
+                    let (tokens, origin) =
+                        input_tokens(tokens, token_file, prompt, bundle.as_ref(), &target)?;
+                    vec![TokenSet { origin, tokens }]
+                }
+            };
+            let dev = device(device_arg)?;
+            let report = probe(&ProbeInput {
+                target,
+                draft,
+                spec,
+                engines,
+                token_sets,
+                steps,
+                search,
+                write_spec,
+                dtype: compute_dtype(dtype, &dev),
+                device: dev,
+                seed,
+            })?;
+            Ok(emit(&report, output))
+        }
         Command::Run {
             bundle,
             target,
@@ -583,26 +714,8 @@ fn run(cli: Cli) -> Result<u8> {
                     .and_then(|s| s.engine)
                     .context("name the engine that assembles the fc input: --engine NAME or `engine:` in the spec")?,
             };
-            let (tokens, tokens_origin) = match (tokens, token_file, prompt) {
-                (Some(t), _, _) => (t, "--tokens".to_string()),
-                (None, Some(file), _) => (read_token_file(&file)?, file.display().to_string()),
-                (None, None, Some(text)) => {
-                    let dir = locate::resolve_model_dir(&target)?;
-                    let tokenizer = Tokenizer::open(&dir)?;
-                    let ids = tokenizer.encode(&text)?;
-                    if ids.is_empty() {
-                        bail!("--prompt: the text encodes to no tokens");
-                    }
-                    (ids, "--prompt".to_string())
-                }
-                (None, None, None) => match bundle.as_ref().and_then(|b| b.tokens.clone()) {
-                    Some(file) => (read_token_file(&file)?, file.display().to_string()),
-                    None => (
-                        default_tokens(locate::target_config(&target)?.vocab_size),
-                        "the default token sequence".to_string(),
-                    ),
-                },
-            };
+            let (tokens, tokens_origin) =
+                input_tokens(tokens, token_file, prompt, bundle.as_ref(), &target)?;
             let dev = device(device_arg)?;
             let report = eagle_check::runner::run(&RunInput {
                 target,
@@ -619,6 +732,37 @@ fn run(cli: Cli) -> Result<u8> {
             Ok(emit(&report, output))
         }
     }
+}
+
+/// The token ids of `--tokens`, `--token-file` or `--prompt`, else the bundle's tokens.txt, else
+/// the default sequence; with where they came from.
+fn input_tokens(
+    tokens: Option<Vec<u32>>,
+    token_file: Option<PathBuf>,
+    prompt: Option<String>,
+    bundle: Option<&Bundle>,
+    target: &Path,
+) -> Result<(Vec<u32>, String)> {
+    Ok(match (tokens, token_file, prompt) {
+        (Some(t), _, _) => (t, "--tokens".to_string()),
+        (None, Some(file), _) => (read_token_file(&file)?, file.display().to_string()),
+        (None, None, Some(text)) => {
+            let dir = locate::resolve_model_dir(target)?;
+            let tokenizer = Tokenizer::open(&dir)?;
+            let ids = tokenizer.encode(&text)?;
+            if ids.is_empty() {
+                bail!("--prompt: the text encodes to no tokens");
+            }
+            (ids, "--prompt".to_string())
+        }
+        (None, None, None) => match bundle.and_then(|b| b.tokens.clone()) {
+            Some(file) => (read_token_file(&file)?, file.display().to_string()),
+            None => (
+                default_tokens(locate::target_config(target)?.vocab_size),
+                "the default token sequence".to_string(),
+            ),
+        },
+    })
 }
 
 /// A model argument through [`locate::locate_model`]: paths as they are, Hub ids from the cache.

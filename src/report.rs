@@ -32,6 +32,11 @@ pub enum FindingName {
     Refused,
     /// The draft config writes its ids where the engine does not read them.
     IdsNotRead,
+    /// The probe: the drafter predicts measurably better from another layout than from the one
+    /// fed (or the one the spec names).
+    Acceptance,
+    /// The probe: no layout does better than features of the wrong positions.
+    NoSignal,
 }
 
 impl FindingName {
@@ -55,6 +60,8 @@ impl FindingName {
             FindingName::Duplicate => "duplicate",
             FindingName::Refused => "refused",
             FindingName::IdsNotRead => "ids-not-read",
+            FindingName::Acceptance => "acceptance",
+            FindingName::NoSignal => "no-signal",
         }
     }
 }
@@ -193,6 +200,35 @@ pub struct ThreeWayRow {
     pub ok: bool,
 }
 
+/// One layout the acceptance probe tried, with its figures over every probed position.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProbeRow {
+    /// 1 = the lowest cross-entropy against the target's next-token distribution.
+    pub rank: usize,
+    /// `[1, 4, 8 pre-norm]`
+    pub layout: String,
+    pub boundaries: Vec<usize>,
+    /// At b = L: the side of the final norm.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_norm: Option<crate::boundary::FinalNorm>,
+    /// Why it was tried: `spec`, `fed by sglang@0.5.23`, `slot 0 +1`, ...
+    pub labels: Vec<String>,
+    /// First-token acceptance: the draft's greedy token through d2t equals the target's.
+    pub acceptance: crate::stats::Estimate,
+    /// Mean accepted length of a greedy chain of `steps` draft tokens (0..=steps).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub accepted_length: Option<crate::stats::Estimate>,
+    /// Mean cross-entropy (nats) of the first draft step against the target's distribution
+    /// over the draft vocabulary: the ranking statistic.
+    pub cross_entropy: crate::stats::Estimate,
+    /// This layout's cross-entropy minus the best one's, paired over positions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub above_best: Option<crate::stats::Estimate>,
+    /// The best layout's first-token acceptance minus this one's, paired over positions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub below_best: Option<crate::stats::Estimate>,
+}
+
 /// The files a report judged, for renderings that point into them (GitHub annotations).
 #[derive(Debug, Clone, Default)]
 pub struct Sources {
@@ -215,6 +251,9 @@ pub struct Report {
     pub captures: Vec<CaptureReport>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub three_way: Vec<ThreeWayRow>,
+    /// The acceptance probe's layouts, best first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub probe: Vec<ProbeRow>,
     pub findings: Vec<Finding>,
     #[serde(skip)]
     pub sources: Sources,
@@ -229,6 +268,7 @@ impl Report {
             slots: Vec::new(),
             captures: Vec::new(),
             three_way: Vec::new(),
+            probe: Vec::new(),
             findings: Vec::new(),
             sources: Sources::default(),
         }
@@ -409,6 +449,9 @@ impl Report {
                 ]);
             }
             let _ = writeln!(out, "{table}");
+        }
+        if !self.probe.is_empty() {
+            let _ = writeln!(out, "{}", self.probe_table(width));
         }
         const MAX_FILES: usize = 10;
         for capture in self.captures.iter().take(MAX_FILES) {
@@ -600,6 +643,38 @@ impl Report {
                 list(|r| r.fed),
                 list(|r| r.expected),
                 if ok { "ok".into() } else { "MISMATCH".into() },
+            ]);
+        }
+        table
+    }
+}
+
+impl Report {
+    /// The probe's layouts, best first, each figure with its 95% interval.
+    fn probe_table(&self, width: Option<u16>) -> Table {
+        let mut table = new_table(
+            &[
+                "rank",
+                "layout b",
+                "tried as",
+                "first-token acceptance",
+                "accepted length",
+                "cross-entropy",
+                "cross-entropy above best",
+                "acceptance below best",
+            ],
+            width,
+        );
+        for r in &self.probe {
+            table.add_row(vec![
+                r.rank.to_string(),
+                r.layout.clone(),
+                r.labels.join("; "),
+                r.acceptance.words(3),
+                r.accepted_length.map_or("-".into(), |e| e.words(2)),
+                format!("{:.3}", r.cross_entropy.value),
+                r.above_best.map_or("-".into(), |e| e.words(3)),
+                r.below_best.map_or("-".into(), |e| e.words(3)),
             ]);
         }
         table

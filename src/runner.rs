@@ -13,7 +13,7 @@ use crate::model::{
     Capture, CaptureRequest, LoadedTarget, Progress, Target, assemble_fc_input, open_target,
 };
 use crate::naming::{self, DraftTensor};
-use crate::report::{Finding, FindingName, Report, Severity};
+use crate::report::{Finding, FindingName, Report};
 use crate::spec::Spec;
 use crate::weights::WeightIndex;
 use candle_core::{DType, Device, Tensor};
@@ -44,12 +44,6 @@ fn headers(path: &Path) -> Result<Option<WeightIndex>> {
     }
     let index = WeightIndex::open(&dir)?;
     Ok((!index.is_empty()).then_some(index))
-}
-
-/// Findings that make the forward pointless: the checkpoint or the engine cannot run as
-/// configured. Layout faults do not: running shows what they cost.
-fn blocks_forward(f: &Finding) -> bool {
-    f.severity == Severity::Error && matches!(f.name, FindingName::Shape | FindingName::Refused)
 }
 
 /// Runs target and draft and returns the report (and writes `--dump` if asked).
@@ -96,7 +90,7 @@ pub fn run(input: &RunInput) -> Result<Report> {
     report.fact("tokens", input.tokens.len().to_string());
     report.fact("device", format!("{:?}, {:?}", input.device, input.dtype));
     report.fact("fed_b", feed.fed_words());
-    if input.dump.is_none() && report.findings.iter().any(blocks_forward) {
+    if input.dump.is_none() && report.findings.iter().any(judge::blocks_forward) {
         report.fact(
             "forward",
             "not run: the header checks already fail (no weight was loaded)",

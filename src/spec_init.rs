@@ -173,7 +173,7 @@ pub fn init(input: &InitInput) -> Result<String> {
 }
 
 /// A YAML plain scalar, quoted when it could read as something else.
-fn yaml_scalar(text: &str) -> String {
+pub(crate) fn yaml_scalar(text: &str) -> String {
     let plain = !text.is_empty()
         && text
             .chars()
@@ -191,6 +191,11 @@ fn yaml_scalar(text: &str) -> String {
 
 /// The spec's default name: the draft's directory (or config file stem), then the trainer.
 pub fn default_name(draft: &Path, trainer: &EngineSel) -> String {
+    format!("{}-{}", stem(draft), trainer.engine)
+}
+
+/// A draft's name for a spec: its directory (or its config file's stem).
+pub(crate) fn stem(draft: &Path) -> String {
     let stem = if draft.file_name().is_some_and(|n| n == "config.json") {
         draft.parent().and_then(|p| p.file_name())
     } else if draft.is_dir() {
@@ -198,8 +203,7 @@ pub fn default_name(draft: &Path, trainer: &EngineSel) -> String {
     } else {
         draft.file_stem()
     };
-    let stem = stem.map_or("drafter".into(), |s| s.to_string_lossy().into_owned());
-    format!("{stem}-{}", trainer.engine)
+    stem.map_or("drafter".into(), |s| s.to_string_lossy().into_owned())
 }
 
 #[cfg(test)]

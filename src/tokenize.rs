@@ -440,6 +440,63 @@ pub fn read_token_file(path: &Path) -> Result<Vec<u32>> {
     Ok(ids)
 }
 
+/// One prompt of a prompts file: where it is, and its token ids.
+pub struct Prompt {
+    /// `FILE line N`
+    pub origin: String,
+    pub ids: Vec<u32>,
+}
+
+/// Prompts from a JSON-lines file: one object per line with the text under `prompt` or `text`
+/// (tokenized with `tokenizer`), or the ids under `input_ids` or `tokens`. Blank lines are
+/// skipped; any other line is an error naming the file and the line.
+pub fn read_prompts(path: &Path, tokenizer: Option<&Tokenizer>) -> Result<Vec<Prompt>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let at = |m: String| tok_err(path, format!("line {}: {m}", n + 1));
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| at(format!("not a JSON object: {e}")))?;
+        let text = ["prompt", "text"]
+            .iter()
+            .find_map(|k| value.get(k).and_then(serde_json::Value::as_str));
+        let ids_field = ["input_ids", "tokens"].iter().find_map(|k| value.get(k));
+        let ids = match (text, ids_field) {
+            (Some(text), _) => {
+                let tok = tokenizer.ok_or_else(|| {
+                    at("holds text, but the target has no tokenizer (give input_ids)".into())
+                })?;
+                tok.encode(text)?
+            }
+            (None, Some(serde_json::Value::Array(items))) => items
+                .iter()
+                .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| at("input_ids must be non-negative integers".into()))?,
+            _ => {
+                return Err(at(
+                    "needs a \"prompt\" or \"text\" string or an \"input_ids\" list".into(),
+                ));
+            }
+        };
+        if ids.is_empty() {
+            return Err(at("encodes to no tokens".into()));
+        }
+        out.push(Prompt {
+            origin: format!("{} line {}", path.display(), n + 1),
+            ids,
+        });
+    }
+    if out.is_empty() {
+        return Err(tok_err(path, "holds no prompts"));
+    }
+    Ok(out)
+}
+
 fn npy_ids(path: &Path) -> Result<Vec<u32>> {
     let t = crate::readers::read_npy(path, &crate::readers::Limits::default()).map_err(|e| {
         // ReadError's message already starts with the file; keep one copy of it.

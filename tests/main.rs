@@ -15,6 +15,7 @@ mod incidents;
 mod malformed;
 mod mla_draft;
 mod output;
+mod probe;
 mod run_cli;
 mod runner;
 mod spec_init;

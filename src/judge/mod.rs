@@ -3,6 +3,7 @@
 //! header-only static checks ([`statics`]). `gate`, `run`, `diff` and the probe call these;
 //! no command imports another.
 
+pub mod acceptance;
 pub mod feed;
 pub mod layout;
 pub mod statics;
@@ -11,10 +12,16 @@ use crate::boundary::format_list;
 use crate::config::DraftConfig;
 use crate::engine::{DraftIds, EngineSel, Feed, resolve};
 use crate::error::Result;
-use crate::report::Report;
+use crate::report::{Finding, FindingName, Report, Severity};
 pub use feed::{FeedCheck, check_feed, fix_for};
 pub use layout::classify;
 pub use statics::{Dims, StaticInput};
+
+/// Findings that make a forward pointless: the checkpoint or the engine cannot run as
+/// configured. Layout faults do not: running shows what they cost.
+pub fn blocks_forward(f: &Finding) -> bool {
+    f.severity == Severity::Error && matches!(f.name, FindingName::Shape | FindingName::Refused)
+}
 
 /// The ids a draft config holds, in words for the report.
 pub fn ids_fact(ids: &DraftIds) -> String {

@@ -11,10 +11,11 @@ use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams};
 use crate::model::ComputePath;
 use crate::model::deepseek::{Mla, MlaDims, softmax_scale_for};
-use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
-use crate::model::source::Vb;
-use crate::naming;
-use candle_core::{DType, Tensor};
+use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask, softmax_last};
+use crate::model::source::{SafetensorsSource, Vb, WeightSource};
+use crate::naming::{self, DraftTensor};
+use candle_core::{DType, Device, Tensor};
+use std::path::Path;
 
 /// The draft layer's attention over the `[T, 2H]` input.
 enum DraftAttention {
@@ -112,18 +113,84 @@ impl DraftAttention {
         mask: &Tensor,
     ) -> candle_core::Result<Tensor> {
         match self {
-            DraftAttention::Gqa { q, k, v, o } => {
-                let (t, nh, nkv, hd) = (x.dim(0)?, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-                let split =
-                    |y: Tensor, n: usize| y.reshape((t, n, hd))?.transpose(0, 1)?.contiguous();
-                let q = rope.apply_half(&split(q.forward(x)?, nh)?)?;
-                let k = rope.apply_half(&split(k.forward(x)?, nkv)?)?;
-                let v = split(v.forward(x)?, nkv)?;
-                o.forward(&attention(&q, &k, &v, mask, 1.0 / (hd as f64).sqrt())?)
-            }
+            DraftAttention::Gqa { .. } => self.forward_chain(cfg, x, rope, mask, &mut Vec::new()),
             DraftAttention::Mla(mla) => mla.forward(x, rope, mask),
         }
     }
+
+    /// GQA on the candle path as one step of a draft chain, the way EAGLE-3's training-time
+    /// test runs it (SpecForge `specforge/modeling/draft/llama3_eagle.py`, `LlamaAttention`
+    /// with `cache_hidden`): step j = `cache.len()` takes `rope` at positions t + j; row t
+    /// attends to step 0's keys at rows 0..=t (the causal `mask`) and to the keys that steps
+    /// 1..=j computed at row t itself. Step 0 is plain causal attention. This step's rotated
+    /// keys and values ([kv_heads, T, hd] each) are pushed onto `cache`. `x`: [T, 2H] -> [T, H]
+    fn forward_chain(
+        &self,
+        cfg: &DraftConfig,
+        x: &Tensor,
+        rope: &RopeTables,
+        mask: &Tensor,
+        cache: &mut Vec<(Tensor, Tensor)>,
+    ) -> candle_core::Result<Tensor> {
+        let DraftAttention::Gqa { q, k, v, o } = self else {
+            candle_core::bail!("draft chains of more than one step need a GQA draft, not MLA")
+        };
+        let (t, nh, nkv, hd) = (x.dim(0)?, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let split = |y: Tensor, n: usize| y.reshape((t, n, hd))?.transpose(0, 1)?.contiguous();
+        let q = rope.apply_half(&split(q.forward(x)?, nh)?)?;
+        let k = rope.apply_half(&split(k.forward(x)?, nkv)?)?;
+        let v = split(v.forward(x)?, nkv)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        cache.push((k, v));
+        let out = match cache.as_slice() {
+            [(k, v)] => attention(&q, k, v, mask, scale)?,
+            [(k0, v0), later @ ..] => chain_attention(&q, (k0, v0), later, mask, scale)?,
+            [] => unreachable!("the cache holds this step's keys"),
+        };
+        o.forward(&out)
+    }
+}
+
+/// Attention of a later chain step: `q` [heads, T, d] against step 0's keys `k0`/`v0`
+/// ([kv_heads, T, d], causal through `mask` [T, T]) and, per row, against each later step's key
+/// at the same row (`later`, this step's last). Returns [T, heads * dv].
+fn chain_attention(
+    q: &Tensor,
+    (k0, v0): (&Tensor, &Tensor),
+    later: &[(Tensor, Tensor)],
+    mask: &Tensor,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    let (heads, t, _) = q.dims3()?;
+    let expand = |x: &Tensor| -> candle_core::Result<Tensor> {
+        let (kh, s, d) = x.dims3()?;
+        if kh == heads {
+            return Ok(x.clone());
+        }
+        x.unsqueeze(1)?
+            .broadcast_as((kh, heads / kh, s, d))?
+            .reshape((heads, s, d))
+    };
+    let q = q.contiguous()?;
+    let (k0, v0) = (expand(k0)?, expand(v0)?);
+    let mut scores = vec![
+        (q.matmul(&k0.t()?.contiguous()?)? * scale)?.broadcast_add(mask)?, // [heads, T, T]
+    ];
+    let mut values = Vec::with_capacity(later.len());
+    for (k, v) in later {
+        scores.push(((&q * expand(k)?)?.sum_keepdim(2)? * scale)?); // [heads, T, 1]
+        values.push(expand(v)?);
+    }
+    let probs = softmax_last(&Tensor::cat(&scores, 2)?)?; // [heads, T, T + later]
+    let mut out = probs
+        .narrow(2, 0, t)?
+        .contiguous()?
+        .matmul(&v0.contiguous()?)?;
+    for (i, v) in values.iter().enumerate() {
+        out = (out + probs.narrow(2, t + i, 1)?.broadcast_mul(v)?)?;
+    }
+    let dv = out.dim(2)?;
+    out.transpose(0, 1)?.contiguous()?.reshape((t, heads * dv))
 }
 
 pub struct Eagle3Draft {
@@ -194,12 +261,74 @@ fn check_vocab_map(cfg: &DraftConfig, root: &Vb, d2t: &[i64]) -> Result<()> {
     Ok(())
 }
 
+/// One pass of the draft layer inside a chain.
+pub struct DraftStep {
+    /// [T, draft_vocab]
+    pub logits: Tensor,
+    /// [T, H]: the layer's output before the final norm, the hidden input of the next step.
+    pub hidden: Tensor,
+    /// Greedy next token per row, mapped to target ids through `d2t`.
+    pub next_target_ids: Vec<i64>,
+}
+
+/// What the earlier steps of a draft chain leave the later ones: each step's rotated keys and
+/// values.
+#[derive(Default)]
+pub struct Chain {
+    kv: Vec<(Tensor, Tensor)>,
+}
+
+impl Chain {
+    /// How many steps ran.
+    pub fn steps(&self) -> usize {
+        self.kv.len()
+    }
+}
+
 /// What one draft forward produced.
 pub struct DraftOutput {
     /// [T, draft_vocab]
     pub logits: Tensor,
     /// Greedy next token per position, mapped to target ids through `d2t`.
     pub next_target_ids: Vec<i64>,
+}
+
+/// How many target states a draft's `fc` concatenates: its `fc.weight` columns over the target
+/// hidden size. `None` when the draft holds no `fc.weight`.
+pub fn fc_slots(src: &dyn WeightSource, target_hidden: usize) -> Result<Option<usize>> {
+    let Some(name) = naming::find_draft(DraftTensor::Top("fc.weight"), &|n| src.shape(n).is_some())
+    else {
+        return Ok(None);
+    };
+    let shape = src.shape(&name).unwrap_or_default();
+    match shape.as_slice() {
+        [_, cols] if target_hidden > 0 && cols % target_hidden == 0 && *cols > 0 => {
+            Ok(Some(cols / target_hidden))
+        }
+        _ => Err(Error::weights(
+            src.origin(),
+            format!(
+                "{name} is {shape:?}: not [H, k x {target_hidden}] for target states of width {target_hidden}"
+            ),
+        )),
+    }
+}
+
+/// Opens the draft in `dir` for its own number of `fc` slots: the draft and that number.
+pub fn open_draft(
+    cfg: &DraftConfig,
+    dir: &Path,
+    target_hidden: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Eagle3Draft, usize)> {
+    let src = SafetensorsSource::open(dir)?;
+    let k = fc_slots(&src, target_hidden)?.ok_or_else(|| Error::MissingTensor {
+        path: dir.to_path_buf(),
+        name: "fc.weight".into(),
+    })?;
+    let vb = Vb::new(&src, dtype, device);
+    Ok((Eagle3Draft::load(cfg, &vb, target_hidden, k)?, k))
 }
 
 impl Eagle3Draft {
@@ -298,40 +427,95 @@ impl Eagle3Draft {
         fc_input: &Tensor,
         target_embed: &Tensor,
     ) -> Result<DraftOutput> {
+        let fc_out = self.fc_forward(fc_input)?;
+        let step = self.step(ids, &fc_out, target_embed, None)?;
+        Ok(DraftOutput {
+            logits: step.logits,
+            next_target_ids: step.next_target_ids,
+        })
+    }
+
+    /// `fc` over the concatenated target states: [T, k*Ht] -> [T, H], in the compute dtype.
+    pub fn fc_forward(&self, fc_input: &Tensor) -> Result<Tensor> {
+        fc_input
+            .to_dtype(self.dtype)
+            .and_then(|x| self.fc.forward(&x))
+            .ctx(|| "draft fc".to_string())
+    }
+
+    /// `fc`'s weight columns for slot `slot` of `k` ([H, Ht]): `fc(cat(s_0..s_k))` is the sum of
+    /// `s_i W_i^T` (plus the bias), so a layout search can project every boundary through every
+    /// slot once and add the parts instead of re-running `fc` per layout.
+    pub fn fc_slot_weight(&self, slot: usize, k: usize) -> Result<Tensor> {
+        let w = &self.fc.weight;
+        let width = self.fc_in_features() / k.max(1);
+        w.narrow(1, slot * width, width)
+            .and_then(|c| c.contiguous())
+            .ctx(|| format!("fc columns of slot {slot}"))
+    }
+
+    /// `fc`'s bias, when it has one ([H]).
+    pub fn fc_bias(&self) -> Option<&Tensor> {
+        self.fc.bias.as_ref()
+    }
+
+    /// One pass of the draft layer. `ids` [T]: the tokens entering; `hidden` [T, H]: the fc
+    /// output at step 0, the previous step's [`DraftStep::hidden`] later in a chain. Without a
+    /// chain this is the single step inference runs first (the device's compute path); with
+    /// one it is step `chain.steps()` of a chain (candle attention, see
+    /// `DraftAttention::forward_chain`), rope at positions t + that step.
+    pub fn step(
+        &self,
+        ids: &[u32],
+        hidden: &Tensor,
+        target_embed: &Tensor,
+        chain: Option<&mut Chain>,
+    ) -> Result<DraftStep> {
         let embed = self.embed.as_ref().unwrap_or(target_embed);
         let device = embed.device();
         let t = ids.len();
+        let offset = chain.as_ref().map_or(0, |c| c.kv.len());
         let rope_dim = DraftAttention::rope_dim(&self.cfg);
-        let rope = RopeTables::new(&self.cfg.rope, rope_dim, t, self.dtype, device)?;
-        let mask = match self.path {
+        let rope = RopeTables::new(&self.cfg.rope, rope_dim, t + offset, self.dtype, device)?
+            .rows(offset, t)?;
+        let path = if chain.is_some() {
+            ComputePath::Candle
+        } else {
+            self.path
+        };
+        let mask = match path {
             ComputePath::Candle => causal_mask(t, None, self.dtype, device)?,
             ComputePath::Kernels | ComputePath::Fused => {
                 Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?
             }
         };
-        let run = || -> candle_core::Result<Tensor> {
+        let mut chain = chain;
+        let mut run = || -> candle_core::Result<(Tensor, Tensor)> {
             let embeds = embed.index_select(&Tensor::new(ids, device)?, 0)?;
-            let fc_out = self.fc.forward(&fc_input.to_dtype(self.dtype)?)?;
             // norm_before_residual (vLLM/speculators): the residual is taken after hidden_norm.
-            let hidden = self.hidden_norm.forward(&fc_out)?;
+            let normed = self.hidden_norm.forward(hidden)?;
             let residual = if self.cfg.norm_before_residual {
-                hidden.clone()
+                normed.clone()
             } else {
-                fc_out
+                hidden.clone()
             };
-            let x = Tensor::cat(&[&self.input_norm.forward(&embeds)?, &hidden], 1)?; // [T, 2H]
-            let attn = match self.path {
-                ComputePath::Candle => self.attn.forward(&self.cfg, &x, &rope, &mask)?,
-                ComputePath::Kernels | ComputePath::Fused => {
+            let x = Tensor::cat(&[&self.input_norm.forward(&embeds)?, &normed], 1)?; // [T, 2H]
+            let attn = match (&mut chain, path) {
+                (Some(chain), _) => {
+                    self.attn
+                        .forward_chain(&self.cfg, &x, &rope, &mask, &mut chain.kv)?
+                }
+                (None, ComputePath::Candle) => self.attn.forward(&self.cfg, &x, &rope, &mask)?,
+                (None, ComputePath::Kernels | ComputePath::Fused) => {
                     self.attn.forward_kernels(&self.cfg, &x, &rope)?
                 }
             };
             let x = (residual + attn)?;
             let m = self.mlp.forward(&self.post_norm.forward(&x)?)?;
             let x = (x + m)?;
-            self.lm_head.forward(&self.norm.forward(&x)?)
+            Ok((self.lm_head.forward(&self.norm.forward(&x)?)?, x))
         };
-        let logits = run().ctx(|| "draft forward".to_string())?;
+        let (logits, hidden) = run().ctx(|| "draft forward".to_string())?;
         let argmax = logits
             .argmax(1)
             .and_then(|a| a.to_dtype(DType::I64))
@@ -341,10 +525,25 @@ impl Eagle3Draft {
             .iter()
             .map(|&d| d + self.d2t.get(d as usize).copied().unwrap_or(0))
             .collect();
-        Ok(DraftOutput {
+        Ok(DraftStep {
             logits,
+            hidden,
             next_target_ids,
         })
+    }
+
+    /// Target ids of the draft vocabulary, in draft order (`d2t` applied to 0..draft_vocab).
+    pub fn draft_vocab_targets(&self) -> Vec<i64> {
+        self.d2t
+            .iter()
+            .enumerate()
+            .map(|(d, &off)| d as i64 + off)
+            .collect()
+    }
+
+    /// Whether chains of more than one step can run (GQA drafts; MLA drafts run one step).
+    pub fn chains(&self) -> bool {
+        matches!(self.attn, DraftAttention::Gqa { .. })
     }
 
     pub fn fc_in_features(&self) -> usize {

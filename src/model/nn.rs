@@ -224,6 +224,17 @@ impl RopeTables {
         })
     }
 
+    /// The tables of positions `start..start + len`.
+    pub fn rows(&self, start: usize, len: usize) -> Result<RopeTables> {
+        let cut = |t: &Tensor| t.narrow(0, start, len).ctx(|| "rope tables".to_string());
+        Ok(RopeTables {
+            cos: cut(&self.cos)?,
+            sin: cut(&self.sin)?,
+            cos32: cut(&self.cos32)?,
+            sin32: cut(&self.sin32)?,
+        })
+    }
+
     /// Rotates `xs`: [heads, seq, dim] in the "rotate half" layout (Llama, Qwen).
     pub fn apply_half(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         let dim = xs.dim(D::Minus1)?;
