@@ -265,6 +265,7 @@ fn the_chain_equals_decoding_a_growing_sequence() {
     const STEPS: usize = 3;
     let mut chain = Chain::default();
     let mut preds = Vec::new();
+    let mut logits = Vec::new();
     let mut hidden = fc.clone();
     let mut ids: Vec<u32> = tokens[1..].to_vec();
     for _ in 0..STEPS {
@@ -272,6 +273,7 @@ fn the_chain_equals_decoding_a_growing_sequence() {
         ids = s.next_target_ids.iter().map(|&t| t as u32).collect();
         hidden = s.hidden;
         preds.push(s.next_target_ids);
+        logits.push(s.logits);
     }
     for t in [0, 1, 17, 80, n - 1] {
         // Row t's chain as a sequence: rows 0..=t of the first pass, then one row per step.
@@ -281,6 +283,11 @@ fn the_chain_equals_decoding_a_growing_sequence() {
             let s = draft.step(&seq_ids, &seq_hidden, embed, None).unwrap();
             let last = *s.next_target_ids.last().unwrap();
             assert_eq!(last, pred[t], "row {t}, step {j}");
+            // f32 throughout, the same ops on other shapes: summation order only.
+            let got = s.logits.get(t + j).unwrap();
+            let want = logits[j].get(t).unwrap();
+            let c = eagle_check::compare::closeness(&got, &want).unwrap();
+            assert!(c.max_rel < 1e-5, "row {t}, step {j}: {c:?}");
             seq_ids.push(last as u32);
             let h = s.hidden.narrow(0, t + j, 1).unwrap();
             seq_hidden = Tensor::cat(&[&seq_hidden, &h], 0).unwrap();
