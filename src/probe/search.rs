@@ -14,6 +14,7 @@ use super::Probe;
 use super::layout::{Layout, Tap};
 use crate::boundary::default_boundaries;
 use crate::error::{CandleContext, Result};
+use crate::model::Progress;
 use candle_core::Tensor;
 use std::collections::HashMap;
 use std::time::Instant;
@@ -141,9 +142,12 @@ pub(crate) fn search(
     };
     let method = match all_layouts(&taps, k, EXHAUSTIVE_MAX) {
         Some(layouts) => {
-            for x in &layouts {
+            let mut progress = Progress::new("layout search");
+            for (i, x) in layouts.iter().enumerate() {
                 scorer.score(x)?;
+                progress.tick(i + 1, layouts.len());
             }
+            progress.finish();
             "exhaustive".to_string()
         }
         None => {
@@ -159,9 +163,12 @@ pub(crate) fn search(
             }
             starts.retain(|x| x.0.len() == k && x.distinct());
             starts.dedup();
-            for start in &starts {
+            let mut progress = Progress::new("layout search");
+            for (i, start) in starts.iter().enumerate() {
                 climb(&mut scorer, start.clone(), &taps)?;
+                progress.tick(i + 1, starts.len());
             }
+            progress.finish();
             format!("coordinate ascent from {} starts", starts.len())
         }
     };
