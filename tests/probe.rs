@@ -331,3 +331,37 @@ fn the_chain_equals_decoding_a_growing_sequence() {
     assert!((got - want).abs() < 1e-12, "probe {got}, counted {want}");
     assert!(want > 0.5, "{want}");
 }
+
+/// An MLA draft (`Eagle3DeepseekV2ForCausalLM`) is probed on its first step: the report says
+/// the chain was cut to one step, and the figures are there.
+#[test]
+fn an_mla_draft_is_probed_on_its_first_step() {
+    let tokens: Vec<String> = (0..160).map(|i| ((i * 37 + 5) % 200).to_string()).collect();
+    let out = eagle_check([
+        "probe",
+        "--target",
+        &fixture("models/deepseek_v3").display().to_string(),
+        "--draft",
+        &fixture("models/mla-draft").display().to_string(),
+        "--engine",
+        "sglang",
+        "--tokens",
+        &tokens.join(","),
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let report = out.json();
+    assert!(
+        report["subject"]["steps"]
+            .as_str()
+            .unwrap()
+            .starts_with("1 (an MLA draft"),
+        "{}",
+        report["subject"]
+    );
+    let rows = rows(&report);
+    assert!(rows.len() > 3);
+    assert!(rows.iter().all(|r| r["accepted_length"].is_null()));
+    assert!(rows[0]["acceptance"]["value"].as_f64().is_some());
+}

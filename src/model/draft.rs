@@ -501,10 +501,11 @@ impl Eagle3Draft {
             };
             let x = Tensor::cat(&[&self.input_norm.forward(&embeds)?, &normed], 1)?; // [T, 2H]
             let attn = match (&mut chain, path) {
-                (Some(chain), _) => {
-                    self.attn
-                        .forward_chain(&self.cfg, &x, &rope, &mask, &mut chain.kv)?
-                }
+                (Some(chain), _) if self.chains() || !chain.kv.is_empty() => self
+                    .attn
+                    .forward_chain(&self.cfg, &x, &rope, &mask, &mut chain.kv)?,
+                // An MLA draft's chain is its first step alone.
+                (Some(_), _) => self.attn.forward(&self.cfg, &x, &rope, &mask)?,
                 (None, ComputePath::Candle) => self.attn.forward(&self.cfg, &x, &rope, &mask)?,
                 (None, ComputePath::Kernels | ComputePath::Fused) => {
                     self.attn.forward_kernels(&self.cfg, &x, &rope)?
