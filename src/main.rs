@@ -600,9 +600,10 @@ fn run(cli: Cli) -> Result<u8> {
                         map: if reference_map.is_empty() {
                             None
                         } else {
-                            Some(NameMap::parse(&reference_map).map_err(
-                                eagle_check::error::Error::Usage,
-                            )?)
+                            Some(
+                                NameMap::parse(&reference_map)
+                                    .map_err(eagle_check::error::Error::Usage)?,
+                            )
                         },
                         tokens: reference_tokens
                             .map(|p| -> Result<_> {
@@ -610,12 +611,14 @@ fn run(cli: Cli) -> Result<u8> {
                                 Ok((ids.into_iter().map(i64::from).collect(), p))
                             })
                             .transpose()?,
-                        num_layers: target_shape.as_ref().map(|t| t.num_layers).or_else(|| {
-                            spec.target.as_ref().and_then(|t| t.num_hidden_layers)
-                        }),
-                        hidden_size: target_shape.as_ref().map(|t| t.hidden_size).or_else(|| {
-                            spec.target.as_ref().and_then(|t| t.hidden_size)
-                        }),
+                        num_layers: target_shape
+                            .as_ref()
+                            .map(|t| t.num_layers)
+                            .or_else(|| spec.target.as_ref().and_then(|t| t.num_hidden_layers)),
+                        hidden_size: target_shape
+                            .as_ref()
+                            .map(|t| t.hidden_size)
+                            .or_else(|| spec.target.as_ref().and_then(|t| t.hidden_size)),
                     };
                     Box::new(DumpReference::open_with(path, &opts)?)
                 }

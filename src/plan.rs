@@ -104,7 +104,9 @@ pub fn check_prompts(path: &Path) -> Result<usize> {
         }
         let bad = |what: &str| Error::Tokens {
             origin: format!("{}:{}", path.display(), i + 1),
-            message: format!("{what}; each line must be {{\"text\": \"...\"}} or {{\"input_ids\": [1, 2, ...]}}"),
+            message: format!(
+                "{what}; each line must be {{\"text\": \"...\"}} or {{\"input_ids\": [1, 2, ...]}}"
+            ),
         };
         let v: serde_json::Value = serde_json::from_str(line).map_err(|_| bad("not JSON"))?;
         let ok = match (v.get("text"), v.get("input_ids")) {
@@ -212,7 +214,10 @@ fn coverage(sel: &EngineSel, arch: &str, l: usize, nonneg: bool) -> Result<Cover
         elsewhere,
         rule: format!(
             "{}@{} on {arch}: {} ({})",
-            sel.engine, rule.read, rule_words(rule), rule.source
+            sel.engine,
+            rule.read,
+            rule_words(rule),
+            rule.source
         ),
     })
 }
@@ -237,10 +242,13 @@ fn sh(value: &str) -> String {
 /// The prompt sender: stdlib Python, one request at a time, one new token each (the dumps are
 /// of the prefill; a decode step is not a whole sequence).
 fn sender(engine: Engine, model: &str) -> PlanFile {
-    // sglang: POST /generate with `text` or `input_ids` and `sampling_params`
-    // (srt/managers/io_struct.py GenerateReqInput), default port 30000
-    // (srt/arg_groups/fields/*.py `port`). vLLM: the OpenAI completions route, `prompt` as text
-    // or token ids, `max_tokens` (entrypoints/openai/completion/protocol.py), default port 8000.
+    // sglang: POST /generate (srt/entrypoints/http_server.py) with `text` or `input_ids` and
+    // `sampling_params` (srt/managers/io_struct.py GenerateReqInput; max_new_tokens,
+    // temperature: srt/sampling/sampling_params.py), default port 30000
+    // (srt/arg_groups/fields/serving.py). vLLM: POST /v1/completions
+    // (entrypoints/openai/completion/api_router.py), `model`, `prompt` (text or token ids),
+    // `max_tokens`, `temperature` (entrypoints/openai/completion/protocol.py
+    // CompletionRequest), default port 8000 (entrypoints/common/cli_args.py).
     let (url, body) = match engine {
         Engine::Sglang => (
             "http://127.0.0.1:30000/generate",
@@ -273,7 +281,9 @@ fn prompts_arg(input: &PlanInput) -> String {
     input
         .prompts
         .as_ref()
-        .map_or("PROMPTS.jsonl".to_string(), |p| sh(&p.display().to_string()))
+        .map_or("PROMPTS.jsonl".to_string(), |p| {
+            sh(&p.display().to_string())
+        })
 }
 
 // ------------------------------------------------------------------------------------- sglang
@@ -311,7 +321,7 @@ fn sglang_parallel(input: &PlanInput) -> Result<Parallel> {
     let mut flags = vec![format!("--tp-size {}", input.tp)];
     let mut notes = Vec::new();
     if let Some(ep) = input.ep {
-        if ep == 0 || input.tp % ep != 0 {
+        if ep == 0 || !input.tp.is_multiple_of(ep) {
             return Err(usage(format!(
                 "plan --ep {ep}: sglang splits experts over ep ranks of the TP group, so --ep must divide --tp ({})",
                 input.tp
@@ -351,7 +361,10 @@ fn dumper_env(dir: &str, exp: &str, names: &[&str]) -> Vec<String> {
         // the final norm); the layer_id tag comes from the ctx hooks of `*.layers.N` modules
         // (dumper.py _NonIntrusiveDumper).
         "DUMPER_NON_INTRUSIVE_MODE=all".into(),
-        format!("DUMPER_SOURCE_PATCHER_CONFIG={}", sh(&format!("{dir}/sglang-patch.yaml"))),
+        format!(
+            "DUMPER_SOURCE_PATCHER_CONFIG={}",
+            sh(&format!("{dir}/sglang-patch.yaml"))
+        ),
         // Double quotes: the filter holds single-quoted names and nothing the shell expands.
         format!("DUMPER_FILTER=\"{filter}\""),
         "DUMPER_ENABLE_OUTPUT_CONSOLE=0".into(),
@@ -363,8 +376,7 @@ fn dumper_env(dir: &str, exp: &str, names: &[&str]) -> Vec<String> {
 /// srt/arg_groups/fields/schedule.py `chunked_prefill_size` (-1 disables chunking),
 /// srt/arg_groups/fields/exec_.py `disable_prefill_cuda_graph`, `disable_decode_cuda_graph`
 /// (a graph replay runs no Python hook).
-const SGLANG_WHOLE: &str =
-    "--disable-radix-cache --chunked-prefill-size -1 --disable-prefill-cuda-graph --disable-decode-cuda-graph";
+const SGLANG_WHOLE: &str = "--disable-radix-cache --chunked-prefill-size -1 --disable-prefill-cuda-graph --disable-decode-cuda-graph";
 
 fn launch(env: &[String], args: &[String]) -> String {
     let mut out = String::new();
@@ -422,7 +434,9 @@ fn sglang_plan(input: &PlanInput) -> Result<Plan> {
     ));
     args.push(SGLANG_WHOLE.into());
     let reference = Step {
-        title: format!("Reference: every boundary of the prompts, from sglang {SGLANG} at this parallelism"),
+        title: format!(
+            "Reference: every boundary of the prompts, from sglang {SGLANG} at this parallelism"
+        ),
         files: vec![patch.clone(), sender(Engine::Sglang, &input.model)],
         commands: vec![
             format!("mkdir -p {}", sh(&reference_dir)),
@@ -491,16 +505,22 @@ fn sglang_plan(input: &PlanInput) -> Result<Plan> {
                         .into(),
                 );
             }
+            let configure = serde_json::json!({
+                "enable": true,
+                "dir": junction_dir,
+                "exp_name": "junctions",
+                "filter": format!(
+                    "name in ({})",
+                    names.iter().map(|n| format!("\"{n}\"")).collect::<Vec<_>>().join(", ")
+                ),
+            });
             notes.push(format!(
                 "on the running server instead: start it with DUMPER_SERVER_PORT=reuse, \
                  DUMPER_NON_INTRUSIVE_MODE=all and DUMPER_SOURCE_PATCHER_CONFIG (patches apply at load), then \
-                 `curl -X POST http://127.0.0.1:30000/dumper/configure -d '{{\"enable\": true, \"dir\": \"{junction_dir}\", \
-                 \"filter\": \"{}\"}}'` before the prompts and `-d '{{\"enable\": false}}'` after \
-                 (entrypoints/http_server.py /dumper/{{method}}; dumper.py _DumperHttpManager)",
-                format!(
-                    "name in ({})",
-                    names.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
-                )
+                 `curl -X POST http://127.0.0.1:30000/dumper/configure -d {}` before the prompts and \
+                 `-d '{{\"enable\": false}}'` after (entrypoints/http_server.py /dumper/{{method}}; \
+                 dumper.py _DumperHttpManager, DumperConfig fields)",
+                sh(&configure.to_string())
             ));
             Step {
                 title: format!(
@@ -541,14 +561,21 @@ fn sglang_plan(input: &PlanInput) -> Result<Plan> {
         steps: vec![
             reference,
             junctions,
-            diff_step(input, &reference_dir, &format!("{junction_dir}/junctions"), "sglang"),
+            diff_step(
+                input,
+                &reference_dir,
+                &format!("{junction_dir}/junctions"),
+                "sglang",
+            ),
         ],
     })
 }
 
 fn no_draft_step() -> Step {
     Step {
-        title: "Junctions: pass --draft DIR to plan them (they depend on the draft the engine serves)".into(),
+        title:
+            "Junctions: pass --draft DIR to plan them (they depend on the draft the engine serves)"
+                .into(),
         files: Vec::new(),
         commands: Vec::new(),
         output: String::new(),
@@ -576,7 +603,8 @@ fn diff_step(input: &PlanInput, reference: &str, junctions: &str, engine: &str) 
         cmd.push_str(" --captures TRAINING_CAPTURES");
     }
     Step {
-        title: "Diff: identify every junction slot against the reference (on any machine, no GPU)".into(),
+        title: "Diff: identify every junction slot against the reference (on any machine, no GPU)"
+            .into(),
         files: Vec::new(),
         commands: vec![cmd],
         output: String::new(),
@@ -670,13 +698,19 @@ fn vllm_plan(input: &PlanInput) -> Result<Plan> {
         join_ids(&cov.ids, ", "),
         cov.captured
     )];
-    ref_notes.extend(cov.elsewhere.iter().map(|e| format!("{e}: not in the reference")));
+    ref_notes.extend(
+        cov.elsewhere
+            .iter()
+            .map(|e| format!("{e}: not in the reference")),
+    );
     ref_notes.push(
         "b = L after the final norm is not captured by vLLM; diff compares the last layer's state pre-norm".into(),
     );
     ref_notes.extend(par.notes.iter().cloned());
     let reference = Step {
-        title: format!("Reference: every boundary of the prompts, from vLLM {VLLM} at this parallelism"),
+        title: format!(
+            "Reference: every boundary of the prompts, from vLLM {VLLM} at this parallelism"
+        ),
         files: vec![sender(Engine::Vllm, &input.model)],
         commands: vec![
             format!("mkdir -p {}", sh(&reference_dir)),
@@ -700,7 +734,11 @@ fn vllm_plan(input: &PlanInput) -> Result<Plan> {
                 version: Some(VLLM),
             };
             let feed = resolve(&serving, Some(&t.model_type), &draft.ids, l);
-            let fed: Vec<i64> = feed.fed_slots().iter().map(|s| s.boundary.0 as i64).collect();
+            let fed: Vec<i64> = feed
+                .fed_slots()
+                .iter()
+                .map(|s| s.boundary.0 as i64)
+                .collect();
             let mut notes = vec![format!(
                 "vLLM {VLLM} ({}) feeds this draft b = {} ({}); the same ids, raw, at the top level",
                 feed.engine_label(),
@@ -741,7 +779,10 @@ fn vllm_plan(input: &PlanInput) -> Result<Plan> {
                         "kill %1".into(),
                     ]
                 },
-                output: format!("{junction_dir}/{{request id}}.safetensors: hidden_states [T, {}, H]", fed.len()),
+                output: format!(
+                    "{junction_dir}/{{request id}}.safetensors: hidden_states [T, {}, H]",
+                    fed.len()
+                ),
                 notes,
             }
         }
@@ -779,7 +820,9 @@ impl Plan {
             self.num_layers,
             self.hidden_size,
             self.tensor_parallel,
-            self.expert_parallel.map(|e| format!(", EP {e}")).unwrap_or_default()
+            self.expert_parallel
+                .map(|e| format!(", EP {e}"))
+                .unwrap_or_default()
         );
         let _ = writeln!(
             out,

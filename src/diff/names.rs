@@ -275,12 +275,6 @@ impl NameMap {
         }
         None
     }
-
-    /// Whether a name looks like a per-layer state (a layer index in it or a `layer_id` tag),
-    /// so leaving it unread deserves a word.
-    pub fn looks_layered(name: &str, layer_tag: Option<i64>) -> bool {
-        layer_tag.is_some() || layer_in_name(name).is_some()
-    }
 }
 
 fn quantity_word(q: Quantity) -> String {
@@ -330,7 +324,10 @@ fn parse_rule(text: &str) -> Result<NameRule, String> {
 }
 
 fn one_line(e: &regex::Error) -> String {
-    e.to_string().split_whitespace().collect::<Vec<_>>().join(" ")
+    e.to_string()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// What a classified tensor holds for a target of `num_layers` layers (`None`: skip).
@@ -381,7 +378,10 @@ mod tests {
         let m = NameMap::builtin();
         let l = 5;
         // debug tensor dump (module names, tuples flattened as .0/.1)
-        assert_eq!(read(&m, "model.embed_tokens", None, l), Some(Holds::Boundary(0)));
+        assert_eq!(
+            read(&m, "model.embed_tokens", None, l),
+            Some(Holds::Boundary(0))
+        );
         assert_eq!(
             read(&m, "model.layers.3.input_layernorm.1", None, l),
             Some(Holds::Boundary(3))
@@ -394,7 +394,12 @@ mod tests {
         assert_eq!(read(&m, "model.norm", None, l), Some(Holds::Boundary(5)));
         // dumper, non-intrusive mode
         assert_eq!(
-            read(&m, "non_intrusive__model.layers.4.input_layernorm.output.1", Some(4), l),
+            read(
+                &m,
+                "non_intrusive__model.layers.4.input_layernorm.output.1",
+                Some(4),
+                l
+            ),
             Some(Holds::Boundary(4))
         );
         assert_eq!(
@@ -405,15 +410,24 @@ mod tests {
             read(&m, "non_intrusive__model.layers.1.output.0", Some(1), l),
             Some(Holds::Part(2))
         );
-        assert_eq!(read(&m, "non_intrusive__model.layers.1.output", Some(1), l), None);
+        assert_eq!(
+            read(&m, "non_intrusive__model.layers.1.output", Some(1), l),
+            None
+        );
         // the last layer's output pair is the pre-norm state's summands... as b = L parts
         assert_eq!(
             read(&m, "non_intrusive__model.layers.4.output.1", Some(4), l),
             Some(Holds::Part(5))
         );
         // the plan's capture dumps carry the layer in their tag
-        assert_eq!(read(&m, "eagle_aux_capture", Some(0), l), Some(Holds::Boundary(0)));
-        assert_eq!(read(&m, "eagle_aux_capture", Some(3), l), Some(Holds::Boundary(3)));
+        assert_eq!(
+            read(&m, "eagle_aux_capture", Some(0), l),
+            Some(Holds::Boundary(0))
+        );
+        assert_eq!(
+            read(&m, "eagle_aux_capture", Some(3), l),
+            Some(Holds::Boundary(3))
+        );
         assert_eq!(m.classify("eagle_aux_capture", None), None);
         assert_eq!(read(&m, "eagle_aux_hidden_states", None, l), None);
         assert_eq!(read(&m, "non_intrusive__model.fc.inputs.0", None, l), None);

@@ -1,10 +1,10 @@
 //! Reference boundaries for a token sequence: from the runner (the target model run here) or
 //! from a dump a distributed engine made of every layer. Both are one interface.
 
+use super::names::NameMap;
 use crate::error::{CandleContext, Error, Result};
 use crate::model::LoadedTarget;
 use crate::model::{Capture, CaptureRequest, Progress};
-use super::names::NameMap;
 use crate::readers::{Format, read_capture_path};
 use candle_core::{DType, Tensor};
 use std::path::{Path, PathBuf};
@@ -291,8 +291,8 @@ fn dump_states(
             None => (n - 1, 0),
         };
         let mut boundaries: Vec<Option<Vec<f32>>> = vec![None; l + 1];
-        for b in first..l {
-            boundaries[b] = Some(slot(b - first));
+        for (b, state) in boundaries.iter_mut().enumerate().take(l).skip(first) {
+            *state = Some(slot(b - first));
         }
         // Post-norm b = L is not in a vLLM dump; its last slot is the pre-norm state.
         return Ok(RefStates {

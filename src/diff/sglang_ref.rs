@@ -126,10 +126,7 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
                         read.push((i, c));
                     }
                 }
-                None if NameMap::looks_layered(&t.name, t.layer_id) => {
-                    *unread.entry(generic_name(&t.name)).or_default() += 1;
-                }
-                None => {}
+                None => *unread.entry(generic_name(&t.name)).or_default() += 1,
             }
         }
         classified.push((p, read));
@@ -146,7 +143,7 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
             if seen.is_empty() {
                 String::new()
             } else {
-                format!(" (per-layer names seen: {})", seen.join(", "))
+                format!(" (names seen: {})", seen.join(", "))
             }
         )));
     }
@@ -348,7 +345,11 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
                     layers.last().unwrap_or(&0)
                 )
             };
-            format!("`{}` -> {} ({n} tensors{layers})", r.text, r.quantity.describe())
+            format!(
+                "`{}` -> {} ({n} tensors{layers})",
+                r.text,
+                r.quantity.describe()
+            )
         })
         .collect();
     facts.push((
@@ -452,14 +453,16 @@ fn pass_states(
     for (i, c) in read {
         let t = &pass.tensors[*i];
         let Some(h) = holds(c, l) else { continue };
-        let (rows, width) = rows_width(&t.tensor).filter(|_| t.tensor.dtype.is_float()).ok_or_else(|| {
-            err(format!(
-                "{at}: {} has shape {:?} ({}); a reference state is a float [T, H]",
-                t.name,
-                t.tensor.dims(),
-                t.tensor.dtype
-            ))
-        })?;
+        let (rows, width) = rows_width(&t.tensor)
+            .filter(|_| t.tensor.dtype.is_float())
+            .ok_or_else(|| {
+                err(format!(
+                    "{at}: {} has shape {:?} ({}); a reference state is a float [T, H]",
+                    t.name,
+                    t.tensor.dims(),
+                    t.tensor.dtype
+                ))
+            })?;
         match &shape {
             None => shape = Some((rows, width, t.name.clone())),
             Some((r, w, first)) if (*r, *w) != (rows, width) => {
@@ -511,7 +514,9 @@ fn pass_states(
     }
     for (slot, list) in full {
         let mut list = list.into_iter();
-        let Some((first, v)) = list.next() else { continue };
+        let Some((first, v)) = list.next() else {
+            continue;
+        };
         for (other, w) in list {
             let d = rel_diff(&w, &v);
             if d > tol {
@@ -670,9 +675,8 @@ pub fn junction_samples(files: &[PathBuf]) -> Result<Vec<JunctionSample>> {
                 Junction::Captures => {
                     concat_hidden(&tensors.iter().map(|t| &t.tensor).collect::<Vec<_>>())
                 }
-                _ if tensors.len() == 1 => {
-                    rows_width(&tensors[0].tensor).and_then(|(r, w)| tensors[0].tensor.reshape(vec![r, w]))
-                }
+                _ if tensors.len() == 1 => rows_width(&tensors[0].tensor)
+                    .and_then(|(r, w)| tensors[0].tensor.reshape(vec![r, w])),
                 _ => {
                     return Err(err(format!(
                         "{at}: {} dumps of {} in one pass; expected one",
@@ -732,7 +736,10 @@ pub fn junction_samples(files: &[PathBuf]) -> Result<Vec<JunctionSample>> {
                     notes: note.iter().cloned().collect(),
                 };
                 if sample.aux.is_none() {
-                    return Err(err(format!("{at}: cannot cut rows {start}..{}", start + len)));
+                    return Err(err(format!(
+                        "{at}: cannot cut rows {start}..{}",
+                        start + len
+                    )));
                 }
                 sample.notes.push(junction.describe().to_string());
                 out.push(JunctionSample {

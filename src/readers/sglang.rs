@@ -176,7 +176,10 @@ fn add_dumper(
         ));
     };
     let (Ok(step), Ok(rank)) = (u64::try_from(step), u64::try_from(rank)) else {
-        return Err(layout_err(file, format!("negative step {step} or rank {rank}")));
+        return Err(layout_err(
+            file,
+            format!("negative step {step} or rank {rank}"),
+        ));
     };
     let layer_id = int_tag(&sample.meta, &tags, "layer_id");
     let origin = file.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -296,7 +299,8 @@ mod tests {
 
     #[test]
     fn dumper_file_tags() {
-        let t = file_tags("step=3___rank=1___dump_index=7___name=eagle_aux_capture___layer_id=12.pt");
+        let t =
+            file_tags("step=3___rank=1___dump_index=7___name=eagle_aux_capture___layer_id=12.pt");
         assert_eq!(t[0], ("step".into(), "3".into()));
         assert_eq!(t[3], ("name".into(), "eagle_aux_capture".into()));
         assert_eq!(t[4], ("layer_id".into(), "12".into()));
