@@ -222,6 +222,16 @@ fn coverage(sel: &EngineSel, arch: &str, l: usize, nonneg: bool) -> Result<Cover
     })
 }
 
+/// A list for people: `0..=60` when it counts up by one, else `[2, 30, 58]`.
+fn short(values: &[i64]) -> String {
+    match values {
+        [first, .., last] if values.len() > 3 && values.windows(2).all(|w| w[1] == w[0] + 1) => {
+            format!("{first}..={last}")
+        }
+        _ => format!("{values:?}"),
+    }
+}
+
 fn join_ids(ids: &[i64], sep: &str) -> String {
     ids.iter().map(i64::to_string).collect::<Vec<_>>().join(sep)
 }
@@ -455,10 +465,10 @@ fn sglang_plan(input: &PlanInput) -> Result<Plan> {
         ),
         notes: {
             let mut n = vec![format!(
-                "--return-aux-hidden-state-layer-ids {} -> b = {:?} through the model's own \
+                "--return-aux-hidden-state-layer-ids {} -> b = {} through the model's own \
                  set_eagle3_layers_to_capture (the rule above)",
-                join_ids(&cov.ids, " "),
-                cov.captured
+                short(&cov.ids),
+                short(&cov.captured.iter().map(|&b| b as i64).collect::<Vec<_>>())
             )];
             n.extend(cov.elsewhere.iter().map(|e| {
                 if e.starts_with("b = 0") {
@@ -694,9 +704,9 @@ fn vllm_plan(input: &PlanInput) -> Result<Plan> {
         format!("{} &", args.join(" \\\n  "))
     };
     let mut ref_notes = vec![format!(
-        "ids {} at the top level -> b = {:?}, the last one pre-norm (the rule above)",
-        join_ids(&cov.ids, ", "),
-        cov.captured
+        "ids {} at the top level -> b = {}, the last one pre-norm (the rule above)",
+        short(&cov.ids),
+        short(&cov.captured.iter().map(|&b| b as i64).collect::<Vec<_>>())
     )];
     ref_notes.extend(
         cov.elsewhere
@@ -831,10 +841,12 @@ impl Plan {
                 "PROMPTS.jsonl (not given: one {\"text\": ...} or {\"input_ids\": [...]} per line)"
             )
         );
+        let captured: Vec<i64> = self.coverage.captured.iter().map(|&b| b as i64).collect();
         let _ = writeln!(
             out,
-            "# capture ids: {:?} -> b = {:?}",
-            self.coverage.ids, self.coverage.captured
+            "# capture ids: {} -> b = {}",
+            short(&self.coverage.ids),
+            short(&captured)
         );
         let _ = writeln!(out, "# rule: {}", self.coverage.rule);
         for (i, step) in self.steps.iter().enumerate() {
