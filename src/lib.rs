@@ -19,6 +19,7 @@ pub mod kernels;
 pub mod locate;
 pub mod model;
 pub mod naming;
+pub mod plan;
 pub mod probe;
 pub mod progress;
 pub mod readers;

@@ -4,7 +4,10 @@ use anyhow::{Context, Result, bail};
 use candle_core::{DType, Device};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use eagle_check::config::DraftConfig;
-use eagle_check::diff::reference::{DumpReference, ReferenceSource, RunnerReference};
+use eagle_check::diff::names::NameMap;
+use eagle_check::diff::reference::{
+    DumpReference, ReferenceOptions, ReferenceSource, RunnerReference,
+};
 use eagle_check::diff::{DiffInput, diff};
 use eagle_check::engine::{Engine, EngineSel, markdown_table, resolve};
 use eagle_check::gate::gate;
@@ -187,6 +190,39 @@ enum Command {
         #[arg(long)]
         markdown: bool,
     },
+    /// Print the engine invocations that dump every boundary of a set of prompts (a reference
+    /// for `diff --reference`) and the three junctions of a live server, at your parallelism.
+    Plan {
+        /// Target model directory, its config.json, or an HF Hub id in the local HF cache (only
+        /// its config is read).
+        #[arg(long)]
+        target: PathBuf,
+        /// The serving engine: vllm or sglang (the versions whose sources the flags were read
+        /// from: vllm@0.33.0, sglang@0.5.23; vllm:v1 picks the runner the junctions are for).
+        #[arg(long)]
+        engine: String,
+        /// Tensor-parallel size.
+        #[arg(long, default_value_t = 1)]
+        tp: usize,
+        /// Expert-parallel size.
+        #[arg(long)]
+        ep: Option<usize>,
+        /// Prompts, one JSON object per line: {"text": "..."} or {"input_ids": [...]}.
+        #[arg(long)]
+        prompts: Option<PathBuf>,
+        /// The draft the engine serves (directory, config.json or HF Hub id): plans the junction
+        /// dumps for it.
+        #[arg(long)]
+        draft: Option<PathBuf>,
+        /// Folder for the dumps on the engine's host.
+        #[arg(long, default_value = "eagle-check-dumps")]
+        out: String,
+        /// Revision of the HF Hub ids (default main).
+        #[arg(long)]
+        revision: Option<String>,
+        #[arg(long, value_enum, default_value = "text")]
+        format: PlanFormat,
+    },
     /// Capture specs: `spec init` writes the one a trainer's rule implies for a draft config.
     Spec {
         #[command(subcommand)]
@@ -209,6 +245,15 @@ enum Command {
         /// extract_hidden_states file of all layers) instead of running the target.
         #[arg(long)]
         reference: Option<PathBuf>,
+        /// What the reference dump's tensor names hold, `REGEX=QUANTITY` (repeatable, or a file
+        /// of such lines): QUANTITY is input (or b), output, input-part, output-part, embedding,
+        /// pre-norm, post-norm, skip or b=N; layer i is the regex's first group, else the layer
+        /// index in the name, else the dump's layer_id tag. Default: the built-in sglang rules.
+        #[arg(long, requires = "reference")]
+        reference_map: Vec<String>,
+        /// Token ids of a reference dump that carries none (one per line, or a .npy).
+        #[arg(long, requires = "reference")]
+        reference_tokens: Option<PathBuf>,
         /// Draft directory or HF Hub id: with an engine, also compare what inference feeds
         /// (three-way).
         #[arg(long)]
@@ -270,6 +315,15 @@ enum SpecCommand {
         #[arg(long)]
         revision: Option<String>,
     },
+}
+
+/// How `plan` prints.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PlanFormat {
+    /// A shell script, facts and notes as comments.
+    Text,
+    /// The same plan for machines.
+    Json,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -398,7 +452,7 @@ fn command_line_error(e: clap::Error) -> ExitCode {
     let text = e.render().to_string();
     let parts: Vec<&str> = match e.kind() {
         ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
-            vec!["no subcommand given (gate, run, probe, diff, engines, spec)"]
+            vec!["no subcommand given (gate, run, probe, diff, plan, engines, spec)"]
         }
         // The `error:` paragraph (its indented lines name the arguments) and any tips.
         _ => text
@@ -510,6 +564,46 @@ fn run(cli: Cli) -> Result<u8> {
             }
             Ok(0)
         }
+        Command::Plan {
+            target,
+            engine,
+            tp,
+            ep,
+            prompts,
+            draft,
+            out,
+            revision,
+            format,
+        } => {
+            let sel = engine_sel(&engine)?;
+            let located = locate::locate_model(&target, revision.as_deref())?;
+            let info = locate::target_info(&located)?;
+            let draft_cfg = match &draft {
+                Some(d) => {
+                    let dir = locate::locate_model(d, revision.as_deref())?;
+                    Some((DraftConfig::load(&dir)?, d.display().to_string()))
+                }
+                None => None,
+            };
+            let plan = eagle_check::plan::plan(&eagle_check::plan::PlanInput {
+                target: &info,
+                model: target.display().to_string(),
+                engine: sel,
+                tp,
+                ep,
+                prompts,
+                draft: draft_cfg.as_ref().map(|(c, a)| (c, a.clone())),
+                out,
+            })?;
+            match format {
+                PlanFormat::Text => print!("{}", plan.to_text()),
+                PlanFormat::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&plan).context("rendering the plan")?
+                ),
+            }
+            Ok(0)
+        }
         Command::Engines { markdown } => {
             if markdown {
                 print!("{}", markdown_table());
@@ -541,6 +635,8 @@ fn run(cli: Cli) -> Result<u8> {
             target,
             captures,
             reference,
+            reference_map,
+            reference_tokens,
             draft,
             revision,
             engine,
@@ -552,8 +648,35 @@ fn run(cli: Cli) -> Result<u8> {
             let target = locate_opt(target, revision.as_deref())?;
             let draft = locate_opt(draft, revision.as_deref())?;
             let spec = Spec::load(&spec)?;
+            let target_shape = target.as_deref().map(locate::target_info).transpose()?;
             let mut source: Box<dyn ReferenceSource> = match (&reference, &target) {
-                (Some(path), _) => Box::new(DumpReference::open(path)?),
+                (Some(path), _) => {
+                    let opts = ReferenceOptions {
+                        map: if reference_map.is_empty() {
+                            None
+                        } else {
+                            Some(
+                                NameMap::parse(&reference_map)
+                                    .map_err(eagle_check::error::Error::Usage)?,
+                            )
+                        },
+                        tokens: reference_tokens
+                            .map(|p| -> Result<_> {
+                                let ids = read_token_file(&p)?;
+                                Ok((ids.into_iter().map(i64::from).collect(), p))
+                            })
+                            .transpose()?,
+                        num_layers: target_shape
+                            .as_ref()
+                            .map(|t| t.num_layers)
+                            .or_else(|| spec.target.as_ref().and_then(|t| t.num_hidden_layers)),
+                        hidden_size: target_shape
+                            .as_ref()
+                            .map(|t| t.hidden_size)
+                            .or_else(|| spec.target.as_ref().and_then(|t| t.hidden_size)),
+                    };
+                    Box::new(DumpReference::open_with(path, &opts)?)
+                }
                 (None, Some(path)) => Box::new(RunnerReference {
                     target: {
                         let dev = device(device_arg)?;
@@ -564,10 +687,7 @@ fn run(cli: Cli) -> Result<u8> {
                 }),
                 (None, None) => bail!("diff needs --target or --reference"),
             };
-            let arch = target
-                .as_deref()
-                .map(locate::target_info)
-                .transpose()?
+            let arch = target_shape
                 .map(|t| t.model_type)
                 .or_else(|| spec.target.as_ref().and_then(|t| t.model_type.clone()));
             let feed = match &draft {

@@ -92,6 +92,10 @@ impl ReferenceSource for Counted<'_> {
         self.inner.device()
     }
 
+    fn facts(&self) -> Vec<(String, String)> {
+        self.inner.facts()
+    }
+
     fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {
         let states = self.inner.states(tokens);
         self.count += 1;

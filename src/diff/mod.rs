@@ -3,8 +3,10 @@
 //! (and, given a draft and an engine, against what the inference side feeds).
 
 pub mod identify;
+pub mod names;
 pub mod reference;
 pub mod score;
+pub mod sglang_ref;
 
 use crate::boundary::{Boundary, Convention, FinalNorm, format_list};
 use crate::engine::Feed;
@@ -153,6 +155,9 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     let mut report = Report::new("diff");
     report.fact("spec", format!("{} ({})", spec.name, spec.path.display()));
     report.fact("reference", reference.describe());
+    for (key, value) in reference.facts() {
+        report.fact(&key, value);
+    }
     report.fact("spec_b", format_list(&spec.boundaries));
     if let Some(sl) = spec
         .target
@@ -172,6 +177,7 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     let mut collector = Collector::default();
     // Per slot: how often each boundary was found, for the three-way table.
     let mut training: BTreeMap<usize, BTreeMap<usize, usize>> = BTreeMap::new();
+    let mut junction_labels: Vec<String> = Vec::new();
 
     for path in input.captures {
         let files = capture_files(path)?;
@@ -181,11 +187,33 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
                 message: "no capture files found".into(),
             });
         }
+        // sglang's dumper writes a file per tensor: its junction dumps are regrouped into one
+        // sample per pass and junction; the rest of its files hold no capture.
+        let (sglang, files): (Vec<PathBuf>, Vec<PathBuf>) = files
+            .into_iter()
+            .partition(|f| crate::readers::sglang::is_sglang_dump(f));
+        let mut units: Vec<(String, Vec<Sample>)> = Vec::new();
+        if !sglang.is_empty() {
+            let start = Instant::now();
+            let junctions = sglang_ref::junction_samples(&sglang)?;
+            stats.read_seconds += start.elapsed().as_secs_f64();
+            stats.files += sglang.len();
+            if junctions.is_empty() {
+                stats.skipped += sglang.len();
+            }
+            for j in junctions {
+                junction_labels.push(j.label.clone());
+                units.push((j.label, vec![j.sample]));
+            }
+        }
         for file in files {
             let start = Instant::now();
             let samples = read_capture_path(&file)?;
             stats.read_seconds += start.elapsed().as_secs_f64();
             stats.files += 1;
+            units.push((file.display().to_string(), samples));
+        }
+        for (label, samples) in units {
             let mut worst: BTreeMap<usize, (SlotId, Option<FindingName>)> = BTreeMap::new();
             let mut format = String::new();
             for sample in &samples {
@@ -226,7 +254,7 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
                 continue;
             }
             report.captures.push(CaptureReport {
-                file: file.display().to_string(),
+                file: label,
                 format,
                 samples: samples.len(),
                 slots: worst
@@ -257,6 +285,9 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     }
     report.findings.extend(collector.findings.into_values());
     report.fact("samples", stats.samples.to_string());
+    if !junction_labels.is_empty() {
+        report.fact("junctions", junction_labels.join("; "));
+    }
     if stats.skipped > 0 {
         report.fact(
             "skipped",

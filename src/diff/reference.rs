@@ -1,6 +1,7 @@
 //! Reference boundaries for a token sequence: from the runner (the target model run here) or
 //! from a dump a distributed engine made of every layer. Both are one interface.
 
+use super::names::NameMap;
 use crate::error::{CandleContext, Error, Result};
 use crate::model::LoadedTarget;
 use crate::model::{Capture, CaptureRequest, Progress};
@@ -38,6 +39,10 @@ pub trait ReferenceSource {
     /// Where the scoring against these states runs: the runner's device, else the CPU.
     fn device(&self) -> candle_core::Device {
         candle_core::Device::Cpu
+    }
+    /// What the report should say about how the reference was read (key, value).
+    fn facts(&self) -> Vec<(String, String)> {
+        Vec::new()
     }
 }
 
@@ -132,26 +137,67 @@ impl ReferenceSource for RunnerReference {
     }
 }
 
+/// How to read a reference dump whose names or token ids are not self-evident.
+#[derive(Debug, Clone, Default)]
+pub struct ReferenceOptions {
+    /// `--reference-map`: what the dump's tensor names hold (default: the built-in sglang rules).
+    pub map: Option<NameMap>,
+    /// `--reference-tokens`: the token ids of dumps that carry none, with the file they came from.
+    pub tokens: Option<(Vec<i64>, PathBuf)>,
+    /// The target's layer count L (from `--target` or the spec), when known.
+    pub num_layers: Option<usize>,
+    /// The target's hidden size, when known (tells a tensor-parallel shard from a state).
+    pub hidden_size: Option<usize>,
+}
+
 /// Reference states read from dumps of every layer: eagle-check's own `run --dump` files
-/// (`input_ids`, `hidden_states.{b}`, `final_pre_norm`), or vLLM `extract_hidden_states` files
-/// made with layer ids `0..L` (raw, b = id) whose last slot is the final pre-norm state
-/// (`token_ids`, `hidden_states` [T, L + 1, H]).
+/// (`input_ids`, `hidden_states.{b}`, `final_pre_norm`), vLLM `extract_hidden_states` files
+/// made with layer ids `0..=L` (raw, b = id; `1..=L` on DeepSeek, whose backbone cannot
+/// capture b = 0) whose last slot is the final pre-norm state (`token_ids`, `hidden_states`
+/// [T, n, H]), and sglang's dumper or debug-tensor-dump files ([`super::sglang_ref`]).
 pub struct DumpReference {
     path: PathBuf,
     entries: Vec<RefStates>,
     num_layers: usize,
     hidden_size: usize,
+    facts: Vec<(String, String)>,
 }
 
 impl DumpReference {
     pub fn open(path: &Path) -> Result<DumpReference> {
+        DumpReference::open_with(path, &ReferenceOptions::default())
+    }
+
+    pub fn open_with(path: &Path, opts: &ReferenceOptions) -> Result<DumpReference> {
         let files = crate::readers::capture_files(path)?;
+        let (sglang, plain): (Vec<PathBuf>, Vec<PathBuf>) = files
+            .into_iter()
+            .partition(|f| crate::readers::sglang::is_sglang_dump(f));
         let mut entries = Vec::new();
-        for file in &files {
+        let mut facts = Vec::new();
+        for file in &plain {
             for sample in read_capture_path(file)? {
-                entries.push(dump_states(&sample, file)?);
+                let states = dump_states(&sample, file, opts.num_layers)?;
+                if sample.format == Format::Vllm {
+                    facts.push((
+                        "reference_layout".to_string(),
+                        format!(
+                            "vLLM extract_hidden_states: {} slots read as b = {}..={} (the last pre-norm)",
+                            sample.layers.as_ref().map_or(0, |t| t.dims()[1]),
+                            if states.boundaries.first().is_some_and(Option::is_some) { 0 } else { 1 },
+                            states.num_layers
+                        ),
+                    ));
+                }
+                entries.push(states);
             }
         }
+        if !sglang.is_empty() {
+            let read = super::sglang_ref::read(path, &sglang, opts)?;
+            entries.extend(read.entries);
+            facts.extend(read.facts);
+        }
+        facts.dedup();
         let first = entries.first().ok_or_else(|| Error::Capture {
             path: path.to_path_buf(),
             message: "no reference dump found".into(),
@@ -181,11 +227,21 @@ impl DumpReference {
             entries,
             num_layers,
             hidden_size,
+            facts,
         })
+    }
+
+    /// The sequences read, for tests and messages.
+    pub fn entries(&self) -> &[RefStates] {
+        &self.entries
     }
 }
 
-fn dump_states(sample: &crate::readers::Sample, file: &Path) -> Result<RefStates> {
+fn dump_states(
+    sample: &crate::readers::Sample,
+    file: &Path,
+    num_layers: Option<usize>,
+) -> Result<RefStates> {
     let bad = |message: String| Error::Capture {
         path: file.to_path_buf(),
         message,
@@ -219,15 +275,32 @@ fn dump_states(sample: &crate::readers::Sample, file: &Path) -> Result<RefStates
                 .flat_map(|r| all[(r * n + j) * h..(r * n + j + 1) * h].iter().copied())
                 .collect()
         };
-        let l = n - 1;
-        let mut boundaries: Vec<Option<Vec<f32>>> = (0..l).map(|j| Some(slot(j))).collect();
-        boundaries.push(None); // post-norm b = L is not in a vLLM dump
+        // Slots are b = 0..=L (ids 0..=L, raw), or b = 1..=L where the backbone cannot capture
+        // the embedding (vLLM's deepseek_v2.py: id 0 crashes, so `plan` asks for 1..=L). Only
+        // the layer count tells the two apart.
+        let (l, first) = match num_layers {
+            Some(l) if n == l + 1 => (l, 0),
+            Some(l) if n == l => (l, 1),
+            Some(l) => {
+                return Err(bad(format!(
+                    "hidden_states holds {n} layer slots; an all-layer dump of a {l}-layer target \
+                     holds {} (ids 0..={l}) or {l} (ids 1..={l})",
+                    l + 1
+                )));
+            }
+            None => (n - 1, 0),
+        };
+        let mut boundaries: Vec<Option<Vec<f32>>> = vec![None; l + 1];
+        for (b, state) in boundaries.iter_mut().enumerate().take(l).skip(first) {
+            *state = Some(slot(b - first));
+        }
+        // Post-norm b = L is not in a vLLM dump; its last slot is the pre-norm state.
         return Ok(RefStates {
             tokens,
             hidden_size: h,
             num_layers: l,
             boundaries,
-            final_pre_norm: Some(slot(l)),
+            final_pre_norm: Some(slot(n - 1)),
             no_residual: vec![None; l + 1],
         });
     }
@@ -284,6 +357,10 @@ impl ReferenceSource for DumpReference {
             self.path.display(),
             self.entries.len()
         )
+    }
+
+    fn facts(&self) -> Vec<(String, String)> {
+        self.facts.clone()
     }
 
     fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {

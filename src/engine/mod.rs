@@ -432,6 +432,11 @@ fn short_source(rule: &Rule) -> &'static str {
     file.rsplit('/').next().unwrap_or(file)
 }
 
+/// A rule's id mapping in words, e.g. `+1 on every id (b = id + 1)`.
+pub fn rule_words(rule: &Rule) -> &'static str {
+    offset_words(rule.offset)
+}
+
 fn offset_words(offset: Offset) -> &'static str {
     match offset {
         Offset::PlusOne => "+1 on every id (b = id + 1)",

@@ -19,6 +19,7 @@ pub(crate) mod numpy;
 pub mod pickle;
 pub(crate) mod safetensors_file;
 pub mod safetensors_header;
+pub mod sglang;
 pub mod tensor;
 mod torch;
 
