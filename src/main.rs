@@ -587,7 +587,21 @@ fn run(cli: Cli) -> Result<u8> {
             };
             let plan = eagle_check::plan::plan(&eagle_check::plan::PlanInput {
                 target: &info,
-                model: target.display().to_string(),
+                // Engines load a model directory (or a Hub id), never its config.json.
+                model: match target.file_name() {
+                    Some(n)
+                        if n == "config.json"
+                            || target.extension().is_some_and(|e| e == "json") =>
+                    {
+                        target
+                            .parent()
+                            .filter(|p| !p.as_os_str().is_empty())
+                            .unwrap_or(Path::new("."))
+                            .display()
+                            .to_string()
+                    }
+                    _ => target.display().to_string(),
+                },
                 engine: sel,
                 tp,
                 ep,
