@@ -10,7 +10,7 @@ use eagle_check::engine::{Engine, EngineSel, markdown_table, resolve};
 use eagle_check::gate::gate;
 use eagle_check::judge::StaticInput;
 use eagle_check::locate::{self, Bundle};
-use eagle_check::model::open_target;
+use eagle_check::model::TargetOptions;
 use eagle_check::progress;
 use eagle_check::report::Report;
 use eagle_check::runner::RunInput;
@@ -52,6 +52,34 @@ struct OutputArgs {
     /// Print only the verdict line (the exit code says the same).
     #[arg(long, short)]
     quiet: bool,
+}
+
+/// How the target's weights are held.
+#[derive(Args, Clone, Copy)]
+struct MemoryArgs {
+    /// Run the target one decoder layer at a time (each read from the checkpoint, run and
+    /// freed, the next read meanwhile), even when it would fit: for targets larger than memory.
+    /// Automatic when the weights would not fit --max-memory (else the memory available).
+    #[arg(long)]
+    stream_layers: bool,
+    /// Memory budget: resident memory on the CPU, device memory on a GPU (4GiB, 512MiB, 64GB).
+    /// Decides streaming; the report prints the peak against it.
+    #[arg(long, value_name = "SIZE", value_parser = parse_max_memory)]
+    max_memory: Option<u64>,
+}
+
+fn parse_max_memory(text: &str) -> std::result::Result<u64, String> {
+    eagle_check::memory::parse_size(text)
+}
+
+impl MemoryArgs {
+    fn options(self, dtype: DType, device: &Device) -> TargetOptions {
+        TargetOptions {
+            stream_layers: self.stream_layers,
+            max_memory: self.max_memory,
+            ..TargetOptions::new(dtype, device)
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -123,6 +151,8 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         generate: usize,
         #[command(flatten)]
+        memory: MemoryArgs,
+        #[command(flatten)]
         output: OutputArgs,
     },
     /// The engine rule table: every engine, version, capture path and architecture eagle-check
@@ -169,6 +199,8 @@ enum Command {
         /// Compute dtype (default: bf16 on a GPU, f32 on the CPU).
         #[arg(long, value_enum)]
         dtype: Option<DtypeArg>,
+        #[command(flatten)]
+        memory: MemoryArgs,
         #[command(flatten)]
         output: OutputArgs,
     },
@@ -491,6 +523,7 @@ fn run(cli: Cli) -> Result<u8> {
             engine,
             device: device_arg,
             dtype,
+            memory,
             output,
         } => {
             output.check()?;
@@ -499,14 +532,11 @@ fn run(cli: Cli) -> Result<u8> {
             let spec = Spec::load(&spec)?;
             let mut source: Box<dyn ReferenceSource> = match (&reference, &target) {
                 (Some(path), _) => Box::new(DumpReference::open(path)?),
-                (None, Some(path)) => Box::new(RunnerReference {
-                    target: {
-                        let dev = device(device_arg)?;
-                        open_target(path, compute_dtype(dtype, &dev), &dev)?
-                    },
-                    path: path.clone(),
-                    forward_seconds: 0.0,
-                }),
+                (None, Some(path)) => {
+                    let dev = device(device_arg)?;
+                    let opts = memory.options(compute_dtype(dtype, &dev), &dev);
+                    Box::new(RunnerReference::open(path, &opts)?)
+                }
                 (None, None) => bail!("diff needs --target or --reference"),
             };
             let arch = target
@@ -562,6 +592,7 @@ fn run(cli: Cli) -> Result<u8> {
             dump,
             generate,
             revision,
+            memory,
             output,
         } => {
             output.check()?;
@@ -615,6 +646,8 @@ fn run(cli: Cli) -> Result<u8> {
                 device: dev,
                 dump,
                 generate,
+                stream_layers: memory.stream_layers,
+                max_memory: memory.max_memory,
             })?;
             Ok(emit(&report, output))
         }

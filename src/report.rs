@@ -32,6 +32,8 @@ pub enum FindingName {
     Refused,
     /// The draft config writes its ids where the engine does not read them.
     IdsNotRead,
+    /// The run's peak memory passed `--max-memory` (the captures are still valid).
+    MemoryBudget,
 }
 
 impl FindingName {
@@ -55,6 +57,7 @@ impl FindingName {
             FindingName::Duplicate => "duplicate",
             FindingName::Refused => "refused",
             FindingName::IdsNotRead => "ids-not-read",
+            FindingName::MemoryBudget => "memory-budget",
         }
     }
 }

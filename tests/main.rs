@@ -18,4 +18,5 @@ mod output;
 mod run_cli;
 mod runner;
 mod spec_init;
+mod stream;
 mod workflow;

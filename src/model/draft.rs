@@ -9,10 +9,10 @@
 use crate::config::DraftConfig;
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams};
-use crate::model::ComputePath;
 use crate::model::deepseek::{Mla, MlaDims, softmax_scale_for};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
+use crate::model::{ComputePath, EmbedRows};
 use crate::naming;
 use candle_core::{DType, Tensor};
 
@@ -291,15 +291,19 @@ impl Eagle3Draft {
 
     /// One draft step over a sequence. `ids`: [T] tokens whose embeddings enter (token t+1 of the
     /// target sequence pairs with the target state at t); `fc_input`: [T, k*Ht];
-    /// `target_embed`: [V, H], used when the draft has no embeddings of its own.
+    /// `target_embed`: the target's embeddings, whose rows for `ids` are read when the draft has
+    /// none of its own.
     pub fn forward(
         &self,
         ids: &[u32],
         fc_input: &Tensor,
-        target_embed: &Tensor,
+        target_embed: &dyn EmbedRows,
     ) -> Result<DraftOutput> {
-        let embed = self.embed.as_ref().unwrap_or(target_embed);
-        let device = embed.device();
+        let embeds = match &self.embed {
+            Some(own) => own.rows(ids)?,
+            None => target_embed.rows(ids)?,
+        };
+        let device = fc_input.device();
         let t = ids.len();
         let rope_dim = DraftAttention::rope_dim(&self.cfg);
         let rope = RopeTables::new(&self.cfg.rope, rope_dim, t, self.dtype, device)?;
@@ -310,7 +314,6 @@ impl Eagle3Draft {
             }
         };
         let run = || -> candle_core::Result<Tensor> {
-            let embeds = embed.index_select(&Tensor::new(ids, device)?, 0)?;
             let fc_out = self.fc.forward(&fc_input.to_dtype(self.dtype)?)?;
             // norm_before_residual (vLLM/speculators): the residual is taken after hidden_norm.
             let hidden = self.hidden_norm.forward(&fc_out)?;
