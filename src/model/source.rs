@@ -50,6 +50,21 @@ pub trait WeightSource: Send + Sync {
     fn bytes_read(&self) -> u64 {
         0
     }
+    /// `rows` of a tensor converted to f32 as they are read, when the stored dtype widens to it
+    /// exactly (bf16, f16): one pass over memory where loading and converting take two, and no
+    /// stored-dtype copy of the tensor. `None` when the store does not (the caller converts).
+    fn load_f32(&self, _name: &str, _rows: Rows, _device: &Device) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+}
+
+/// Which rows of a tensor to read.
+#[derive(Debug, Clone, Copy)]
+pub enum Rows<'a> {
+    All,
+    Ids(&'a [u32]),
+    /// `start..start + len`.
+    Range(usize, usize),
 }
 
 /// safetensors shards, headers validated by [`WeightIndex`] (every extent checked against its
@@ -165,6 +180,47 @@ impl SafetensorsSource {
         t.ctx(what)
     }
 
+    /// Where `rows` of `name` lie: (info, byte offset of each run in the tensor's data, bytes
+    /// per run, the shape read).
+    fn layout(
+        &self,
+        name: &str,
+        rows: Rows,
+    ) -> Result<(&TensorInfo, Vec<usize>, usize, Vec<usize>)> {
+        let info = self.info(name)?;
+        if let Rows::All = rows {
+            let bytes = info.data_offsets.1 - info.data_offsets.0;
+            return Ok((info, vec![0], bytes, info.shape.clone()));
+        }
+        let row = self.row_bytes(name, info)?;
+        let n_rows = info.shape[0];
+        let bad = |what: String| {
+            Error::weights(
+                &*info.file,
+                format!("tensor {name}: {what} asked for, it has {n_rows} rows"),
+            )
+        };
+        let mut shape = info.shape.clone();
+        let (starts, run) = match rows {
+            Rows::All => unreachable!("handled above"),
+            Rows::Ids(ids) => {
+                if let Some(&r) = ids.iter().find(|&&r| r as usize >= n_rows) {
+                    return Err(bad(format!("row {r}")));
+                }
+                shape[0] = ids.len();
+                (ids.iter().map(|&r| r as usize * row).collect(), row)
+            }
+            Rows::Range(start, len) => {
+                if start.checked_add(len).is_none_or(|end| end > n_rows) {
+                    return Err(bad(format!("rows {start}..{}", start.saturating_add(len))));
+                }
+                shape[0] = len;
+                (vec![start * row], len * row)
+            }
+        };
+        Ok((info, starts, run, shape))
+    }
+
     /// Bytes per row of a tensor (its first axis).
     fn row_bytes(&self, name: &str, info: &TensorInfo) -> Result<usize> {
         let rows = info.shape.first().copied().unwrap_or(0);
@@ -180,6 +236,23 @@ impl SafetensorsSource {
         }
         Ok(bytes / rows)
     }
+}
+
+/// `dst[i] = f(src[i])`, `f` inlined (a loop the compiler vectorises).
+#[inline]
+fn widen_into(dst: &mut [f32], src: &[u16], f: impl Fn(u16) -> f32) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = f(s);
+    }
+}
+
+/// bf16 bits to f32, exactly as `half::bf16::to_f32` (and so candle's `to_dtype`) converts,
+/// NaNs quieted alike, without a branch.
+#[inline]
+fn bf16_to_f32(x: u16) -> f32 {
+    let bits = (x as u32) << 16;
+    let nan = (x & 0x7FFF) > 0x7F80;
+    f32::from_bits(bits | ((nan as u32) << 22))
 }
 
 /// The bytes of a buffer of plain numbers, for a read to fill.
@@ -206,24 +279,12 @@ impl WeightSource for SafetensorsSource {
     }
 
     fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
-        let info = self.info(name)?;
-        let bytes = info.data_offsets.1 - info.data_offsets.0;
-        self.read(name, info, &[0], bytes, info.shape.clone(), device)
+        let (info, starts, row, shape) = self.layout(name, Rows::All)?;
+        self.read(name, info, &starts, row, shape, device)
     }
 
     fn load_rows(&self, name: &str, ids: &[u32], device: &Device) -> Result<Tensor> {
-        let info = self.info(name)?;
-        let row = self.row_bytes(name, info)?;
-        let rows = info.shape[0];
-        if let Some(&bad) = ids.iter().find(|&&r| r as usize >= rows) {
-            return Err(Error::weights(
-                &*info.file,
-                format!("tensor {name}: row {bad} asked for, it has {rows}"),
-            ));
-        }
-        let starts: Vec<usize> = ids.iter().map(|&r| r as usize * row).collect();
-        let mut shape = info.shape.clone();
-        shape[0] = ids.len();
+        let (info, starts, row, shape) = self.layout(name, Rows::Ids(ids))?;
         self.read(name, info, &starts, row, shape, device)
     }
 
@@ -234,21 +295,44 @@ impl WeightSource for SafetensorsSource {
         len: usize,
         device: &Device,
     ) -> Result<Tensor> {
-        let info = self.info(name)?;
-        let row = self.row_bytes(name, info)?;
-        let rows = info.shape[0];
-        if start.checked_add(len).is_none_or(|end| end > rows) {
-            return Err(Error::weights(
-                &*info.file,
-                format!(
-                    "tensor {name}: rows {start}..{} asked for, it has {rows}",
-                    start + len
-                ),
-            ));
+        let (info, starts, row, shape) = self.layout(name, Rows::Range(start, len))?;
+        self.read(name, info, &starts, row, shape, device)
+    }
+
+    fn load_f32(&self, name: &str, rows: Rows, device: &Device) -> Result<Option<Tensor>> {
+        let bf16 = match self.info(name)?.dtype.as_str() {
+            "BF16" => true,
+            "F16" => false,
+            _ => return Ok(None),
+        };
+        let (info, starts, row, shape) = self.layout(name, rows)?;
+        let file = &self.files[&info.file];
+        let base = (info.data_start + info.data_offsets.0) as u64;
+        // 4 MiB at a time: large reads, and a buffer that stays in cache while it is widened.
+        let mut buf = vec![0u16; 2 << 20];
+        let mut out = vec![0f32; starts.len() * row / 2];
+        let mut at = 0;
+        for &start in &starts {
+            let mut done = 0;
+            while done < row {
+                let n = (row - done).min(2 * buf.len());
+                let part = &mut buf[..n / 2];
+                file.read_exact_at(as_bytes_mut(part), base + (start + done) as u64)
+                    .map_err(|e| Error::io(&*info.file, e))?;
+                let dst = &mut out[at..at + part.len()];
+                if bf16 {
+                    widen_into(dst, part, bf16_to_f32);
+                } else {
+                    widen_into(dst, part, |x| half::f16::from_bits(x).to_f32());
+                }
+                at += part.len();
+                done += n;
+            }
         }
-        let mut shape = info.shape.clone();
-        shape[0] = len;
-        self.read(name, info, &[start * row], len * row, shape, device)
+        self.bytes_read
+            .fetch_add((starts.len() * row) as u64, Ordering::Relaxed);
+        let what = || format!("{}: loading {name}", self.dir.display());
+        Tensor::from_vec(out, shape, device).ctx(what).map(Some)
     }
 
     fn origin(&self) -> &Path {
@@ -357,6 +441,22 @@ impl<'a> Vb<'a> {
         Ok(full)
     }
 
+    /// `rows` of `full` as stored, or already in f32 when the compute dtype is f32 on the CPU
+    /// and the store widens while reading ([`WeightSource::load_f32`]; the same values).
+    fn stored(&self, full: &str, rows: Rows) -> Result<Tensor> {
+        if self.dtype == DType::F32
+            && self.device.is_cpu()
+            && let Some(t) = self.src.load_f32(full, rows, &self.device)?
+        {
+            return Ok(t);
+        }
+        match rows {
+            Rows::All => self.src.load(full, &self.device),
+            Rows::Ids(ids) => self.src.load_rows(full, ids, &self.device),
+            Rows::Range(start, len) => self.src.load_row_range(full, start, len, &self.device),
+        }
+    }
+
     /// The FP8 scale grid of `full` when it is block-quantised (a `weight_scale_inv` beside an
     /// F8E4M3 weight), with the block size (declared, else inferred from the two shapes).
     fn fp8_scale(&self, full: &str, raw: &Tensor) -> Result<Option<(Tensor, [usize; 2])>> {
@@ -404,7 +504,7 @@ impl<'a> Vb<'a> {
     /// (a `weight_scale_inv` beside them) are dequantised here.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let full = self.checked(name, shape)?;
-        let raw = self.src.load(&full, &self.device)?;
+        let raw = self.stored(&full, Rows::All)?;
         self.mark(&full);
         let t = match self.fp8_scale(&full, &raw)? {
             Some((scale, block)) => self.dequantize(&full, &raw, &scale, block)?,
@@ -418,7 +518,7 @@ impl<'a> Vb<'a> {
     /// the same rows of [`Vb::get`] (FP8 rows take their own row of block scales).
     pub fn get_rows(&self, name: &str, shape: &[usize], ids: &[u32]) -> Result<Tensor> {
         let full = self.checked(name, shape)?;
-        let raw = self.src.load_rows(&full, ids, &self.device)?;
+        let raw = self.stored(&full, Rows::Ids(ids))?;
         self.mark(&full);
         let t = match self.fp8_scale(&full, &raw)? {
             Some((scale, [br, bc])) => {
@@ -445,7 +545,7 @@ impl<'a> Vb<'a> {
         len: usize,
     ) -> Result<Tensor> {
         let full = self.checked(name, shape)?;
-        let raw = self.src.load_row_range(&full, start, len, &self.device)?;
+        let raw = self.stored(&full, Rows::Range(start, len))?;
         self.mark(&full);
         let t = match self.fp8_scale(&full, &raw)? {
             Some((scale, [br, bc])) => {
@@ -492,5 +592,20 @@ impl<'a> Vb<'a> {
 
     pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
         self.src.shape(&self.path(name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every bf16 bit pattern (NaNs, infinities, subnormals) widens to the bits candle's
+    /// `to_dtype` (half) gives.
+    #[test]
+    fn bf16_widening_matches_half_on_every_bit_pattern() {
+        for x in 0..=u16::MAX {
+            let want = half::bf16::from_bits(x).to_f32().to_bits();
+            assert_eq!(bf16_to_f32(x).to_bits(), want, "bf16 bits {x:#06x}");
+        }
     }
 }
