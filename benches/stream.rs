@@ -171,7 +171,7 @@ fn write_checkpoint(shape: &Shape, dir: &Path) -> Vec<PathBuf> {
             );
         }
         let mut text = serde_json::Value::Object(header).to_string();
-        while text.len() % 8 != 0 {
+        while !text.len().is_multiple_of(8) {
             text.push(' ');
         }
         let mut w = BufWriter::with_capacity(16 << 20, File::create(file).unwrap());

@@ -188,13 +188,8 @@ impl SafetensorsSource {
         rows: Rows,
     ) -> Result<(&TensorInfo, Vec<usize>, usize, Vec<usize>)> {
         let info = self.info(name)?;
-        if let Rows::All = rows {
-            let bytes = info.data_offsets.1 - info.data_offsets.0;
-            return Ok((info, vec![0], bytes, info.shape.clone()));
-        }
-        let row = self.row_bytes(name, info)?;
-        let n_rows = info.shape[0];
         let bad = |what: String| {
+            let n_rows = info.shape.first().copied().unwrap_or(0);
             Error::weights(
                 &*info.file,
                 format!("tensor {name}: {what} asked for, it has {n_rows} rows"),
@@ -202,16 +197,18 @@ impl SafetensorsSource {
         };
         let mut shape = info.shape.clone();
         let (starts, run) = match rows {
-            Rows::All => unreachable!("handled above"),
+            Rows::All => (vec![0], info.data_offsets.1 - info.data_offsets.0),
             Rows::Ids(ids) => {
-                if let Some(&r) = ids.iter().find(|&&r| r as usize >= n_rows) {
+                let row = self.row_bytes(name, info)?;
+                if let Some(&r) = ids.iter().find(|&&r| r as usize >= info.shape[0]) {
                     return Err(bad(format!("row {r}")));
                 }
                 shape[0] = ids.len();
                 (ids.iter().map(|&r| r as usize * row).collect(), row)
             }
             Rows::Range(start, len) => {
-                if start.checked_add(len).is_none_or(|end| end > n_rows) {
+                let row = self.row_bytes(name, info)?;
+                if start.checked_add(len).is_none_or(|end| end > info.shape[0]) {
                     return Err(bad(format!("rows {start}..{}", start.saturating_add(len))));
                 }
                 shape[0] = len;
@@ -225,7 +222,7 @@ impl SafetensorsSource {
     fn row_bytes(&self, name: &str, info: &TensorInfo) -> Result<usize> {
         let rows = info.shape.first().copied().unwrap_or(0);
         let bytes = info.data_offsets.1 - info.data_offsets.0;
-        if rows == 0 || bytes % rows != 0 {
+        if rows == 0 || !bytes.is_multiple_of(rows) {
             return Err(Error::weights(
                 &*info.file,
                 format!(
@@ -549,7 +546,7 @@ impl<'a> Vb<'a> {
         self.mark(&full);
         let t = match self.fp8_scale(&full, &raw)? {
             Some((scale, [br, bc])) => {
-                if start % br != 0 {
+                if !start.is_multiple_of(br) {
                     return Err(Error::weights(
                         self.src.origin(),
                         format!("{full}: rows from {start} do not start on a {br}-row FP8 block"),
