@@ -52,6 +52,20 @@ pub enum Error {
         first: String,
         hint: String,
     },
+    /// A memory budget smaller than the one decoder layer that must be resident to run at all.
+    #[error(
+        "{budget} is smaller than one decoder layer of {path} (layer {layer}: {} in {dtype}): \
+         even streaming the layers one at a time needs that much",
+        crate::memory::format_bytes(*.need)
+    )]
+    MemoryBudget {
+        path: PathBuf,
+        /// The budget and where it came from (`--max-memory 1.00 KiB`, `MemAvailable ...`).
+        budget: String,
+        layer: usize,
+        need: u64,
+        dtype: String,
+    },
     /// A capture or reference file that decoded but cannot be checked as it is.
     #[error("{path}: {message}")]
     Capture { path: PathBuf, message: String },

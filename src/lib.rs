@@ -17,6 +17,7 @@ pub mod gate;
 pub mod judge;
 pub mod kernels;
 pub mod locate;
+pub mod memory;
 pub mod model;
 pub mod naming;
 pub mod plan;

@@ -13,7 +13,7 @@ use eagle_check::engine::{Engine, EngineSel, markdown_table, resolve};
 use eagle_check::gate::gate;
 use eagle_check::judge::StaticInput;
 use eagle_check::locate::{self, Bundle};
-use eagle_check::model::open_target;
+use eagle_check::model::TargetOptions;
 use eagle_check::probe::{ProbeInput, TokenSet, probe};
 use eagle_check::progress;
 use eagle_check::report::Report;
@@ -56,6 +56,34 @@ struct OutputArgs {
     /// Print only the verdict line (the exit code says the same).
     #[arg(long, short)]
     quiet: bool,
+}
+
+/// How the target's weights are held.
+#[derive(Args, Clone, Copy)]
+struct MemoryArgs {
+    /// Run the target one decoder layer at a time (each read from the checkpoint, run and
+    /// freed, the next read meanwhile), even when it would fit: for targets larger than memory.
+    /// Automatic when the weights would not fit --max-memory (else the memory available).
+    #[arg(long)]
+    stream_layers: bool,
+    /// Memory budget: resident memory on the CPU, device memory on a GPU (4GiB, 512MiB, 64GB).
+    /// Decides streaming; the report prints the peak against it.
+    #[arg(long, value_name = "SIZE", value_parser = parse_max_memory)]
+    max_memory: Option<u64>,
+}
+
+fn parse_max_memory(text: &str) -> std::result::Result<u64, String> {
+    eagle_check::memory::parse_size(text)
+}
+
+impl MemoryArgs {
+    fn options(self, dtype: DType, device: &Device) -> TargetOptions {
+        TargetOptions {
+            stream_layers: self.stream_layers,
+            max_memory: self.max_memory,
+            ..TargetOptions::new(dtype, device)
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -127,6 +155,8 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         generate: usize,
         #[command(flatten)]
+        memory: MemoryArgs,
+        #[command(flatten)]
         output: OutputArgs,
     },
     /// The acceptance probe: what each layout costs in acceptance, and (--search) which layout
@@ -175,6 +205,8 @@ enum Command {
         /// Seed of the bootstrap draws behind every interval.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        #[command(flatten)]
+        memory: MemoryArgs,
         #[arg(long, value_enum, default_value = "auto")]
         device: DeviceArg,
         /// Compute dtype (default: bf16 on a GPU, f32 on the CPU).
@@ -269,6 +301,8 @@ enum Command {
         /// Compute dtype (default: bf16 on a GPU, f32 on the CPU).
         #[arg(long, value_enum)]
         dtype: Option<DtypeArg>,
+        #[command(flatten)]
+        memory: MemoryArgs,
         #[command(flatten)]
         output: OutputArgs,
     },
@@ -656,6 +690,7 @@ fn run(cli: Cli) -> Result<u8> {
             engine,
             device: device_arg,
             dtype,
+            memory,
             output,
         } => {
             output.check()?;
@@ -691,14 +726,11 @@ fn run(cli: Cli) -> Result<u8> {
                     };
                     Box::new(DumpReference::open_with(path, &opts)?)
                 }
-                (None, Some(path)) => Box::new(RunnerReference {
-                    target: {
-                        let dev = device(device_arg)?;
-                        open_target(path, compute_dtype(dtype, &dev), &dev)?
-                    },
-                    path: path.clone(),
-                    forward_seconds: 0.0,
-                }),
+                (None, Some(path)) => {
+                    let dev = device(device_arg)?;
+                    let opts = memory.options(compute_dtype(dtype, &dev), &dev);
+                    Box::new(RunnerReference::open(path, &opts)?)
+                }
                 (None, None) => bail!("diff needs --target or --reference"),
             };
             let arch = target_shape
@@ -752,6 +784,7 @@ fn run(cli: Cli) -> Result<u8> {
             search,
             write_spec,
             seed,
+            memory,
             device: device_arg,
             dtype,
             output,
@@ -809,6 +842,8 @@ fn run(cli: Cli) -> Result<u8> {
                 write_spec,
                 dtype: compute_dtype(dtype, &dev),
                 device: dev,
+                stream_layers: memory.stream_layers,
+                max_memory: memory.max_memory,
                 seed,
             })?;
             Ok(emit(&report, output))
@@ -827,6 +862,7 @@ fn run(cli: Cli) -> Result<u8> {
             dump,
             generate,
             revision,
+            memory,
             output,
         } => {
             output.check()?;
@@ -862,6 +898,8 @@ fn run(cli: Cli) -> Result<u8> {
                 device: dev,
                 dump,
                 generate,
+                stream_layers: memory.stream_layers,
+                max_memory: memory.max_memory,
             })?;
             Ok(emit(&report, output))
         }

@@ -25,17 +25,22 @@ pub fn lm_head_name(has: &dyn Fn(&str) -> bool) -> Option<&'static str> {
     LM_HEAD_NAMES.into_iter().find(|n| has(n))
 }
 
-/// Decoder layers past `num_layers` that a checkpoint may carry without the target using them:
-/// DeepSeek-V3 ships its multi-token-prediction module as `model.layers.61`
-/// (`num_nextn_predict_layers`), which the target forward never runs.
-pub fn is_extra_layer(name: &str, num_layers: usize) -> bool {
-    DECODER_PREFIXES.iter().any(|p| {
+/// The decoder layer a tensor belongs to (`model.layers.3.mlp.up_proj.weight` -> 3), under any
+/// of the [`DECODER_PREFIXES`].
+pub fn layer_of(name: &str) -> Option<usize> {
+    DECODER_PREFIXES.iter().find_map(|p| {
         name.strip_prefix(p)
             .and_then(|rest| rest.strip_prefix(".layers."))
             .and_then(|rest| rest.split('.').next())
             .and_then(|i| i.parse::<usize>().ok())
-            .is_some_and(|i| i >= num_layers)
     })
+}
+
+/// Decoder layers past `num_layers` that a checkpoint may carry without the target using them:
+/// DeepSeek-V3 ships its multi-token-prediction module as `model.layers.61`
+/// (`num_nextn_predict_layers`), which the target forward never runs.
+pub fn is_extra_layer(name: &str, num_layers: usize) -> bool {
+    layer_of(name).is_some_and(|i| i >= num_layers)
 }
 
 /// Non-parameter buffers older exports save beside the weights (transformers 4 wrote

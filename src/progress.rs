@@ -96,6 +96,10 @@ impl ReferenceSource for Counted<'_> {
         self.inner.facts()
     }
 
+    fn report_resources(&self, report: &mut crate::report::Report) {
+        self.inner.report_resources(report);
+    }
+
     fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {
         let states = self.inner.states(tokens);
         self.count += 1;

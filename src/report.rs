@@ -37,6 +37,8 @@ pub enum FindingName {
     Acceptance,
     /// The probe: no layout does better than features of the wrong positions.
     NoSignal,
+    /// The run's peak memory passed `--max-memory` (the captures are still valid).
+    MemoryBudget,
 }
 
 impl FindingName {
@@ -62,6 +64,7 @@ impl FindingName {
             FindingName::IdsNotRead => "ids-not-read",
             FindingName::Acceptance => "acceptance",
             FindingName::NoSignal => "no-signal",
+            FindingName::MemoryBudget => "memory-budget",
         }
     }
 }

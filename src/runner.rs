@@ -10,7 +10,8 @@ use crate::locate::{self, resolve_model_dir};
 use crate::model::draft::{DraftOutput, Eagle3Draft};
 use crate::model::source::{SafetensorsSource, Vb, WeightSource};
 use crate::model::{
-    Capture, CaptureRequest, LoadedTarget, Progress, Target, assemble_fc_input, open_target,
+    Capture, CaptureRequest, EmbedRows, LoadedTarget, Progress, Target, TargetOptions,
+    assemble_fc_input, open_target_with,
 };
 use crate::naming::{self, DraftTensor};
 use crate::report::{Finding, FindingName, Report};
@@ -34,6 +35,10 @@ pub struct RunInput {
     pub dump: Option<PathBuf>,
     /// Greedy tokens to generate after the input, to see that the target makes sense.
     pub generate: usize,
+    /// `--stream-layers`: run the target one decoder layer at a time even when it fits.
+    pub stream_layers: bool,
+    /// `--max-memory` in bytes (else the memory available decides whether to stream).
+    pub max_memory: Option<u64>,
 }
 
 /// A model directory's safetensors headers, when it has any (GGUF files have none).
@@ -98,7 +103,15 @@ pub fn run(input: &RunInput) -> Result<Report> {
         return Ok(report.finish());
     }
 
-    let target = open_target(&input.target, input.dtype, &input.device)?;
+    let target = open_target_with(
+        &input.target,
+        &TargetOptions {
+            dtype: input.dtype,
+            device: input.device.clone(),
+            stream_layers: input.stream_layers,
+            max_memory: input.max_memory,
+        },
+    )?;
     let l = target.cfg.num_layers;
     let want = CaptureRequest {
         boundaries: if input.dump.is_some() {
@@ -145,6 +158,7 @@ pub fn run(input: &RunInput) -> Result<Report> {
         )?;
         report.fact("dump", path.display().to_string());
     }
+    crate::memory::report_target(&mut report, &target);
     Ok(report.finish())
 }
 
@@ -176,7 +190,7 @@ pub fn draft_step(
     model: &Eagle3Draft,
     tokens: &[u32],
     fc_input: &Tensor,
-    target_embed: &Tensor,
+    target_embed: &dyn EmbedRows,
 ) -> Result<DraftOutput> {
     let t = tokens.len();
     let fc_prev = fc_input
@@ -229,7 +243,7 @@ fn run_draft(
     }
     let vb = Vb::new(&src, input.dtype, &input.device);
     let model = Eagle3Draft::load(draft, &vb, target_hidden, slots)?;
-    let out = draft_step(&model, &input.tokens, fc_input, target.model.embed_tokens())?;
+    let out = draft_step(&model, &input.tokens, fc_input, target.model.embeddings())?;
     if let Some(logits) = &capture.logits {
         let greedy: Vec<i64> = logits
             .argmax(1)

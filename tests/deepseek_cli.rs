@@ -297,7 +297,7 @@ fn deepseek_draft_logits_match_the_pytorch_reference() {
             "seed_fault.draft_next_target_ids",
         ),
     ] {
-        let out = d.forward(&ids, &fc, model.embed_tokens()).unwrap();
+        let out = d.forward(&ids, &fc, model.embeddings()).unwrap();
         let c = closeness(&out.logits, &r[logits_key]).unwrap();
         eprintln!("deepseek_v3-draft {logits_key}: max rel {:.2e}", c.max_rel);
         assert!(c.max_rel <= F32_TOL, "{logits_key}: {:.3e}", c.max_rel);

@@ -49,10 +49,22 @@ impl Parts {
     }
 
     fn write(&self, path: &Path) {
+        self.write_as(path, GgmlDType::F32);
+    }
+
+    /// Matrices quantised to `matrices` (vectors stay f32, as llama.cpp keeps norms).
+    fn write_as(&self, path: &Path, matrices: GgmlDType) {
         let q: Vec<(String, QTensor)> = self
             .tensors
             .iter()
-            .map(|(n, t)| (n.clone(), QTensor::quantize(t, GgmlDType::F32).unwrap()))
+            .map(|(n, t)| {
+                let dtype = if t.rank() == 2 {
+                    matrices
+                } else {
+                    GgmlDType::F32
+                };
+                (n.clone(), QTensor::quantize(t, dtype).unwrap())
+            })
             .collect();
         let md: Vec<(&str, &Value)> = self.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let ts: Vec<(&str, &QTensor)> = q.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -194,6 +206,16 @@ fn write_converted(name: &str, permute: bool) -> (ModelConfig, PathBuf) {
     let path = dir.join(format!("{name}.gguf"));
     parts.write(&path);
     (cfg, path)
+}
+
+/// A fixture checkpoint converted to GGUF with its matrices quantised to Q8_0 (blocks of 32
+/// along each row, as llama.cpp's `--outtype q8_0` writes them).
+pub(crate) fn write_q8_0(name: &str) -> PathBuf {
+    let (_, parts) = convert(name, true);
+    let dir = scratch(&format!("gguf-q8_0-{name}"));
+    let path = dir.join(format!("{name}.q8_0.gguf"));
+    parts.write_as(&path, GgmlDType::Q8_0);
+    path
 }
 
 /// Worst relative error over every boundary, the pre-norm state and the logits.

@@ -159,7 +159,7 @@ fn gpu_drafts_match_the_pytorch_references() {
             .forward(
                 &ids(&r, "draft_input_ids"),
                 &r["draft_fc_input"].to_device(&dev).unwrap(),
-                model.embed_tokens(),
+                model.embeddings(),
             )
             .unwrap();
         let c = closeness(&out.logits, &r["draft_logits"]).unwrap();

@@ -21,4 +21,5 @@ mod probe;
 mod run_cli;
 mod runner;
 mod spec_init;
+mod stream;
 mod workflow;

@@ -41,7 +41,7 @@ fn run_draft(ddir: &Path, r: &HashMap<String, Tensor>) -> DraftOutput {
         .map(|x| x as u32)
         .collect();
     draft
-        .forward(&ids, &r["draft_fc_input"], target.embed_tokens())
+        .forward(&ids, &r["draft_fc_input"], target.embeddings())
         .unwrap()
 }
 

@@ -261,7 +261,7 @@ fn the_chain_equals_decoding_a_growing_sequence() {
         .narrow(0, 0, n)
         .unwrap();
     let fc = draft.fc_forward(&fc_in).unwrap();
-    let embed = target.embed_tokens();
+    let embed = target.embeddings();
     const STEPS: usize = 3;
     let mut chain = Chain::default();
     let mut preds = Vec::new();
@@ -364,4 +364,25 @@ fn an_mla_draft_is_probed_on_its_first_step() {
     assert!(rows.len() > 3);
     assert!(rows.iter().all(|r| r["accepted_length"].is_null()));
     assert!(rows[0]["acceptance"]["value"].as_f64().is_some());
+}
+
+/// Streaming the target's layers changes where its weights live, not what the probe measures.
+#[test]
+fn a_streamed_target_gives_the_same_probe() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "probe".to_string(),
+            bundle(),
+            "--format".into(),
+            "json".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let out = eagle_check(&args);
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        out.json()["probe"].clone()
+    };
+    let resident = run(&[]);
+    let streamed = run(&["--stream-layers"]);
+    assert!(resident.as_array().is_some_and(|a| a.len() > 3));
+    assert_eq!(resident, streamed);
 }

@@ -154,7 +154,7 @@ fn draft_parity_on(target: &str, draft: &str, path: ComputePath) -> f64 {
         .forward(
             &ids(&r, "draft_input_ids"),
             &r["draft_fc_input"],
-            model.embed_tokens(),
+            model.embeddings(),
         )
         .unwrap();
     let c = closeness(&out.logits, &r["draft_logits"]).unwrap();

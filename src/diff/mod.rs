@@ -330,6 +330,7 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
             );
         }
     }
+    reference.report_resources(&mut report);
     Ok((report.finish(), stats))
 }
 

@@ -3,9 +3,9 @@
 
 use super::names::NameMap;
 use crate::error::{CandleContext, Error, Result};
-use crate::model::LoadedTarget;
-use crate::model::{Capture, CaptureRequest, Progress};
+use crate::model::{Capture, CaptureRequest, LoadedTarget, Progress, TargetOptions};
 use crate::readers::{Format, read_capture_path};
+use crate::report::Report;
 use candle_core::{DType, Tensor};
 use std::path::{Path, PathBuf};
 
@@ -44,6 +44,10 @@ pub trait ReferenceSource {
     fn facts(&self) -> Vec<(String, String)> {
         Vec::new()
     }
+
+    /// Facts about the resources the source used (the runner's memory), once every sample
+    /// was compared.
+    fn report_resources(&self, _report: &mut Report) {}
 }
 
 /// The target model, run here on each sample's tokens.
@@ -52,6 +56,18 @@ pub struct RunnerReference {
     pub path: PathBuf,
     /// Seconds spent in target forwards (the benchmark reports the split).
     pub forward_seconds: f64,
+}
+
+impl RunnerReference {
+    /// Opens the target at `path` as `opts` say (streamed with `--stream-layers`, or when it
+    /// does not fit `--max-memory` / the memory available).
+    pub fn open(path: &Path, opts: &TargetOptions) -> Result<RunnerReference> {
+        Ok(RunnerReference {
+            target: crate::model::open_target_with(path, opts)?,
+            path: path.to_path_buf(),
+            forward_seconds: 0.0,
+        })
+    }
 }
 
 fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
@@ -79,7 +95,11 @@ impl ReferenceSource for RunnerReference {
     }
 
     fn device(&self) -> candle_core::Device {
-        self.target.model.embed_tokens().device().clone()
+        self.target.model.device().clone()
+    }
+
+    fn report_resources(&self, report: &mut Report) {
+        crate::memory::report_target(report, &self.target);
     }
 
     fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {

@@ -6,12 +6,9 @@
 use crate::config::{MlaConfig, ModelConfig, MoeConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams, RouteParams};
-use crate::model::llama::{decoder_prefix, output_head};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
-use crate::model::{
-    Capture, CaptureRequest, ComputePath, LayerStep, Progress, Target, finish_capture, run_decoder,
-};
+use crate::model::{ComputePath, Decoder, LayerStep};
 use candle_core::{D, DType, Device, Tensor};
 
 /// transformers' `yarn_get_mscale`.
@@ -520,19 +517,35 @@ enum Ffn {
     Moe(Moe),
 }
 
-struct Layer {
+pub(crate) struct Layer {
     input_norm: RmsNorm,
     attn: Mla,
     post_norm: RmsNorm,
     ffn: Ffn,
 }
 
-pub struct Deepseek {
+impl Layer {
+    /// Decoder layer `i` under the decoder prefix `m`: dense, or MoE where the config says.
+    fn load(cfg: &ModelConfig, m: &Vb, i: usize) -> Result<Layer> {
+        let (mla, moe) = validate(cfg)?;
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let l = m.pp(format!("layers.{i}"));
+        let ffn = match moe {
+            Some(moe) if moe.is_moe_layer(i) => Ffn::Moe(Moe::load(cfg, moe, &l.pp("mlp"))?),
+            _ => Ffn::Dense(Mlp::load(&l.pp("mlp"), h, cfg.intermediate_size)?),
+        };
+        Ok(Layer {
+            input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
+            attn: Mla::load(&MlaDims::target(cfg, mla), mla, &l.pp("self_attn"))?,
+            post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
+            ffn,
+        })
+    }
+}
+
+/// The DeepSeek-V3 decoder: what every layer shares ([`Decoder`]).
+pub(crate) struct DeepseekDecoder {
     cfg: ModelConfig,
-    embed: Tensor,
-    layers: Vec<Layer>,
-    norm: RmsNorm,
-    lm_head: Tensor,
     dtype: DType,
     path: ComputePath,
 }
@@ -571,35 +584,13 @@ fn validate(cfg: &ModelConfig) -> Result<(&MlaConfig, Option<&MoeConfig>)> {
     Ok((mla, cfg.moe.as_ref()))
 }
 
-impl Deepseek {
-    pub fn load(cfg: &ModelConfig, vb: &Vb, path: ComputePath) -> Result<Deepseek> {
-        let (mla, moe) = validate(cfg)?;
-        let m = decoder_prefix(vb);
-        let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
-        let embed = m.get("embed_tokens.weight", &[v, h])?;
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        // Layers past num_hidden_layers (DeepSeek-V3's MTP layer 61) are not part of the target.
-        for i in 0..cfg.num_layers {
-            let l = m.pp(format!("layers.{i}"));
-            let ffn = match moe {
-                Some(moe) if moe.is_moe_layer(i) => Ffn::Moe(Moe::load(cfg, moe, &l.pp("mlp"))?),
-                _ => Ffn::Dense(Mlp::load(&l.pp("mlp"), h, cfg.intermediate_size)?),
-            };
-            layers.push(Layer {
-                input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
-                attn: Mla::load(&MlaDims::target(cfg, mla), mla, &l.pp("self_attn"))?,
-                post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
-                ffn,
-            });
-        }
-        let lm_head = output_head(cfg, vb, &embed)?;
-        Ok(Deepseek {
+impl DeepseekDecoder {
+    /// Checks the config before any weight is read.
+    pub(crate) fn new(cfg: &ModelConfig, dtype: DType, path: ComputePath) -> Result<Self> {
+        validate(cfg)?;
+        Ok(DeepseekDecoder {
             cfg: cfg.clone(),
-            norm: RmsNorm::load(&m.pp("norm"), h, eps)?,
-            embed,
-            layers,
-            lm_head,
-            dtype: vb.dtype,
+            dtype,
             path,
         })
     }
@@ -624,23 +615,25 @@ fn routing_tensors(routing: &[Routed], device: &Device) -> candle_core::Result<(
     ))
 }
 
-impl Target for Deepseek {
+impl Decoder for DeepseekDecoder {
+    type Layer = Layer;
+    /// Rope tables over the rope part of each head and the additive causal mask (a placeholder
+    /// on the kernel path).
+    type Ctx = (RopeTables, Tensor);
+
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
-    fn embed_tokens(&self) -> &Tensor {
-        &self.embed
+    fn dtype(&self) -> DType {
+        self.dtype
     }
 
-    fn forward(
-        &self,
-        ids: &[u32],
-        want: &CaptureRequest,
-        progress: &mut Progress,
-    ) -> Result<Capture> {
-        let device = self.embed.device();
-        let t = ids.len();
+    fn load_layer(&self, m: &Vb, i: usize) -> Result<Layer> {
+        Layer::load(&self.cfg, m, i)
+    }
+
+    fn context(&self, t: usize, device: &Device) -> Result<Self::Ctx> {
         let rope = RopeTables::new(&self.cfg.rope, self.rope_dim(), t, self.dtype, device)?;
         let mask = match self.path {
             ComputePath::Candle => causal_mask(t, None, self.dtype, device)?,
@@ -648,51 +641,56 @@ impl Target for Deepseek {
                 Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?
             }
         };
-        let n = self.layers.len();
-        let (mut capture, xs) = run_decoder(&self.embed, ids, n, want, progress, |i, xs| {
-            let layer = &self.layers[i];
-            // (next, ffn output, routing as [T, K] expert ids i64 and weights f32)
-            type Step = (Tensor, Tensor, Option<(Tensor, Tensor)>);
-            let step = || -> candle_core::Result<Step> {
-                let normed = layer.input_norm.forward(xs)?;
-                let (xs, normed) = match self.path {
-                    ComputePath::Candle => {
-                        let xs = (xs + layer.attn.forward(&normed, &rope, &mask)?)?;
-                        let normed = layer.post_norm.forward(&xs)?;
-                        (xs, normed)
-                    }
-                    ComputePath::Kernels | ComputePath::Fused => {
-                        let a = layer.attn.forward_kernels(&normed, &rope)?;
-                        layer.post_norm.add_forward(xs, &a)?
-                    }
-                };
-                let (f, routing) = match (&layer.ffn, self.path) {
-                    (Ffn::Dense(mlp), _) => (mlp.forward(&normed)?, None),
-                    (Ffn::Moe(moe), ComputePath::Candle) => {
-                        let (f, r) = moe.forward(&normed)?;
-                        (f, Some(routing_tensors(&r, device)?))
-                    }
-                    (Ffn::Moe(moe), ComputePath::Kernels | ComputePath::Fused) => {
-                        let (f, idx, w) = moe.forward_kernels(&normed)?;
-                        (f, Some((idx.to_dtype(DType::I64)?, w)))
-                    }
-                };
-                Ok(((xs + &f)?, f, routing))
+        Ok((rope, mask))
+    }
+
+    fn step(
+        &self,
+        layer: &Layer,
+        i: usize,
+        xs: &Tensor,
+        (rope, mask): &Self::Ctx,
+    ) -> Result<LayerStep> {
+        let device = xs.device();
+        // (next, ffn output, routing as [T, K] expert ids i64 and weights f32)
+        type Step = (Tensor, Tensor, Option<(Tensor, Tensor)>);
+        let step = || -> candle_core::Result<Step> {
+            let normed = layer.input_norm.forward(xs)?;
+            let (xs, normed) = match self.path {
+                ComputePath::Candle => {
+                    let xs = (xs + layer.attn.forward(&normed, rope, mask)?)?;
+                    let normed = layer.post_norm.forward(&xs)?;
+                    (xs, normed)
+                }
+                ComputePath::Kernels | ComputePath::Fused => {
+                    let a = layer.attn.forward_kernels(&normed, rope)?;
+                    layer.post_norm.add_forward(xs, &a)?
+                }
             };
-            let (next, ffn_out, routing) = step().ctx(|| format!("decoder layer {i}"))?;
-            let mut extras = Vec::new();
-            if let Some((idx, w)) = routing {
-                extras.push((format!("router.{i}.topk_idx"), idx));
-                extras.push((format!("router.{i}.topk_weight"), w));
-            }
-            Ok(LayerStep {
-                next,
-                ffn_out,
-                extras,
-            })
-        })?;
-        finish_capture(&mut capture, xs, &self.norm, &self.lm_head, want, n)?;
-        Ok(capture)
+            let (f, routing) = match (&layer.ffn, self.path) {
+                (Ffn::Dense(mlp), _) => (mlp.forward(&normed)?, None),
+                (Ffn::Moe(moe), ComputePath::Candle) => {
+                    let (f, r) = moe.forward(&normed)?;
+                    (f, Some(routing_tensors(&r, device)?))
+                }
+                (Ffn::Moe(moe), ComputePath::Kernels | ComputePath::Fused) => {
+                    let (f, idx, w) = moe.forward_kernels(&normed)?;
+                    (f, Some((idx.to_dtype(DType::I64)?, w)))
+                }
+            };
+            Ok(((xs + &f)?, f, routing))
+        };
+        let (next, ffn_out, routing) = step().ctx(|| format!("decoder layer {i}"))?;
+        let mut extras = Vec::new();
+        if let Some((idx, w)) = routing {
+            extras.push((format!("router.{i}.topk_idx"), idx));
+            extras.push((format!("router.{i}.topk_weight"), w));
+        }
+        Ok(LayerStep {
+            next,
+            ffn_out,
+            extras,
+        })
     }
 }
 

@@ -9,10 +9,10 @@
 use crate::config::DraftConfig;
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams};
-use crate::model::ComputePath;
 use crate::model::deepseek::{Mla, MlaDims, softmax_scale_for};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask, softmax_last};
 use crate::model::source::{SafetensorsSource, Vb, WeightSource};
+use crate::model::{ComputePath, EmbedRows};
 use crate::naming::{self, DraftTensor};
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
@@ -420,12 +420,13 @@ impl Eagle3Draft {
 
     /// One draft step over a sequence. `ids`: [T] tokens whose embeddings enter (token t+1 of the
     /// target sequence pairs with the target state at t); `fc_input`: [T, k*Ht];
-    /// `target_embed`: [V, H], used when the draft has no embeddings of its own.
+    /// `target_embed`: the target's embeddings, whose rows for `ids` are read when the draft has
+    /// none of its own.
     pub fn forward(
         &self,
         ids: &[u32],
         fc_input: &Tensor,
-        target_embed: &Tensor,
+        target_embed: &dyn EmbedRows,
     ) -> Result<DraftOutput> {
         let fc_out = self.fc_forward(fc_input)?;
         let step = self.step(ids, &fc_out, target_embed, None)?;
@@ -468,11 +469,14 @@ impl Eagle3Draft {
         &self,
         ids: &[u32],
         hidden: &Tensor,
-        target_embed: &Tensor,
+        target_embed: &dyn EmbedRows,
         chain: Option<&mut Chain>,
     ) -> Result<DraftStep> {
-        let embed = self.embed.as_ref().unwrap_or(target_embed);
-        let device = embed.device();
+        let embeds = match &self.embed {
+            Some(own) => own.rows(ids)?,
+            None => target_embed.rows(ids)?,
+        };
+        let device = hidden.device();
         let t = ids.len();
         let offset = chain.as_ref().map_or(0, |c| c.kv.len());
         let rope_dim = DraftAttention::rope_dim(&self.cfg);
@@ -491,7 +495,6 @@ impl Eagle3Draft {
         };
         let mut chain = chain;
         let mut run = || -> candle_core::Result<(Tensor, Tensor)> {
-            let embeds = embed.index_select(&Tensor::new(ids, device)?, 0)?;
             // norm_before_residual (vLLM/speculators): the residual is taken after hidden_norm.
             let normed = self.hidden_norm.forward(hidden)?;
             let residual = if self.cfg.norm_before_residual {

@@ -13,9 +13,10 @@
 //! of [`super::llama`] (tested against transformers on the CPU through the kernels' references);
 //! the device tests compare the two on the GPU.
 
-use super::llama::Llama;
+use super::Resident;
+use super::llama::LlamaDecoder;
 use super::nn::{Linear, RopeTables};
-use super::{Capture, CaptureRequest, Progress, Target};
+use super::{Capture, CaptureRequest, EmbedRows, Progress, Target};
 use crate::config::ModelConfig;
 use crate::error::{CandleContext, Result};
 use crate::kernels::KernelDType;
@@ -74,7 +75,7 @@ struct FastLayer {
 
 /// A Llama-family target on a CUDA device, with the fused launch sequence above.
 pub struct FastLlama {
-    inner: Llama,
+    inner: Resident<LlamaDecoder>,
     dev: CudaDevice,
     kd: KernelDType,
     layers: Vec<FastLayer>,
@@ -102,7 +103,7 @@ fn ptr(t: &Tensor) -> Result<DevPtr> {
 impl FastLlama {
     /// Takes a loaded Llama-family target on a CUDA device and fuses its projections (the
     /// unfused copies are dropped).
-    pub fn new(mut inner: Llama) -> Result<FastLlama> {
+    pub(crate) fn new(mut inner: Resident<LlamaDecoder>) -> Result<FastLlama> {
         let dev = match inner.embed.device() {
             Device::Cuda(d) => d.clone(),
             _ => {
@@ -111,7 +112,7 @@ impl FastLlama {
                 ));
             }
         };
-        let kd = KernelDType::of(inner.dtype).ctx(|| "compute dtype".to_string())?;
+        let kd = KernelDType::of(inner.dec.dtype).ctx(|| "compute dtype".to_string())?;
         let layers = inner
             .layers
             .iter()
@@ -150,7 +151,7 @@ impl FastLlama {
     }
 
     fn cfg(&self) -> &ModelConfig {
-        &self.inner.cfg
+        &self.inner.dec.cfg
     }
 
     /// `out[T, n] (row stride out_stride) = a[T, k] @ p.w^T (+ bias)`.
@@ -206,7 +207,7 @@ impl FastLlama {
     fn buffer(&self, rows: usize, cols: usize) -> candle_core::Result<Tensor> {
         let n = rows * cols;
         Ok(cuda::tensor(
-            cuda::alloc(&self.dev, self.inner.dtype, n)?,
+            cuda::alloc(&self.dev, self.inner.dec.dtype, n)?,
             (rows, cols),
         ))
     }
@@ -564,7 +565,11 @@ impl Target for FastLlama {
         self.cfg()
     }
 
-    fn embed_tokens(&self) -> &Tensor {
+    fn device(&self) -> &Device {
+        self.inner.embed.device()
+    }
+
+    fn embeddings(&self) -> &dyn EmbedRows {
         &self.inner.embed
     }
 

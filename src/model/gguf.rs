@@ -21,12 +21,16 @@ use crate::config::{ConfigFile, ModelConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
 use crate::model::nn::inv_freq;
 use crate::model::source::WeightSource;
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
 use memmap2::Mmap;
 use std::collections::{BTreeMap, HashMap};
-use std::io::Cursor;
+use std::fs::File;
+use std::io::{Cursor, Read, Seek, SeekFrom};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// `general.architecture` values this loader maps to HF names, with the HF `model_type` each becomes.
 const ARCHS: &[(&str, &str)] = &[("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")];
@@ -44,10 +48,14 @@ struct Entry {
     unpermute_heads: Option<usize>,
 }
 
-/// A GGUF file opened for weight loading: the header parsed and validated, the data mapped.
+/// A GGUF file opened for weight loading: the header parsed and validated. Tensors are read
+/// with positioned reads one at a time (never through a mapping that would keep every page
+/// touched in the resident set), so a target streamed layer by layer holds one layer's blocks.
 pub struct GgufSource {
     path: PathBuf,
-    mmap: Mmap,
+    file: File,
+    len: u64,
+    bytes_read: AtomicU64,
     content: Content,
     arch: String,
     /// HF name -> GGUF tensor.
@@ -59,11 +67,16 @@ pub struct GgufSource {
 pub fn open_gguf(path: &Path) -> Result<(ModelConfig, GgufSource)> {
     let (mmap, content) = read_header(path)?;
     let (cfg, arch, tensors) = resolve(path, &content, &mmap)?;
+    let len = mmap.len() as u64;
+    drop(mmap);
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
     Ok((
         cfg,
         GgufSource {
             path: path.to_path_buf(),
-            mmap,
+            file,
+            len,
+            bytes_read: AtomicU64::new(0),
             content,
             arch,
             tensors,
@@ -166,23 +179,42 @@ impl WeightSource for GgufSource {
 
     /// Dequantises to f32 (on the CPU, then moves to `device`), rows un-permuted where needed.
     fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
-        let entry = self.tensors.get(name).ok_or_else(|| Error::MissingTensor {
-            path: self.path.clone(),
-            name: name.to_string(),
-        })?;
-        let what = || {
-            format!(
-                "{}: GGUF tensor {} ({name})",
-                self.path.display(),
-                entry.gguf_name
-            )
+        let entry = self.entry(name)?;
+        let what = || self.what(entry, name);
+        let mut reader = At {
+            file: &self.file,
+            pos: 0,
+            len: self.len,
+            read: &self.bytes_read,
         };
-        let t = dequantize(&self.content, &self.mmap, &entry.gguf_name).ctx(what)?;
+        let t = self
+            .content
+            .tensor(&mut reader, &entry.gguf_name, &Device::Cpu)
+            .and_then(|q| q.dequantize(&Device::Cpu))
+            .ctx(what)?;
         let t = match entry.unpermute_heads {
             Some(heads) => unpermute_rows(&self.path, name, &t, heads)?,
             None => t,
         };
         t.to_device(device).ctx(what)
+    }
+
+    /// Only the rows asked for are read and dequantised: ggml blocks run along rows and never
+    /// span two, so a row's blocks decode alone, to the same values as in the whole tensor.
+    fn load_rows(&self, name: &str, ids: &[u32], device: &Device) -> Result<Tensor> {
+        let rows: Vec<usize> = ids.iter().map(|&r| r as usize).collect();
+        self.rows(name, &rows, device)
+    }
+
+    fn load_row_range(
+        &self,
+        name: &str,
+        start: usize,
+        len: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let rows: Vec<usize> = (start..start + len).collect();
+        self.rows(name, &rows, device)
     }
 
     fn origin(&self) -> &Path {
@@ -191,6 +223,107 @@ impl WeightSource for GgufSource {
 
     fn names(&self) -> Vec<String> {
         self.tensors.keys().cloned().collect()
+    }
+
+    fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
+    }
+}
+
+impl GgufSource {
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        self.tensors.get(name).ok_or_else(|| Error::MissingTensor {
+            path: self.path.clone(),
+            name: name.to_string(),
+        })
+    }
+
+    fn what(&self, entry: &Entry, name: &str) -> String {
+        format!(
+            "{}: GGUF tensor {} ({name})",
+            self.path.display(),
+            entry.gguf_name
+        )
+    }
+
+    /// `rows` of a 2-D tensor whose rows are not permuted, read and dequantised alone.
+    fn rows(&self, name: &str, rows: &[usize], device: &Device) -> Result<Tensor> {
+        let entry = self.entry(name)?;
+        let what = || self.what(entry, name);
+        let info = self
+            .content
+            .tensor_infos
+            .get(&entry.gguf_name)
+            .ok_or_else(|| Error::MissingTensor {
+                path: self.path.clone(),
+                name: entry.gguf_name.clone(),
+            })?;
+        let (n_rows, cols) = match info.shape.dims() {
+            [r, c] if entry.unpermute_heads.is_none() => (*r, *c),
+            _ => {
+                let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+                let ids = Tensor::new(ids.as_slice(), device).ctx(what)?;
+                return self.load(name, device)?.index_select(&ids, 0).ctx(what);
+            }
+        };
+        if let Some(&bad) = rows.iter().find(|&&r| r >= n_rows) {
+            return Err(Error::weights(
+                &self.path,
+                format!("{}: row {bad} asked for, it has {n_rows}", entry.gguf_name),
+            ));
+        }
+        // Whole blocks per row: validate_tensor_extents checked that rows divide into blocks.
+        let row_bytes = cols / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        let base = self.content.tensor_data_offset + info.offset;
+        let mut bytes = vec![0u8; rows.len() * row_bytes];
+        for (chunk, &r) in bytes.chunks_mut(row_bytes.max(1)).zip(rows) {
+            self.file
+                .read_exact_at(chunk, base + (r * row_bytes) as u64)
+                .map_err(|e| Error::io(&self.path, e))?;
+        }
+        self.bytes_read
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        qtensor_from_ggml(
+            info.ggml_dtype,
+            &bytes,
+            vec![rows.len(), cols],
+            &Device::Cpu,
+        )
+        .and_then(|q| q.dequantize(&Device::Cpu))
+        .and_then(|t| t.to_device(device))
+        .ctx(what)
+    }
+}
+
+/// `Read + Seek` over a shared file by positioned reads, for candle's GGUF tensor reader (a
+/// shared `File`'s own cursor would race between the layer loader and the calling thread).
+struct At<'a> {
+    file: &'a File,
+    pos: u64,
+    len: u64,
+    read: &'a AtomicU64,
+}
+
+impl Read for At<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.file.read_at(buf, self.pos)?;
+        self.pos += n as u64;
+        self.read.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+impl Seek for At<'_> {
+    fn seek(&mut self, to: SeekFrom) -> std::io::Result<u64> {
+        let pos = match to {
+            SeekFrom::Start(p) => Some(p),
+            SeekFrom::End(d) => self.len.checked_add_signed(d),
+            SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+        };
+        self.pos = pos.ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "seek before the start")
+        })?;
+        Ok(self.pos)
     }
 }
 
@@ -281,6 +414,8 @@ fn validate_tensor_extents(path: &Path, content: &Content, file_len: usize) -> R
     Ok(())
 }
 
+/// A tensor of a GGUF file held in memory (the header's `rope_freqs.weight`, read while the
+/// config is resolved, also on the fuzzers' bytes).
 fn dequantize(content: &Content, data: &[u8], gguf_name: &str) -> candle_core::Result<Tensor> {
     let q = content.tensor(&mut Cursor::new(data), gguf_name, &Device::Cpu)?;
     q.dequantize(&Device::Cpu)

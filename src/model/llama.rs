@@ -7,11 +7,9 @@ use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
-use crate::model::{
-    Capture, CaptureRequest, ComputePath, LayerStep, Progress, Target, finish_capture, run_decoder,
-};
+use crate::model::{ComputePath, Decoder, LayerStep};
 use crate::naming;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 pub(crate) struct Attention {
     pub(crate) q: Linear,
@@ -117,14 +115,35 @@ pub(crate) struct Layer {
     pub(crate) mlp: Mlp,
 }
 
-pub struct Llama {
+impl Layer {
+    /// Decoder layer `i` under the decoder prefix `m`.
+    pub(crate) fn load(cfg: &ModelConfig, m: &Vb, i: usize) -> Result<Layer> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let l = m.pp(format!("layers.{i}"));
+        Ok(Layer {
+            input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
+            attn: Attention::load(cfg, &l.pp("self_attn"))?,
+            post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
+            mlp: Mlp::load_biased(&l.pp("mlp"), h, cfg.intermediate_size, cfg.mlp_bias)?,
+        })
+    }
+}
+
+/// The Llama-family decoder: what every layer shares ([`Decoder`]).
+pub(crate) struct LlamaDecoder {
     pub(crate) cfg: ModelConfig,
-    pub(crate) embed: Tensor,
-    pub(crate) layers: Vec<Layer>,
-    pub(crate) norm: RmsNorm,
-    pub(crate) lm_head: Tensor,
     pub(crate) dtype: DType,
     path: ComputePath,
+}
+
+impl LlamaDecoder {
+    pub(crate) fn new(cfg: &ModelConfig, dtype: DType, path: ComputePath) -> LlamaDecoder {
+        LlamaDecoder {
+            cfg: cfg.clone(),
+            dtype,
+            path,
+        }
+    }
 }
 
 /// Where the decoder lives in the checkpoint ([`naming::decoder_prefix`]); `model` when none
@@ -136,12 +155,19 @@ pub fn decoder_prefix<'a>(vb: &Vb<'a>) -> Vb<'a> {
 /// The output head: the embeddings when tied (transformers ties `lm_head` to them and ignores
 /// a stored copy), else the checkpoint's head under any [`naming::LM_HEAD_NAMES`].
 pub fn output_head(cfg: &ModelConfig, vb: &Vb, embed: &Tensor) -> Result<Tensor> {
-    let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+    match head_name(cfg, vb)? {
+        None => Ok(embed.clone()),
+        Some(name) => vb.get(name, &[cfg.vocab_size, cfg.hidden_size]),
+    }
+}
+
+/// The name of the checkpoint's output head, `None` when it is tied to the embeddings.
+pub fn head_name(cfg: &ModelConfig, vb: &Vb) -> Result<Option<&'static str>> {
     if cfg.tie_word_embeddings {
-        return Ok(embed.clone());
+        return Ok(None);
     }
     match naming::lm_head_name(&|n| vb.contains(n)) {
-        Some(name) => vb.get(name, &[v, h]),
+        Some(name) => Ok(Some(name)),
         None => Err(Error::MissingTensor {
             path: vb.origin().to_path_buf(),
             name:
@@ -151,51 +177,25 @@ pub fn output_head(cfg: &ModelConfig, vb: &Vb, embed: &Tensor) -> Result<Tensor>
     }
 }
 
-impl Llama {
-    pub fn load(cfg: &ModelConfig, vb: &Vb, path: ComputePath) -> Result<Llama> {
-        let m = decoder_prefix(vb);
-        let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
-        let embed = m.get("embed_tokens.weight", &[v, h])?;
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for i in 0..cfg.num_layers {
-            let l = m.pp(format!("layers.{i}"));
-            layers.push(Layer {
-                input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
-                attn: Attention::load(cfg, &l.pp("self_attn"))?,
-                post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
-                mlp: Mlp::load_biased(&l.pp("mlp"), h, cfg.intermediate_size, cfg.mlp_bias)?,
-            });
-        }
-        let lm_head = output_head(cfg, vb, &embed)?;
-        Ok(Llama {
-            cfg: cfg.clone(),
-            norm: RmsNorm::load(&m.pp("norm"), h, eps)?,
-            embed,
-            layers,
-            lm_head,
-            dtype: vb.dtype,
-            path,
-        })
-    }
-}
+impl Decoder for LlamaDecoder {
+    type Layer = Layer;
+    /// Rope tables and the additive causal mask (a placeholder on the kernel path, whose flash
+    /// attention masks by position).
+    type Ctx = (RopeTables, Tensor);
 
-impl Target for Llama {
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
-    fn embed_tokens(&self) -> &Tensor {
-        &self.embed
+    fn dtype(&self) -> DType {
+        self.dtype
     }
 
-    fn forward(
-        &self,
-        ids: &[u32],
-        want: &CaptureRequest,
-        progress: &mut Progress,
-    ) -> Result<Capture> {
-        let device = self.embed.device();
-        let t = ids.len();
+    fn load_layer(&self, m: &Vb, i: usize) -> Result<Layer> {
+        Layer::load(&self.cfg, m, i)
+    }
+
+    fn context(&self, t: usize, device: &Device) -> Result<Self::Ctx> {
         let rope = RopeTables::new(&self.cfg.rope, self.cfg.head_dim, t, self.dtype, device)?;
         let mask = match self.path {
             ComputePath::Candle => causal_mask(t, self.cfg.sliding_window, self.dtype, device)?,
@@ -204,32 +204,36 @@ impl Target for Llama {
                 Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?
             }
         };
-        let n = self.layers.len();
-        let (mut capture, xs) = run_decoder(&self.embed, ids, n, want, progress, |i, xs| {
-            let layer = &self.layers[i];
-            let step = || -> candle_core::Result<LayerStep> {
-                let normed = layer.input_norm.forward(xs)?;
-                let (xs, normed) = match self.path {
-                    ComputePath::Candle => {
-                        let xs = (xs + layer.attn.forward(&normed, &rope, &mask)?)?;
-                        let normed = layer.post_norm.forward(&xs)?;
-                        (xs, normed)
-                    }
-                    ComputePath::Kernels | ComputePath::Fused => {
-                        let h = layer.attn.forward_kernels(&normed, &rope)?;
-                        layer.post_norm.add_forward(xs, &h)?
-                    }
-                };
-                let m = layer.mlp.forward(&normed)?;
-                Ok(LayerStep {
-                    next: (xs + &m)?,
-                    ffn_out: m,
-                    extras: Vec::new(),
-                })
+        Ok((rope, mask))
+    }
+
+    fn step(
+        &self,
+        layer: &Layer,
+        i: usize,
+        xs: &Tensor,
+        (rope, mask): &Self::Ctx,
+    ) -> Result<LayerStep> {
+        let step = || -> candle_core::Result<LayerStep> {
+            let normed = layer.input_norm.forward(xs)?;
+            let (xs, normed) = match self.path {
+                ComputePath::Candle => {
+                    let xs = (xs + layer.attn.forward(&normed, rope, mask)?)?;
+                    let normed = layer.post_norm.forward(&xs)?;
+                    (xs, normed)
+                }
+                ComputePath::Kernels | ComputePath::Fused => {
+                    let h = layer.attn.forward_kernels(&normed, rope)?;
+                    layer.post_norm.add_forward(xs, &h)?
+                }
             };
-            step().ctx(|| format!("decoder layer {i}"))
-        })?;
-        finish_capture(&mut capture, xs, &self.norm, &self.lm_head, want, n)?;
-        Ok(capture)
+            let m = layer.mlp.forward(&normed)?;
+            Ok(LayerStep {
+                next: (xs + &m)?,
+                ffn_out: m,
+                extras: Vec::new(),
+            })
+        };
+        step().ctx(|| format!("decoder layer {i}"))
     }
 }

@@ -10,17 +10,22 @@ pub mod gguf;
 pub mod llama;
 pub mod nn;
 pub mod source;
+pub mod stream;
 
 use crate::boundary::FinalNorm;
 use crate::config::{Arch, ModelConfig};
 use crate::engine::Feed;
 use crate::error::{CandleContext, Error, Result};
 use crate::locate::{is_gguf, resolve_model_dir};
+use crate::memory::Budget;
 use crate::naming;
 use candle_core::{DType, Device, Tensor};
+use deepseek::DeepseekDecoder;
+use llama::LlamaDecoder;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
+use stream::{MemoryPlan, Residency, StreamOptions, StreamStats, WeightEstimate};
 
 /// What a forward pass should keep. Boundaries not asked for are dropped as soon as the next
 /// layer has consumed them.
@@ -86,17 +91,128 @@ impl ComputePath {
     }
 }
 
+/// Token embeddings by row: a resident `[V, H]` table, or rows read from the checkpoint on
+/// demand (a streamed target, whose table never sits in memory whole).
+pub trait EmbedRows {
+    /// `[ids.len(), H]` in the compute dtype.
+    fn rows(&self, ids: &[u32]) -> Result<Tensor>;
+}
+
+impl EmbedRows for Tensor {
+    fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        self.index_select(&ids_tensor(ids, self.device())?, 0)
+            .ctx(|| "embedding lookup".to_string())
+    }
+}
+
 /// A target model the runner can capture from.
 pub trait Target {
     fn config(&self) -> &ModelConfig;
-    /// [V, H] token embeddings (the draft shares them when it has none).
-    fn embed_tokens(&self) -> &Tensor;
+    /// Where the target computes.
+    fn device(&self) -> &Device;
+    /// The token embeddings (the draft shares them when it has none).
+    fn embeddings(&self) -> &dyn EmbedRows;
     fn forward(
         &self,
         ids: &[u32],
         want: &CaptureRequest,
         progress: &mut Progress,
     ) -> Result<Capture>;
+    /// What streaming the layers cost so far; `None` for a resident target.
+    fn stream_stats(&self) -> Option<StreamStats> {
+        None
+    }
+}
+
+/// One architecture's decoder, layer by layer: how layer `i` is loaded and how it runs. The
+/// resident target ([`Resident`]) and the streamed one ([`stream::Streamed`]) both run through
+/// it, so each architecture has one loading and one forward code path.
+pub(crate) trait Decoder: Send + Sync {
+    type Layer: Send;
+    /// What every layer of one forward shares (rope tables, the mask) for T tokens.
+    type Ctx: Sync;
+    fn config(&self) -> &ModelConfig;
+    fn dtype(&self) -> DType;
+    /// Decoder layer `i`, from `m` (the decoder prefix: `m.pp("layers.{i}")` holds it).
+    fn load_layer(&self, m: &source::Vb, i: usize) -> Result<Self::Layer>;
+    fn context(&self, seq_len: usize, device: &Device) -> Result<Self::Ctx>;
+    /// Layer `i` over all tokens: `xs` [T, H] in, the residual stream after it out.
+    fn step(
+        &self,
+        layer: &Self::Layer,
+        i: usize,
+        xs: &Tensor,
+        ctx: &Self::Ctx,
+    ) -> Result<LayerStep>;
+}
+
+/// A target with every weight in memory, converted once at load.
+pub(crate) struct Resident<D: Decoder> {
+    pub(crate) dec: D,
+    /// [V, H]
+    pub(crate) embed: Tensor,
+    pub(crate) layers: Vec<D::Layer>,
+    pub(crate) norm: nn::RmsNorm,
+    /// [V, H]; the embeddings themselves when tied.
+    pub(crate) lm_head: Tensor,
+}
+
+impl<D: Decoder> Resident<D> {
+    pub(crate) fn load(dec: D, vb: &source::Vb) -> Result<Resident<D>> {
+        let cfg = dec.config();
+        let m = llama::decoder_prefix(vb);
+        let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
+        let embed = m.get("embed_tokens.weight", &[v, h])?;
+        // Layers past num_hidden_layers (DeepSeek-V3's MTP layer 61) are not part of the target.
+        let layers = (0..cfg.num_layers)
+            .map(|i| dec.load_layer(&m, i))
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = llama::output_head(cfg, vb, &embed)?;
+        let norm = nn::RmsNorm::load(&m.pp("norm"), h, eps)?;
+        Ok(Resident {
+            dec,
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+}
+
+impl<D: Decoder> Target for Resident<D> {
+    fn config(&self) -> &ModelConfig {
+        self.dec.config()
+    }
+
+    fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
+    fn embeddings(&self) -> &dyn EmbedRows {
+        &self.embed
+    }
+
+    fn forward(
+        &self,
+        ids: &[u32],
+        want: &CaptureRequest,
+        progress: &mut Progress,
+    ) -> Result<Capture> {
+        let ctx = self.dec.context(ids.len(), self.embed.device())?;
+        let n = self.layers.len();
+        let mut run = DecoderRun::new(self.embed.rows(ids)?, want, n, progress);
+        for (i, layer) in self.layers.iter().enumerate() {
+            run.layer(i, |xs| self.dec.step(layer, i, xs, &ctx))?;
+        }
+        let (mut capture, xs) = run.finish();
+        finish_capture(&mut capture, xs, &self.norm, want, n, |normed| {
+            self.lm_head
+                .t()
+                .and_then(|w| normed.matmul(&w))
+                .ctx(|| "lm_head".to_string())
+        })?;
+        Ok(capture)
+    }
 }
 
 /// Loads a target of any supported architecture from a weight source. A tensor the checkpoint
@@ -127,16 +243,59 @@ pub fn load_target_on(
     };
     let model: Box<dyn Target> = match (cfg.arch, path) {
         #[cfg(feature = "cuda")]
-        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, ComputePath::Fused) => Box::new(
-            fast::FastLlama::new(llama::Llama::load(cfg, &vb, ComputePath::Kernels)?)?,
-        ),
-        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, _) => {
-            Box::new(llama::Llama::load(cfg, &vb, path)?)
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, ComputePath::Fused) => {
+            Box::new(fast::FastLlama::new(Resident::load(
+                LlamaDecoder::new(cfg, dtype, ComputePath::Kernels),
+                &vb,
+            )?)?)
         }
-        (Arch::DeepseekV3, _) => Box::new(deepseek::Deepseek::load(cfg, &vb, path)?),
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, _) => {
+            Box::new(Resident::load(LlamaDecoder::new(cfg, dtype, path), &vb)?)
+        }
+        (Arch::DeepseekV3, _) => Box::new(Resident::load(
+            DeepseekDecoder::new(cfg, dtype, path)?,
+            &vb,
+        )?),
     };
-    let unread: Vec<String> = vb
-        .unread()
+    refuse_unread(cfg, src, vb.unread())?;
+    Ok(model)
+}
+
+/// Loads a target that holds no decoder layer: each forward streams them from `src` one at a
+/// time ([`stream::Streamed`]).
+pub fn load_streamed(
+    cfg: &ModelConfig,
+    src: Box<dyn source::WeightSource>,
+    dtype: DType,
+    device: &Device,
+    opts: StreamOptions,
+) -> Result<Box<dyn Target>> {
+    // The fused CUDA forward holds every layer; streamed, the GPU runs the kernel path.
+    let path = match ComputePath::for_device(device) {
+        ComputePath::Fused => ComputePath::Kernels,
+        p => p,
+    };
+    Ok(match cfg.arch {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => Box::new(
+            stream::Streamed::open(LlamaDecoder::new(cfg, dtype, path), src, device, opts)?,
+        ),
+        Arch::DeepseekV3 => Box::new(stream::Streamed::open(
+            DeepseekDecoder::new(cfg, dtype, path)?,
+            src,
+            device,
+            opts,
+        )?),
+    })
+}
+
+/// Fails on checkpoint tensors no loader read (`unread`), leaving out what no architecture
+/// reads: layers past `num_layers`, saved buffers, a stored copy of a tied head.
+pub(crate) fn refuse_unread(
+    cfg: &ModelConfig,
+    src: &dyn source::WeightSource,
+    unread: Vec<String>,
+) -> Result<()> {
+    let unread: Vec<String> = unread
         .into_iter()
         .filter(|n| !naming::is_extra_layer(n, cfg.num_layers) && !naming::is_ignored_buffer(n))
         // transformers ties the head to the embeddings and ignores a stored copy.
@@ -156,17 +315,51 @@ pub fn load_target_on(
             hint: hint.to_string(),
         });
     }
-    Ok(model)
+    Ok(())
 }
 
-/// A loaded target with its config.
+/// How to open a target: the compute dtype and device, and how its weights may be held.
+#[derive(Debug, Clone)]
+pub struct TargetOptions {
+    pub dtype: DType,
+    pub device: Device,
+    /// `--stream-layers`: stream the decoder layers even when the model would fit.
+    pub stream_layers: bool,
+    /// `--max-memory`: the budget in bytes (resident memory on the CPU, device memory on a
+    /// GPU); without it the memory available when the target is opened.
+    pub max_memory: Option<u64>,
+}
+
+impl TargetOptions {
+    /// Resident unless the model does not fit in the memory available.
+    pub fn new(dtype: DType, device: &Device) -> TargetOptions {
+        TargetOptions {
+            dtype,
+            device: device.clone(),
+            stream_layers: false,
+            max_memory: None,
+        }
+    }
+}
+
+/// A loaded target with its config and how its weights are held.
 pub struct LoadedTarget {
     pub cfg: ModelConfig,
     pub model: Box<dyn Target>,
+    pub memory: MemoryPlan,
 }
 
-/// Loads a target from an HF directory, an HF cache entry, or a GGUF file.
+/// Loads a target from an HF directory, an HF cache entry, or a GGUF file, resident unless it
+/// would not fit in the memory available.
 pub fn open_target(path: &Path, dtype: DType, device: &Device) -> Result<LoadedTarget> {
+    open_target_with(path, &TargetOptions::new(dtype, device))
+}
+
+/// [`open_target`] with the streaming options. The decision is made from the weight headers
+/// before any weight is read: the model streams when asked to, or when its weights in the
+/// compute dtype would not fit the budget (said on stderr); a budget smaller than one decoder
+/// layer is refused.
+pub fn open_target_with(path: &Path, opts: &TargetOptions) -> Result<LoadedTarget> {
     let mut progress = Progress::new("loading target");
     let dir = resolve_model_dir(path)?;
     let (cfg, src): (ModelConfig, Box<dyn source::WeightSource>) = if is_gguf(&dir) {
@@ -178,9 +371,29 @@ pub fn open_target(path: &Path, dtype: DType, device: &Device) -> Result<LoadedT
             Box::new(source::SafetensorsSource::open(&dir)?),
         )
     };
-    let model = load_target(&cfg, src.as_ref(), dtype, device)?;
+    let estimate = WeightEstimate::of(&cfg, src.as_ref(), opts.dtype);
+    let budget = Budget::resolve(opts.max_memory, &opts.device);
+    let plan = stream::plan(estimate, opts.stream_layers, budget, opts.dtype, &dir)?;
+    if plan.automatic {
+        eprintln!("eagle-check: {}", plan.why_streamed());
+    }
+    let model = match plan.residency {
+        Residency::Resident => load_target(&cfg, src.as_ref(), opts.dtype, &opts.device)?,
+        Residency::Streamed { prefetch } => {
+            let stream = StreamOptions {
+                prefetch,
+                ..StreamOptions::default()
+            };
+            load_streamed(&cfg, src, opts.dtype, &opts.device, stream)?
+        }
+    };
+    crate::memory::note_device_use(&opts.device);
     progress.finish();
-    Ok(LoadedTarget { cfg, model })
+    Ok(LoadedTarget {
+        cfg,
+        model,
+        memory: plan,
+    })
 }
 
 /// The `fc` input `feed` assembles from a capture: [T, k*H], slots in feed order; at b = L the
@@ -217,56 +430,78 @@ pub(crate) struct LayerStep {
     pub extras: Vec<(String, Tensor)>,
 }
 
-/// The common body of every target forward: embed, then run `step` per layer, capturing the
-/// boundaries asked for on the way. Returns the capture and the state after the last layer.
-pub(crate) fn run_decoder(
-    embed: &Tensor,
-    ids: &[u32],
+/// The common body of every target forward: from the embedded tokens, one [`DecoderRun::layer`]
+/// per decoder layer, capturing the boundaries asked for on the way.
+pub(crate) struct DecoderRun<'a> {
+    capture: Capture,
+    /// [T, H], the residual stream: the input of the next layer.
+    xs: Tensor,
+    want: &'a CaptureRequest,
     num_layers: usize,
-    want: &CaptureRequest,
-    progress: &mut Progress,
-    mut step: impl FnMut(usize, &Tensor) -> Result<LayerStep>,
-) -> Result<(Capture, Tensor)> {
-    let mut capture = Capture::default();
-    let mut xs = embed
-        .index_select(&ids_tensor(ids, embed.device())?, 0)
-        .ctx(|| "embedding lookup".to_string())?;
-    for i in 0..num_layers {
-        if want.wants(i) {
-            capture.hidden.insert(i, xs.clone());
+    progress: &'a mut Progress,
+}
+
+impl<'a> DecoderRun<'a> {
+    /// `xs`: [T, H], the embeddings of the tokens (b = 0).
+    pub(crate) fn new(
+        xs: Tensor,
+        want: &'a CaptureRequest,
+        num_layers: usize,
+        progress: &'a mut Progress,
+    ) -> DecoderRun<'a> {
+        DecoderRun {
+            capture: Capture::default(),
+            xs,
+            want,
+            num_layers,
+            progress,
         }
-        let out = step(i, &xs)?;
-        if want.layer_outputs {
-            capture.extras.insert(format!("mlp_out.{i}"), out.ffn_out);
-        }
-        capture.extras.extend(out.extras);
-        xs = out.next;
-        progress.tick(i + 1, num_layers);
     }
-    progress.finish();
-    Ok((capture, xs))
+
+    /// Layer `i` on the current state: b = i (its input) is captured first, if asked for.
+    pub(crate) fn layer(
+        &mut self,
+        i: usize,
+        step: impl FnOnce(&Tensor) -> Result<LayerStep>,
+    ) -> Result<()> {
+        if self.want.wants(i) {
+            self.capture.hidden.insert(i, self.xs.clone());
+        }
+        let out = step(&self.xs)?;
+        if self.want.layer_outputs {
+            self.capture
+                .extras
+                .insert(format!("mlp_out.{i}"), out.ffn_out);
+        }
+        self.capture.extras.extend(out.extras);
+        self.xs = out.next;
+        self.progress.tick(i + 1, self.num_layers);
+        Ok(())
+    }
+
+    /// The capture and the state after the last layer.
+    pub(crate) fn finish(self) -> (Capture, Tensor) {
+        self.progress.finish();
+        (self.capture, self.xs)
+    }
 }
 
 /// The common end of every target forward: keep the pre-norm state, apply the final norm, the
-/// logits, and `b = L` (post-norm, HF semantics) as asked.
+/// logits (`head`: [T, H] normed -> [T, V]), and `b = L` (post-norm, HF semantics) as asked.
 pub(crate) fn finish_capture(
     capture: &mut Capture,
     xs: Tensor,
     norm: &nn::RmsNorm,
-    lm_head: &Tensor,
     want: &CaptureRequest,
     num_layers: usize,
+    head: impl FnOnce(&Tensor) -> Result<Tensor>,
 ) -> Result<()> {
     let normed = norm.forward(&xs).ctx(|| "final norm".to_string())?;
     if want.final_pre_norm {
         capture.final_pre_norm = Some(xs);
     }
     if want.logits {
-        let logits = lm_head
-            .t()
-            .and_then(|w| normed.matmul(&w))
-            .ctx(|| "lm_head".to_string())?;
-        capture.logits = Some(logits);
+        capture.logits = Some(head(&normed)?);
     }
     if want.wants(num_layers) {
         capture.hidden.insert(num_layers, normed);

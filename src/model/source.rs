@@ -1,12 +1,18 @@
-//! Where weights come from: memory-mapped safetensors shards (HF directories, HF cache
-//! snapshots) or a dequantised GGUF file, behind one trait, named by HF tensor names.
+//! Where weights come from: safetensors shards (HF directories, HF cache snapshots) read with
+//! positioned reads, or a dequantised GGUF file, behind one trait, named by HF tensor names.
+//!
+//! Reads are `pread`s into buffers the tensors then own, never a mapping of the files: pages of
+//! a mapping count in the process's resident set for as long as it lives, so a target streamed
+//! layer by layer would still grow to the size of its checkpoint.
 
 use crate::error::{CandleContext, Error, Result};
-use crate::weights::{WeightIndex, shard_files};
-use candle_core::safetensors::MmapedSafetensors;
+use crate::weights::{TensorInfo, WeightIndex};
 use candle_core::{DType, Device, Tensor};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A store of named tensors.
@@ -15,17 +21,59 @@ pub trait WeightSource: Send + Sync {
     fn shape(&self, name: &str) -> Option<Vec<usize>>;
     /// The tensor in its stored dtype.
     fn load(&self, name: &str, device: &Device) -> Result<Tensor>;
+    /// Rows `ids` of a tensor (`[ids.len(), ..]`), in its stored dtype: the embeddings of a
+    /// few tokens without the whole table. By default the whole tensor is loaded and indexed.
+    fn load_rows(&self, name: &str, ids: &[u32], device: &Device) -> Result<Tensor> {
+        let what = || format!("{}: rows of {name}", self.origin().display());
+        let ids = Tensor::new(ids, device).ctx(what)?;
+        self.load(name, device)?.index_select(&ids, 0).ctx(what)
+    }
+    /// Rows `start..start + len` of a tensor, in its stored dtype (a chunk of the output head).
+    fn load_row_range(
+        &self,
+        name: &str,
+        start: usize,
+        len: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let what = || format!("{}: rows of {name}", self.origin().display());
+        self.load(name, device)?
+            .narrow(0, start, len)
+            .and_then(|t| t.contiguous())
+            .ctx(what)
+    }
     /// The file or directory the weights came from, for error messages.
     fn origin(&self) -> &Path;
     /// Every tensor name the store holds (to report the ones no loader read).
     fn names(&self) -> Vec<String>;
+    /// Bytes read from the files so far (what streaming costs in I/O).
+    fn bytes_read(&self) -> u64 {
+        0
+    }
+    /// `rows` of a tensor converted to f32 as they are read, when the stored dtype widens to it
+    /// exactly (bf16, f16): one pass over memory where loading and converting take two, and no
+    /// stored-dtype copy of the tensor. `None` when the store does not (the caller converts).
+    fn load_f32(&self, _name: &str, _rows: Rows, _device: &Device) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
 }
 
-/// safetensors shards, headers validated by [`WeightIndex`] before anything is mapped.
+/// Which rows of a tensor to read.
+#[derive(Debug, Clone, Copy)]
+pub enum Rows<'a> {
+    All,
+    Ids(&'a [u32]),
+    /// `start..start + len`.
+    Range(usize, usize),
+}
+
+/// safetensors shards, headers validated by [`WeightIndex`] (every extent checked against its
+/// file's length) before anything is read.
 pub struct SafetensorsSource {
     dir: PathBuf,
     index: WeightIndex,
-    mmap: MmapedSafetensors,
+    files: HashMap<Arc<Path>, File>,
+    bytes_read: AtomicU64,
 }
 
 impl SafetensorsSource {
@@ -34,18 +82,193 @@ impl SafetensorsSource {
         if index.is_empty() {
             return Err(Error::weights(dir, "no .safetensors weights found"));
         }
-        let files = shard_files(dir)?;
-        // SAFETY: the files are mapped read-only; eagle-check never writes them, and the headers
-        // were validated against the file lengths above.
-        let mmap = unsafe { MmapedSafetensors::multi(&files) }
-            .ctx(|| format!("mapping {}", dir.display()))?;
+        let mut files = HashMap::new();
+        for info in index.tensors.values() {
+            if !files.contains_key(&info.file) {
+                let file = File::open(&info.file).map_err(|e| Error::io(&*info.file, e))?;
+                files.insert(info.file.clone(), file);
+            }
+        }
         Ok(SafetensorsSource {
             dir: dir.to_path_buf(),
             index,
-            mmap,
+            files,
+            bytes_read: AtomicU64::new(0),
         })
     }
+
+    fn info(&self, name: &str) -> Result<&TensorInfo> {
+        self.index.get(name).ok_or_else(|| Error::MissingTensor {
+            path: self.dir.clone(),
+            name: name.to_string(),
+        })
+    }
+
+    /// Reads `rows` runs of `row_bytes` bytes (run k starting `starts[k]` bytes into the
+    /// tensor's data) as one tensor of `shape` in the stored dtype.
+    fn read(
+        &self,
+        name: &str,
+        info: &TensorInfo,
+        starts: &[usize],
+        row_bytes: usize,
+        shape: Vec<usize>,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let file = &self.files[&info.file];
+        let base = (info.data_start + info.data_offsets.0) as u64;
+        let io = |e| Error::io(&*info.file, e);
+        let fill = |buf: &mut [u8]| -> Result<()> {
+            for (chunk, &start) in buf.chunks_mut(row_bytes.max(1)).zip(starts) {
+                file.read_exact_at(chunk, base + start as u64).map_err(io)?;
+            }
+            self.bytes_read
+                .fetch_add(buf.len() as u64, Ordering::Relaxed);
+            Ok(())
+        };
+        let total = starts.len() * row_bytes;
+        let elems: usize = shape.iter().product();
+        let size = crate::weights::header::dtype_size(&info.dtype).unwrap_or(0);
+        if elems.checked_mul(size) != Some(total) {
+            return Err(Error::weights(
+                &*info.file,
+                format!(
+                    "tensor {name}: {total} bytes do not hold {shape:?} of {}",
+                    info.dtype
+                ),
+            ));
+        }
+        let what = || format!("{}: loading {name}", self.dir.display());
+        // Straight into the tensor's own buffer where candle has the element type (no second
+        // copy); safetensors data is little-endian, as the hosts eagle-check runs on.
+        macro_rules! typed {
+            ($zero:expr) => {{
+                let mut v = vec![$zero; elems];
+                fill(as_bytes_mut(&mut v))?;
+                v
+            }};
+        }
+        let t = match info.dtype.as_str() {
+            "F32" => Tensor::from_vec(typed!(0f32), shape, device),
+            "F64" => Tensor::from_vec(typed!(0f64), shape, device),
+            "I64" => Tensor::from_vec(typed!(0i64), shape, device),
+            "I32" => Tensor::from_vec(typed!(0i32), shape, device),
+            "U32" => Tensor::from_vec(typed!(0u32), shape, device),
+            "I16" => Tensor::from_vec(typed!(0i16), shape, device),
+            "BF16" => {
+                use half::vec::HalfBitsVecExt;
+                Tensor::from_vec(typed!(0u16).reinterpret_into::<half::bf16>(), shape, device)
+            }
+            "F16" => {
+                use half::vec::HalfBitsVecExt;
+                Tensor::from_vec(typed!(0u16).reinterpret_into::<half::f16>(), shape, device)
+            }
+            // candle has no bool dtype; a BOOL tensor (a draft's `t2d`) loads as u8 0/1.
+            "U8" | "BOOL" => Tensor::from_vec(typed!(0u8), shape, device),
+            "F8_E4M3" => {
+                let mut v = vec![0u8; total];
+                fill(&mut v)?;
+                Tensor::from_raw_buffer(&v, DType::F8E4M3, &shape, device)
+            }
+            other => {
+                return Err(Error::weights(
+                    &*info.file,
+                    format!("tensor {name}: dtype {other} cannot be loaded"),
+                ));
+            }
+        };
+        t.ctx(what)
+    }
+
+    /// Where `rows` of `name` lie: (info, byte offset of each run in the tensor's data, bytes
+    /// per run, the shape read).
+    fn layout(
+        &self,
+        name: &str,
+        rows: Rows,
+    ) -> Result<(&TensorInfo, Vec<usize>, usize, Vec<usize>)> {
+        let info = self.info(name)?;
+        let bad = |what: String| {
+            let n_rows = info.shape.first().copied().unwrap_or(0);
+            Error::weights(
+                &*info.file,
+                format!("tensor {name}: {what} asked for, it has {n_rows} rows"),
+            )
+        };
+        let mut shape = info.shape.clone();
+        let (starts, run) = match rows {
+            Rows::All => (vec![0], info.data_offsets.1 - info.data_offsets.0),
+            Rows::Ids(ids) => {
+                let row = self.row_bytes(name, info)?;
+                if let Some(&r) = ids.iter().find(|&&r| r as usize >= info.shape[0]) {
+                    return Err(bad(format!("row {r}")));
+                }
+                shape[0] = ids.len();
+                (ids.iter().map(|&r| r as usize * row).collect(), row)
+            }
+            Rows::Range(start, len) => {
+                let row = self.row_bytes(name, info)?;
+                if start.checked_add(len).is_none_or(|end| end > info.shape[0]) {
+                    return Err(bad(format!("rows {start}..{}", start.saturating_add(len))));
+                }
+                shape[0] = len;
+                (vec![start * row], len * row)
+            }
+        };
+        Ok((info, starts, run, shape))
+    }
+
+    /// Bytes per row of a tensor (its first axis).
+    fn row_bytes(&self, name: &str, info: &TensorInfo) -> Result<usize> {
+        let rows = info.shape.first().copied().unwrap_or(0);
+        let bytes = info.data_offsets.1 - info.data_offsets.0;
+        if rows == 0 || !bytes.is_multiple_of(rows) {
+            return Err(Error::weights(
+                &*info.file,
+                format!(
+                    "tensor {name} of shape {:?} has no rows to read",
+                    info.shape
+                ),
+            ));
+        }
+        Ok(bytes / rows)
+    }
 }
+
+/// `dst[i] = f(src[i])`, `f` inlined (a loop the compiler vectorises).
+#[inline]
+fn widen_into(dst: &mut [f32], src: &[u16], f: impl Fn(u16) -> f32) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = f(s);
+    }
+}
+
+/// bf16 bits to f32, exactly as `half::bf16::to_f32` (and so candle's `to_dtype`) converts,
+/// NaNs quieted alike, without a branch.
+#[inline]
+fn bf16_to_f32(x: u16) -> f32 {
+    let bits = (x as u32) << 16;
+    let nan = (x & 0x7FFF) > 0x7F80;
+    f32::from_bits(bits | ((nan as u32) << 22))
+}
+
+/// The bytes of a buffer of plain numbers, for a read to fill.
+fn as_bytes_mut<T: Plain>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: `Plain` types are integers and floats: no padding, every bit pattern is a valid
+    // value, and u8 has alignment 1. The slice covers exactly the initialised elements.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// Number types whose every bit pattern is a value (see [`as_bytes_mut`]).
+trait Plain: Copy {}
+impl Plain for u8 {}
+impl Plain for u16 {}
+impl Plain for i16 {}
+impl Plain for u32 {}
+impl Plain for i32 {}
+impl Plain for i64 {}
+impl Plain for f32 {}
+impl Plain for f64 {}
 
 impl WeightSource for SafetensorsSource {
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
@@ -53,21 +276,60 @@ impl WeightSource for SafetensorsSource {
     }
 
     fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
-        let Some(info) = self.index.get(name) else {
-            return Err(Error::MissingTensor {
-                path: self.dir.clone(),
-                name: name.to_string(),
-            });
+        let (info, starts, row, shape) = self.layout(name, Rows::All)?;
+        self.read(name, info, &starts, row, shape, device)
+    }
+
+    fn load_rows(&self, name: &str, ids: &[u32], device: &Device) -> Result<Tensor> {
+        let (info, starts, row, shape) = self.layout(name, Rows::Ids(ids))?;
+        self.read(name, info, &starts, row, shape, device)
+    }
+
+    fn load_row_range(
+        &self,
+        name: &str,
+        start: usize,
+        len: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let (info, starts, row, shape) = self.layout(name, Rows::Range(start, len))?;
+        self.read(name, info, &starts, row, shape, device)
+    }
+
+    fn load_f32(&self, name: &str, rows: Rows, device: &Device) -> Result<Option<Tensor>> {
+        let bf16 = match self.info(name)?.dtype.as_str() {
+            "BF16" => true,
+            "F16" => false,
+            _ => return Ok(None),
         };
-        // candle has no bool dtype; a BOOL tensor (a draft's `t2d`) loads as u8 0/1.
-        if info.dtype == "BOOL" {
-            let what = || format!("{}: loading {name}", self.dir.display());
-            let view = self.mmap.get(name).ctx(what)?;
-            return Tensor::from_vec(view.data().to_vec(), info.shape.clone(), device).ctx(what);
+        let (info, starts, row, shape) = self.layout(name, rows)?;
+        let file = &self.files[&info.file];
+        let base = (info.data_start + info.data_offsets.0) as u64;
+        // 4 MiB at a time: large reads, and a buffer that stays in cache while it is widened.
+        let mut buf = vec![0u16; 2 << 20];
+        let mut out = vec![0f32; starts.len() * row / 2];
+        let mut at = 0;
+        for &start in &starts {
+            let mut done = 0;
+            while done < row {
+                let n = (row - done).min(2 * buf.len());
+                let part = &mut buf[..n / 2];
+                file.read_exact_at(as_bytes_mut(part), base + (start + done) as u64)
+                    .map_err(|e| Error::io(&*info.file, e))?;
+                let dst = &mut out[at..at + part.len()];
+                if bf16 {
+                    widen_into(dst, part, bf16_to_f32);
+                } else {
+                    widen_into(dst, part, |x| half::f16::from_bits(x).to_f32());
+                }
+                at += part.len();
+                done += n;
+            }
         }
-        self.mmap
-            .load(name, device)
-            .ctx(|| format!("{}: loading {name}", self.dir.display()))
+        self.bytes_read
+            .fetch_add((starts.len() * row) as u64, Ordering::Relaxed);
+        let what = || format!("{}: loading {name}", self.dir.display());
+        Tensor::from_vec(out, shape, device).ctx(what).map(Some)
     }
 
     fn origin(&self) -> &Path {
@@ -76,6 +338,10 @@ impl WeightSource for SafetensorsSource {
 
     fn names(&self) -> Vec<String> {
         self.index.tensors.keys().cloned().collect()
+    }
+
+    fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
     }
 }
 
@@ -154,9 +420,8 @@ impl<'a> Vb<'a> {
         self.src.origin()
     }
 
-    /// The tensor `name` with exactly `shape`, in the compute dtype. FP8 block-quantised weights
-    /// (a `weight_scale_inv` beside them) are dequantised here.
-    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    /// The full name of `name` after checking that the store declares exactly `shape`.
+    pub(crate) fn checked(&self, name: &str, shape: &[usize]) -> Result<String> {
         let full = self.path(name);
         let found = self.src.shape(&full).ok_or_else(|| Error::MissingTensor {
             path: self.src.origin().to_path_buf(),
@@ -170,29 +435,139 @@ impl<'a> Vb<'a> {
                 got: found,
             });
         }
-        let raw = self.src.load(&full, &self.device)?;
-        self.mark(&full);
+        Ok(full)
+    }
+
+    /// `rows` of `full` as stored, or already in f32 when the compute dtype is f32 on the CPU
+    /// and the store widens while reading ([`WeightSource::load_f32`]; the same values).
+    fn stored(&self, full: &str, rows: Rows) -> Result<Tensor> {
+        if self.dtype == DType::F32
+            && self.device.is_cpu()
+            && let Some(t) = self.src.load_f32(full, rows, &self.device)?
+        {
+            return Ok(t);
+        }
+        match rows {
+            Rows::All => self.src.load(full, &self.device),
+            Rows::Ids(ids) => self.src.load_rows(full, ids, &self.device),
+            Rows::Range(start, len) => self.src.load_row_range(full, start, len, &self.device),
+        }
+    }
+
+    /// The FP8 scale grid of `full` when it is block-quantised (a `weight_scale_inv` beside an
+    /// F8E4M3 weight), with the block size (declared, else inferred from the two shapes).
+    fn fp8_scale(&self, full: &str, raw: &Tensor) -> Result<Option<(Tensor, [usize; 2])>> {
         let scale_name = format!("{full}_scale_inv");
-        let t = if raw.dtype() == DType::F8E4M3 && self.src.shape(&scale_name).is_some() {
-            let scale = self.src.load(&scale_name, &self.device)?;
-            self.mark(&scale_name);
-            let dequant = || -> candle_core::Result<Tensor> {
-                let block = match self.fp8_block {
-                    Some(block) => block,
-                    None => crate::model::fp8::infer_block(raw.dims2()?, scale.dims2()?)?,
-                };
-                if raw.device().is_cuda() {
-                    // On the device, one kernel pass straight into the compute dtype.
-                    crate::kernels::fp8_dequant(&raw, &scale, block, self.dtype)
-                } else {
-                    crate::model::fp8::dequantize_blocks_with(&raw, &scale, block)
-                }
-            };
-            dequant().ctx(|| format!("dequantising {full}"))?
+        if raw.dtype() != DType::F8E4M3 || self.src.shape(&scale_name).is_none() {
+            return Ok(None);
+        }
+        let scale = self.src.load(&scale_name, &self.device)?;
+        self.mark(&scale_name);
+        let block = match self.fp8_block {
+            Some(block) => block,
+            None => {
+                let declared = self.src.shape(full).unwrap_or_default();
+                let rows_cols = (
+                    declared.first().copied().unwrap_or(0),
+                    declared.get(1).copied().unwrap_or(0),
+                );
+                scale
+                    .dims2()
+                    .and_then(|s| crate::model::fp8::infer_block(rows_cols, s))
+                    .ctx(|| format!("dequantising {full}"))?
+            }
+        };
+        Ok(Some((scale, block)))
+    }
+
+    /// `raw` (F8E4M3) times its block scales, in the compute dtype: one kernel pass on the
+    /// device, the CPU reference elsewhere.
+    fn dequantize(
+        &self,
+        full: &str,
+        raw: &Tensor,
+        scale: &Tensor,
+        block: [usize; 2],
+    ) -> Result<Tensor> {
+        let t = if raw.device().is_cuda() {
+            crate::kernels::fp8_dequant(raw, scale, block, self.dtype)
         } else {
-            raw
+            crate::model::fp8::dequantize_blocks_with(raw, scale, block)
+        };
+        t.ctx(|| format!("dequantising {full}"))
+    }
+
+    /// The tensor `name` with exactly `shape`, in the compute dtype. FP8 block-quantised weights
+    /// (a `weight_scale_inv` beside them) are dequantised here.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let full = self.checked(name, shape)?;
+        let raw = self.stored(&full, Rows::All)?;
+        self.mark(&full);
+        let t = match self.fp8_scale(&full, &raw)? {
+            Some((scale, block)) => self.dequantize(&full, &raw, &scale, block)?,
+            None => raw,
         };
         t.to_dtype(self.dtype).ctx(|| format!("converting {full}"))
+    }
+
+    /// Rows `ids` of the matrix `name` (exactly `shape`, [rows, cols]) in the compute dtype,
+    /// without loading the rest: the embeddings of a sequence's tokens. Equal, bit for bit, to
+    /// the same rows of [`Vb::get`] (FP8 rows take their own row of block scales).
+    pub fn get_rows(&self, name: &str, shape: &[usize], ids: &[u32]) -> Result<Tensor> {
+        let full = self.checked(name, shape)?;
+        let raw = self.stored(&full, Rows::Ids(ids))?;
+        self.mark(&full);
+        let t = match self.fp8_scale(&full, &raw)? {
+            Some((scale, [br, bc])) => {
+                let block_rows: Vec<u32> = ids.iter().map(|&r| r / br as u32).collect();
+                let idx = Tensor::new(block_rows.as_slice(), &self.device)
+                    .ctx(|| format!("scales of {full}"))?;
+                let scale = scale
+                    .index_select(&idx, 0)
+                    .ctx(|| format!("scales of {full}"))?;
+                self.dequantize(&full, &raw, &scale, [1, bc])?
+            }
+            None => raw,
+        };
+        t.to_dtype(self.dtype).ctx(|| format!("converting {full}"))
+    }
+
+    /// Rows `start..start + len` of the matrix `name` (exactly `shape`) in the compute dtype:
+    /// a chunk of the output head. For FP8 weights `start` must sit on a block edge.
+    pub fn get_row_range(
+        &self,
+        name: &str,
+        shape: &[usize],
+        start: usize,
+        len: usize,
+    ) -> Result<Tensor> {
+        let full = self.checked(name, shape)?;
+        let raw = self.stored(&full, Rows::Range(start, len))?;
+        self.mark(&full);
+        let t = match self.fp8_scale(&full, &raw)? {
+            Some((scale, [br, bc])) => {
+                if !start.is_multiple_of(br) {
+                    return Err(Error::weights(
+                        self.src.origin(),
+                        format!("{full}: rows from {start} do not start on a {br}-row FP8 block"),
+                    ));
+                }
+                let first = start / br;
+                let n = (start + len).div_ceil(br) - first;
+                let scale = scale
+                    .narrow(0, first, n)
+                    .and_then(|s| s.contiguous())
+                    .ctx(|| format!("scales of {full}"))?;
+                self.dequantize(&full, &raw, &scale, [br, bc])?
+            }
+            None => raw,
+        };
+        t.to_dtype(self.dtype).ctx(|| format!("converting {full}"))
+    }
+
+    /// Every full name read through this builder (or its children) so far.
+    pub fn read_names(&self) -> BTreeSet<String> {
+        self.loaded.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
     /// Like [`Vb::get`] when the tensor may be absent.
@@ -214,5 +589,20 @@ impl<'a> Vb<'a> {
 
     pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
         self.src.shape(&self.path(name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every bf16 bit pattern (NaNs, infinities, subnormals) widens to the bits candle's
+    /// `to_dtype` (half) gives.
+    #[test]
+    fn bf16_widening_matches_half_on_every_bit_pattern() {
+        for x in 0..=u16::MAX {
+            let want = half::bf16::from_bits(x).to_f32().to_bits();
+            assert_eq!(bf16_to_f32(x).to_bits(), want, "bf16 bits {x:#06x}");
+        }
     }
 }

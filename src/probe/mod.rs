@@ -22,7 +22,9 @@ use crate::error::{CandleContext, Error, Result};
 use crate::judge::{self, Dims, StaticInput, acceptance};
 use crate::locate;
 use crate::model::draft::{Chain, Eagle3Draft, open_draft};
-use crate::model::{Capture, CaptureRequest, LoadedTarget, Progress, open_target};
+use crate::model::{
+    Capture, CaptureRequest, LoadedTarget, Progress, TargetOptions, open_target_with,
+};
 use crate::report::{ProbeRow, Report};
 use crate::spec::Spec;
 use crate::stats::{Estimate, Resampler};
@@ -55,6 +57,10 @@ pub struct ProbeInput {
     pub write_spec: Option<PathBuf>,
     pub device: Device,
     pub dtype: DType,
+    /// `--stream-layers`: the target one decoder layer at a time.
+    pub stream_layers: bool,
+    /// `--max-memory` in bytes.
+    pub max_memory: Option<u64>,
     /// Seed of the bootstrap draws.
     pub seed: u64,
 }
@@ -120,7 +126,7 @@ impl Probe {
     /// features, or something shaped like it) and scores every position.
     pub fn score_fc(&mut self, fc_outs: &[Tensor], steps: usize) -> Result<Series> {
         let mut all = Series::default();
-        let embed = self.target.model.embed_tokens();
+        let embed = self.target.model.embeddings();
         for (set, fc_out) in self.sets.iter().zip(fc_outs) {
             let rows = set.rows();
             let mut chain = Chain::default();
@@ -317,7 +323,14 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
         return Ok(report.finish());
     }
 
-    let target = open_target(&input.target, input.dtype, &input.device)?;
+    let target = open_target_with(
+        &input.target,
+        &TargetOptions {
+            stream_layers: input.stream_layers,
+            max_memory: input.max_memory,
+            ..TargetOptions::new(input.dtype, &input.device)
+        },
+    )?;
     let target_hidden = draft_cfg.target_hidden(Some(cfg.hidden_size));
     let (draft, k) = open_draft(
         &draft_cfg,
@@ -540,6 +553,7 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
     let best_words = scored[best].layout.to_string();
     let signal = acceptance::has_signal(&evidence);
     report.probe.push(control_row);
+    crate::memory::report_target(&mut report, &probe.target);
     report.fact(
         "probe_passes",
         format!(

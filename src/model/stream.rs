@@ -1,0 +1,613 @@
+//! Targets larger than memory: the forward runs one decoder layer at a time over all tokens.
+//! Layer i is read from the checkpoint (positioned reads, see [`super::source`]), converted or
+//! dequantised into the compute dtype by the same loader the resident target uses
+//! ([`Decoder::load_layer`]), run, and dropped before layer i + 2 is read; a loader thread reads
+//! layer i + 1 while layer i computes. What stays resident: the activations of the T tokens, the
+//! boundaries captured, the final norm, and at most two layers. The embeddings are read row by
+//! row (only the T tokens'), the output head in chunks of rows, so neither `[V, H]` matrix is
+//! ever whole in memory in the compute dtype.
+//!
+//! Whether a target streams is decided from its weight headers before anything is read
+//! ([`plan`]): asked for (`--stream-layers`), or because its weights in the compute dtype would
+//! not fit the budget (`--max-memory`, else the memory available).
+
+use crate::config::ModelConfig;
+use crate::error::{CandleContext, Error, Result};
+use crate::memory::{Budget, format_bytes};
+use crate::model::nn::RmsNorm;
+use crate::model::source::{Vb, WeightSource};
+use crate::model::{
+    Capture, CaptureRequest, Decoder, DecoderRun, EmbedRows, Progress, Target, finish_capture,
+    llama, refuse_unread,
+};
+use crate::naming;
+use candle_core::{DType, Device, Tensor};
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// How a streamed target reads its weights.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamOptions {
+    /// Read layer i + 1 while layer i runs (two layers resident at most), else one after the
+    /// other (one).
+    pub prefetch: bool,
+    /// The most bytes one chunk of the output head holds in the compute dtype (two chunks are
+    /// in flight with the prefetch).
+    pub head_chunk_bytes: usize,
+}
+
+impl Default for StreamOptions {
+    /// 64 MiB chunks are 4096 rows of an 8B model's head in f32: the head is read in ~32 large
+    /// sequential reads, small against any budget that holds a layer.
+    fn default() -> StreamOptions {
+        StreamOptions {
+            prefetch: true,
+            head_chunk_bytes: 64 << 20,
+        }
+    }
+}
+
+/// A target's weights as its headers declare them, in bytes of the compute dtype.
+#[derive(Debug, Clone)]
+pub struct WeightEstimate {
+    /// Everything the resident target holds (FP8 weights dequantised; block scales dropped).
+    pub total: u64,
+    /// Per decoder layer 0..L.
+    pub layers: Vec<u64>,
+}
+
+impl WeightEstimate {
+    pub fn of(cfg: &ModelConfig, src: &dyn WeightSource, dtype: DType) -> WeightEstimate {
+        let mut layers = vec![0u64; cfg.num_layers];
+        let mut total = 0u64;
+        for name in src.names() {
+            if name.ends_with("_scale_inv")
+                || naming::is_ignored_buffer(&name)
+                || (cfg.tie_word_embeddings && naming::LM_HEAD_NAMES.contains(&name.as_str()))
+            {
+                continue;
+            }
+            let elems = src
+                .shape(&name)
+                .and_then(|s| s.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64)))
+                .unwrap_or(0);
+            let bytes = elems.saturating_mul(dtype.size_in_bytes() as u64);
+            match naming::layer_of(&name) {
+                Some(i) if i < cfg.num_layers => layers[i] += bytes,
+                Some(_) => continue, // layers past num_hidden_layers (MTP) are never loaded
+                None => {}
+            }
+            total = total.saturating_add(bytes);
+        }
+        WeightEstimate { total, layers }
+    }
+
+    /// The largest decoder layer: (index, bytes).
+    pub fn largest_layer(&self) -> (usize, u64) {
+        self.layers
+            .iter()
+            .copied()
+            .enumerate()
+            .max_by_key(|&(i, b)| (b, std::cmp::Reverse(i)))
+            .unwrap_or((0, 0))
+    }
+}
+
+/// How a target's weights are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Residency {
+    /// Every weight converted once at load.
+    Resident,
+    /// Layers streamed per forward; `prefetch`: the next layer is read while one computes (two
+    /// resident at most), else one after the other (one).
+    Streamed { prefetch: bool },
+}
+
+/// What [`plan`] decided, and from what.
+#[derive(Debug, Clone)]
+pub struct MemoryPlan {
+    pub estimate: WeightEstimate,
+    pub budget: Option<Budget>,
+    pub residency: Residency,
+    /// Streaming was not asked for: the weights did not fit the budget.
+    pub automatic: bool,
+    pub dtype: DType,
+}
+
+/// Decides how to hold a target whose weights are `estimate` (from headers; nothing is read).
+/// Streams when `stream_layers` or when the weights do not fit `budget`; refuses a budget below
+/// one decoder layer; prefetches when two of the largest layer fit.
+pub fn plan(
+    estimate: WeightEstimate,
+    stream_layers: bool,
+    budget: Option<Budget>,
+    dtype: DType,
+    origin: &Path,
+) -> Result<MemoryPlan> {
+    let over = budget.is_some_and(|b| estimate.total > b.bytes);
+    let residency = if !stream_layers && !over {
+        Residency::Resident
+    } else {
+        let (layer, need) = estimate.largest_layer();
+        if let Some(b) = budget
+            && b.bytes < need
+        {
+            return Err(Error::MemoryBudget {
+                path: origin.to_path_buf(),
+                budget: b.describe(),
+                layer,
+                need,
+                dtype: format!("{dtype:?}"),
+            });
+        }
+        Residency::Streamed {
+            prefetch: budget.is_none_or(|b| b.bytes >= need.saturating_mul(2)),
+        }
+    };
+    Ok(MemoryPlan {
+        estimate,
+        budget,
+        automatic: over && !stream_layers,
+        residency,
+        dtype,
+    })
+}
+
+impl MemoryPlan {
+    /// The line said on stderr when streaming was not asked for.
+    pub fn why_streamed(&self) -> String {
+        format!(
+            "the target's weights need about {} in {:?}, more than {}: streaming its layers one at \
+             a time (as with --stream-layers)",
+            format_bytes(self.estimate.total),
+            self.dtype,
+            self.budget
+                .map_or_else(|| "the budget".to_string(), |b| b.describe())
+        )
+    }
+
+    /// For the report: how the weights were held and how large they are.
+    pub fn describe(&self) -> String {
+        let (layer, bytes) = self.estimate.largest_layer();
+        let size = format!(
+            "{} in {:?}, largest layer {layer}: {}",
+            format_bytes(self.estimate.total),
+            self.dtype,
+            format_bytes(bytes)
+        );
+        match self.residency {
+            Residency::Resident => format!("resident ({size})"),
+            Residency::Streamed { prefetch } => format!(
+                "streamed one layer at a time{}{} ({size})",
+                if prefetch {
+                    ", the next read while one computes"
+                } else {
+                    ", no prefetch (two layers do not fit the budget)"
+                },
+                if self.automatic {
+                    ", because the weights do not fit the budget"
+                } else {
+                    ""
+                }
+            ),
+        }
+    }
+}
+
+/// What streaming cost, over every forward so far.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StreamStats {
+    pub forwards: usize,
+    pub layers_loaded: usize,
+    /// The most decoder layers alive at once (loaded and not yet dropped).
+    pub max_resident_layers: usize,
+    /// Their estimated bytes at that moment, at most.
+    pub max_resident_bytes: u64,
+    /// Bytes read from the checkpoint (layers, embedding rows, head chunks).
+    pub bytes_read: u64,
+    /// Seconds spent reading and converting layers (on the loader thread).
+    pub load_seconds: f64,
+    /// Seconds the forward waited for a layer it needed.
+    pub wait_seconds: f64,
+    /// Wall time of the forwards.
+    pub forward_seconds: f64,
+}
+
+impl StreamStats {
+    pub fn describe(&self) -> String {
+        format!(
+            "{} layers loaded over {} forward(s), at most {} resident at once ({}); {} read in \
+             {:.2} s of loading, {:.2} s of the {:.2} s forward spent waiting for a layer",
+            self.layers_loaded,
+            self.forwards,
+            self.max_resident_layers,
+            format_bytes(self.max_resident_bytes),
+            format_bytes(self.bytes_read),
+            self.load_seconds,
+            self.wait_seconds,
+            self.forward_seconds
+        )
+    }
+}
+
+/// Counts the layers alive: each [`LayerGuard`] holds one until it is dropped.
+#[derive(Default)]
+struct Live {
+    /// (layers, bytes, most layers, most bytes)
+    state: Mutex<(usize, u64, usize, u64)>,
+}
+
+impl Live {
+    fn add(&self, bytes: u64) {
+        if let Ok(mut s) = self.state.lock() {
+            s.0 += 1;
+            s.1 += bytes;
+            s.2 = s.2.max(s.0);
+            s.3 = s.3.max(s.1);
+        }
+    }
+
+    fn remove(&self, bytes: u64) {
+        if let Ok(mut s) = self.state.lock() {
+            s.0 -= 1;
+            s.1 -= bytes;
+        }
+    }
+
+    fn most(&self) -> (usize, u64) {
+        self.state.lock().map(|s| (s.2, s.3)).unwrap_or_default()
+    }
+}
+
+/// A loaded layer, counted alive until dropped.
+struct LayerGuard<'a, L> {
+    layer: L,
+    bytes: u64,
+    live: &'a Live,
+}
+
+impl<L> Drop for LayerGuard<'_, L> {
+    fn drop(&mut self) {
+        self.live.remove(self.bytes);
+    }
+}
+
+/// Runs `consume(i, item)` for `i` in `0..n` on items `produce(i)` makes. With `prefetch`, a
+/// second thread makes item i + 1 while item i is consumed and then waits for the hand-over (a
+/// rendezvous channel: it holds the item until `consume` asks for it), so at most two items
+/// exist at once: the one consumed (dropped when `consume` returns) and the next. Without, one.
+/// Returns the seconds the consuming side waited for items.
+fn pipelined<T: Send>(
+    n: usize,
+    prefetch: bool,
+    produce: impl Fn(usize) -> Result<T> + Sync,
+    mut consume: impl FnMut(usize, T) -> Result<()>,
+) -> Result<f64> {
+    let mut waited = 0.0;
+    if !prefetch {
+        for i in 0..n {
+            let start = Instant::now();
+            let item = produce(i)?;
+            waited += start.elapsed().as_secs_f64();
+            consume(i, item)?;
+        }
+        return Ok(waited);
+    }
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<T>>(0);
+        let produce = &produce;
+        scope.spawn(move || {
+            for i in 0..n {
+                let item = produce(i);
+                let failed = item.is_err();
+                // A closed channel: the forward stopped (an error); stop loading too.
+                if tx.send(item).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        for i in 0..n {
+            let start = Instant::now();
+            let item = rx
+                .recv()
+                .map_err(|_| Error::Device("the layer loader thread stopped".into()))??;
+            waited += start.elapsed().as_secs_f64();
+            consume(i, item)?;
+        }
+        Ok(waited)
+    })
+}
+
+/// A target whose decoder layers are read from the checkpoint at every forward.
+pub(crate) struct Streamed<D: Decoder> {
+    dec: D,
+    src: Box<dyn WeightSource>,
+    device: Device,
+    /// The decoder prefix (`model`, `model.language_model`, ...).
+    prefix: String,
+    embed_name: String,
+    /// The embeddings' name when tied.
+    head_name: String,
+    head_chunk: usize,
+    /// FP8 block rows the head's chunks start on (1 for an unquantised head).
+    head_align: usize,
+    norm: RmsNorm,
+    prefetch: bool,
+    estimate: WeightEstimate,
+    /// Per layer, every checkpoint tensor under it: each must be read by the layer's loader.
+    layer_names: Vec<Vec<String>>,
+    live: Live,
+    stats: Mutex<StreamStats>,
+}
+
+impl<D: Decoder> Streamed<D> {
+    /// Reads the final norm and checks, from headers, the embedding and head shapes and that no
+    /// tensor outside the layers goes unread; the layers are read at each forward.
+    pub(crate) fn open(
+        dec: D,
+        src: Box<dyn WeightSource>,
+        device: &Device,
+        opts: StreamOptions,
+    ) -> Result<Streamed<D>> {
+        let cfg = dec.config();
+        let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
+        let estimate = WeightEstimate::of(cfg, src.as_ref(), dec.dtype());
+        let mut vb = Vb::new(src.as_ref(), dec.dtype(), device);
+        vb.fp8_block = cfg.fp8_block;
+        let m = llama::decoder_prefix(&vb);
+        let prefix = m.path("");
+        let prefix = prefix.trim_end_matches('.').to_string();
+        let embed_name = m.checked("embed_tokens.weight", &[v, h])?;
+        let head_name = match llama::head_name(cfg, &vb)? {
+            Some(name) => vb.checked(name, &[v, h])?,
+            None => embed_name.clone(),
+        };
+        let norm = RmsNorm::load(&m.pp("norm"), h, eps)?;
+        let mut read: BTreeSet<String> = vb.read_names();
+        for name in [&embed_name, &head_name] {
+            read.insert(name.clone());
+            read.insert(format!("{name}_scale_inv"));
+        }
+        let names = src.names();
+        let outside: Vec<String> = names
+            .iter()
+            .filter(|n| naming::layer_of(n).is_none() && !read.contains(*n))
+            .cloned()
+            .collect();
+        refuse_unread(cfg, src.as_ref(), outside)?;
+        let mut layer_names = vec![Vec::new(); cfg.num_layers];
+        for name in names {
+            if let Some(i) = naming::layer_of(&name).filter(|&i| i < cfg.num_layers) {
+                layer_names[i].push(name);
+            }
+        }
+        // An FP8 head is read in whole blocks of rows, so that each chunk takes whole rows of
+        // scales (the block as declared, else DeepSeek's 128, which inference checks too).
+        let fp8_head = src.shape(&format!("{head_name}_scale_inv")).is_some();
+        let align = match (fp8_head, cfg.fp8_block) {
+            (false, _) => 1,
+            (true, Some([rows, _])) => rows.max(1),
+            (true, None) => crate::model::fp8::DEFAULT_BLOCK,
+        };
+        let row_bytes = h.max(1) * dec.dtype().size_in_bytes();
+        let rows = (opts.head_chunk_bytes / row_bytes).max(1);
+        let head_chunk = if rows >= align {
+            rows / align * align
+        } else {
+            align
+        };
+        Ok(Streamed {
+            dec,
+            src,
+            device: device.clone(),
+            prefix,
+            embed_name,
+            head_name,
+            head_chunk: head_chunk.min(v.max(1)),
+            head_align: align,
+            norm,
+            prefetch: opts.prefetch,
+            estimate,
+            layer_names,
+            live: Live::default(),
+            stats: Mutex::new(StreamStats::default()),
+        })
+    }
+
+    fn vb(&self) -> Vb<'_> {
+        let mut vb = Vb::new(self.src.as_ref(), self.dec.dtype(), &self.device);
+        vb.fp8_block = self.dec.config().fp8_block;
+        vb
+    }
+
+    /// Layer `i`, read and converted, checked to have read every tensor the checkpoint holds
+    /// under it (a Llama with biases it does not expect stops here, at the first such layer).
+    fn load_layer(&self, i: usize) -> Result<LayerGuard<'_, D::Layer>> {
+        let start = Instant::now();
+        let vb = self.vb();
+        let layer = self.dec.load_layer(&vb.pp(&self.prefix), i)?;
+        let read = vb.read_names();
+        let unread: Vec<String> = self.layer_names[i]
+            .iter()
+            .filter(|n| !read.contains(*n))
+            .cloned()
+            .collect();
+        refuse_unread(self.dec.config(), self.src.as_ref(), unread)?;
+        let bytes = self.estimate.layers[i];
+        self.live.add(bytes);
+        if let Ok(mut s) = self.stats.lock() {
+            s.layers_loaded += 1;
+            s.load_seconds += start.elapsed().as_secs_f64();
+        }
+        Ok(LayerGuard {
+            layer,
+            bytes,
+            live: &self.live,
+        })
+    }
+
+    /// `normed` [T, H] -> logits [T, V], the head read `head_chunk` rows at a time.
+    fn head(&self, normed: &Tensor) -> Result<Tensor> {
+        let cfg = self.dec.config();
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let vb = self.vb();
+        let rows = self.head_chunk;
+        // Every chunk is `rows` rows: the last one starts early, overlapping the one before,
+        // and only its new columns are kept. The CPU GEMM takes another path for a narrow
+        // remainder (a last chunk of 16 rows rounded differently from the whole head), while
+        // chunks of one width give the whole-head products bit for bit. (An FP8 head starts
+        // its last chunk on a block edge, so it is up to a block wider unless V divides into
+        // blocks, as DeepSeek-V3's 129280 = 1010 x 128 does.)
+        // Chunk c covers the rows `start..start + len`, of which `c * rows..end` are kept.
+        let span = |c: usize| {
+            let end = ((c + 1) * rows).min(v);
+            let start = (c * rows).min(v - rows);
+            let start = start - start % self.head_align;
+            (start, rows.max(end - start), end)
+        };
+        let mut parts = Vec::with_capacity(v.div_ceil(rows));
+        pipelined(
+            v.div_ceil(rows),
+            self.prefetch,
+            |c| {
+                let (start, len, _) = span(c);
+                vb.get_row_range(&self.head_name, &[v, h], start, len)
+            },
+            |c, w| {
+                let (start, _, end) = span(c);
+                let part = w
+                    .t()
+                    .and_then(|w| normed.matmul(&w))
+                    .and_then(|p| p.narrow(1, c * rows - start, end - c * rows))
+                    .ctx(|| "lm_head".to_string())?;
+                parts.push(part);
+                Ok(())
+            },
+        )?;
+        Tensor::cat(&parts, 1).ctx(|| "lm_head".to_string())
+    }
+}
+
+impl<D: Decoder> EmbedRows for Streamed<D> {
+    fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        let cfg = self.dec.config();
+        self.vb()
+            .get_rows(&self.embed_name, &[cfg.vocab_size, cfg.hidden_size], ids)
+    }
+}
+
+impl<D: Decoder> Target for Streamed<D> {
+    fn config(&self) -> &ModelConfig {
+        self.dec.config()
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn embeddings(&self) -> &dyn EmbedRows {
+        self
+    }
+
+    fn forward(
+        &self,
+        ids: &[u32],
+        want: &CaptureRequest,
+        progress: &mut Progress,
+    ) -> Result<Capture> {
+        let start = Instant::now();
+        let read_before = self.src.bytes_read();
+        let n = self.dec.config().num_layers;
+        let ctx = self.dec.context(ids.len(), &self.device)?;
+        let mut run = DecoderRun::new(self.rows(ids)?, want, n, progress);
+        let waited = pipelined(
+            n,
+            self.prefetch,
+            |i| self.load_layer(i),
+            |i, layer| {
+                run.layer(i, |xs| self.dec.step(&layer.layer, i, xs, &ctx))?;
+                crate::memory::note_device_use(&self.device);
+                Ok(())
+            },
+        )?;
+        let (mut capture, xs) = run.finish();
+        finish_capture(&mut capture, xs, &self.norm, want, n, |normed| {
+            self.head(normed)
+        })?;
+        if let Ok(mut s) = self.stats.lock() {
+            s.forwards += 1;
+            s.wait_seconds += waited;
+            s.bytes_read += self.src.bytes_read() - read_before;
+            s.forward_seconds += start.elapsed().as_secs_f64();
+        }
+        Ok(capture)
+    }
+
+    fn stream_stats(&self) -> Option<StreamStats> {
+        let mut stats = self.stats.lock().ok()?.clone();
+        (stats.max_resident_layers, stats.max_resident_bytes) = self.live.most();
+        Some(stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::BudgetOrigin;
+
+    fn estimate() -> WeightEstimate {
+        WeightEstimate {
+            total: 1000,
+            layers: vec![200, 300, 250],
+        }
+    }
+
+    fn budget(bytes: u64) -> Option<Budget> {
+        Some(Budget {
+            bytes,
+            origin: BudgetOrigin::Flag,
+            on_gpu: false,
+        })
+    }
+
+    fn decide(stream: bool, b: Option<Budget>) -> Result<MemoryPlan> {
+        plan(estimate(), stream, b, DType::F32, Path::new("m"))
+    }
+
+    #[test]
+    fn streams_when_asked_or_when_the_weights_do_not_fit() {
+        let fits = decide(false, budget(1000)).unwrap();
+        assert_eq!(fits.residency, Residency::Resident);
+        let asked = decide(true, budget(1000)).unwrap();
+        assert_eq!(asked.residency, Residency::Streamed { prefetch: true });
+        assert!(!asked.automatic);
+        let auto = decide(false, budget(999)).unwrap();
+        assert_eq!(auto.residency, Residency::Streamed { prefetch: true });
+        assert!(auto.automatic);
+        assert_eq!(
+            decide(false, None).unwrap().residency,
+            Residency::Resident,
+            "no budget known: resident"
+        );
+    }
+
+    #[test]
+    fn budget_between_one_and_two_layers_streams_without_prefetch() {
+        let p = decide(true, budget(599)).unwrap();
+        assert_eq!(p.residency, Residency::Streamed { prefetch: false });
+        let p = decide(true, budget(600)).unwrap();
+        assert_eq!(p.residency, Residency::Streamed { prefetch: true });
+    }
+
+    #[test]
+    fn budget_below_one_layer_is_refused_naming_both_sizes() {
+        let err = decide(true, budget(299)).unwrap_err().to_string();
+        assert!(
+            err.contains("299 B") && err.contains("300 B") && err.contains("layer 1"),
+            "{err}"
+        );
+        assert!(decide(false, budget(299)).is_err());
+    }
+}

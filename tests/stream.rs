@@ -1,0 +1,482 @@
+//! Targets larger than memory (`--stream-layers`, `--max-memory`): the streamed forward, one
+//! decoder layer at a time, must capture exactly what the resident forward captures (bit for
+//! bit, same dtype) on every fixture target (Llama family, DeepSeek-V3 with MoE layers, an FP8
+//! checkpoint, Q8_0 GGUF files), with at most two layers alive; the budget decides streaming,
+//! a budget below one layer is refused, and the report prints the peak against it.
+
+use crate::support::{eagle_check, fixture, p, scratch};
+use candle_core::{DType, Device, Tensor};
+use eagle_check::config::ModelConfig;
+use eagle_check::memory::format_bytes;
+use eagle_check::model::gguf::open_gguf;
+use eagle_check::model::source::{SafetensorsSource, WeightSource};
+use eagle_check::model::stream::{StreamOptions, WeightEstimate};
+use eagle_check::model::{Capture, CaptureRequest, Progress, load_streamed, load_target};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Every safetensors fixture target: the Llama family (llama with llama3 rope, bf16 weights,
+/// linear biases, mistral's sliding window, qwen2 biases, qwen3 q/k norms) and DeepSeek-V3
+/// (MLA, a dense layer, then MoE layers; with and without the q low-rank path).
+const TARGETS: [&str; 11] = [
+    "models/llama",
+    "models/llama_bf16",
+    "models/llama_linear_bias",
+    "models/mistral",
+    "models/qwen2",
+    "models/qwen3",
+    "models/deepseek_v3",
+    "models/deepseek_v3_noq",
+    "bundles/tiny-llama/target",
+    "bundles/tiny-deepseek/target",
+    "bundles/trained-llama/target",
+];
+
+/// The reference's tokens when the fixture has them (long enough for mistral's window), else
+/// a fixed spread over the vocabulary.
+fn tokens(cfg: &ModelConfig) -> Vec<u32> {
+    let dir = if cfg.path.is_file() {
+        cfg.path.parent().unwrap_or(Path::new("."))
+    } else {
+        &cfg.path
+    };
+    let vocab = cfg.vocab_size;
+    let reference = dir.join("reference.safetensors");
+    if reference.is_file() {
+        let r = candle_core::safetensors::load(&reference, &Device::Cpu).unwrap();
+        return r["input_ids"]
+            .to_vec1::<i64>()
+            .unwrap()
+            .into_iter()
+            .map(|x| x as u32)
+            .collect();
+    }
+    (0..12).map(|i| ((i * 37 + 3) % vocab) as u32).collect()
+}
+
+fn everything() -> CaptureRequest {
+    CaptureRequest {
+        layer_outputs: true,
+        ..CaptureRequest::all()
+    }
+}
+
+/// The bits of a tensor widened to f32 (exact from bf16, f16 and small integers).
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+fn assert_same_bits(what: &str, a: &Tensor, b: &Tensor) {
+    assert_eq!(a.dims(), b.dims(), "{what}: shapes");
+    assert_eq!(a.dtype(), b.dtype(), "{what}: dtypes");
+    let (x, y) = (bits(a), bits(b));
+    if let Some(i) = x.iter().zip(&y).position(|(p, q)| p != q) {
+        panic!(
+            "{what}: element {i} differs: {} vs {}",
+            f32::from_bits(x[i]),
+            f32::from_bits(y[i])
+        );
+    }
+}
+
+/// Every boundary, the pre-norm state, the logits and every extra (MLP outputs, routing).
+fn assert_same_capture(what: &str, resident: &Capture, streamed: &Capture) {
+    let keys = |c: &Capture| c.hidden.keys().copied().collect::<Vec<_>>();
+    assert_eq!(keys(resident), keys(streamed), "{what}: boundaries");
+    for (b, t) in &resident.hidden {
+        assert_same_bits(&format!("{what} b={b}"), t, &streamed.hidden[b]);
+    }
+    for (name, a, b) in [
+        (
+            "final_pre_norm",
+            &resident.final_pre_norm,
+            &streamed.final_pre_norm,
+        ),
+        ("logits", &resident.logits, &streamed.logits),
+    ] {
+        assert_same_bits(
+            &format!("{what} {name}"),
+            a.as_ref().unwrap(),
+            b.as_ref().unwrap(),
+        );
+    }
+    let extras = |c: &Capture| c.extras.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(extras(resident), extras(streamed), "{what}: extras");
+    for (k, t) in &resident.extras {
+        assert_same_bits(&format!("{what} {k}"), t, &streamed.extras[k]);
+    }
+}
+
+/// Options with a head chunk of `rows` rows of `cfg` in `dtype`, so that small fixture heads
+/// are read in several chunks too.
+fn opts(cfg: &ModelConfig, dtype: DType, prefetch: bool, rows: usize) -> StreamOptions {
+    StreamOptions {
+        prefetch,
+        head_chunk_bytes: rows * cfg.hidden_size * dtype.size_in_bytes(),
+    }
+}
+
+/// Resident and streamed (prefetching and not, two forwards each) on `open()`'s source, in f32
+/// and bf16: the same bits, at most two layers alive (one without prefetch), every layer loaded
+/// once per forward.
+fn check_streaming(what: &str, cfg: &ModelConfig, open: &dyn Fn() -> Box<dyn WeightSource>) {
+    let ids = tokens(cfg);
+    for dtype in [DType::F32, DType::BF16] {
+        let resident = load_target(cfg, open().as_ref(), dtype, &Device::Cpu).unwrap();
+        let want = resident
+            .forward(&ids, &everything(), &mut Progress::hidden())
+            .unwrap();
+        for prefetch in [true, false] {
+            let label = format!("{what} {dtype:?} prefetch={prefetch}");
+            // 48 rows: several head chunks, the last one partial, over every fixture vocabulary.
+            let streamed = load_streamed(
+                cfg,
+                open(),
+                dtype,
+                &Device::Cpu,
+                opts(cfg, dtype, prefetch, 48),
+            )
+            .unwrap();
+            for _ in 0..2 {
+                let got = streamed
+                    .forward(&ids, &everything(), &mut Progress::hidden())
+                    .unwrap();
+                assert_same_capture(&label, &want, &got);
+            }
+            // The draft reads the target's embeddings of its own tokens.
+            let few = &ids[1..4];
+            assert_same_bits(
+                &format!("{label} embedding rows"),
+                &resident.embeddings().rows(few).unwrap(),
+                &streamed.embeddings().rows(few).unwrap(),
+            );
+            let stats = streamed.stream_stats().unwrap();
+            assert_eq!(stats.forwards, 2, "{label}");
+            assert_eq!(stats.layers_loaded, 2 * cfg.num_layers, "{label}");
+            let most = if prefetch { 2 } else { 1 };
+            assert!(
+                stats.max_resident_layers >= 1 && stats.max_resident_layers <= most,
+                "{label}: {} layers alive at once (at most {most})",
+                stats.max_resident_layers
+            );
+            assert!(stats.bytes_read > 0, "{label}");
+        }
+    }
+}
+
+fn safetensors(dir: &Path) -> Box<dyn Fn() -> Box<dyn WeightSource>> {
+    let dir = dir.to_path_buf();
+    Box::new(move || Box::new(SafetensorsSource::open(&dir).unwrap()) as Box<dyn WeightSource>)
+}
+
+#[test]
+fn streamed_captures_equal_resident_bitwise_on_every_fixture_target() {
+    for rel in TARGETS {
+        let dir = fixture(rel);
+        let cfg = ModelConfig::load(&dir).unwrap();
+        check_streaming(rel, &cfg, &*safetensors(&dir));
+    }
+}
+
+/// `w` [rows, cols] f32 as DeepSeek stores FP8 weights: e4m3 values and one f32 scale per
+/// 128x128 block (scale = amax / 448, fixtures/fp8/gen_fp8.py's rule).
+fn quantise_fp8(w: &Tensor) -> (Tensor, Tensor) {
+    let (rows, cols) = w.dims2().unwrap();
+    let (sr, sc) = (rows.div_ceil(128), cols.div_ceil(128));
+    let v = w.to_vec2::<f32>().unwrap();
+    let mut scale = vec![0f32; sr * sc];
+    for (r, row) in v.iter().enumerate() {
+        for (c, x) in row.iter().enumerate() {
+            let s = &mut scale[(r / 128) * sc + c / 128];
+            *s = s.max(x.abs() / 448.0);
+        }
+    }
+    let scaled: Vec<f32> = (0..rows * cols)
+        .map(|i| v[i / cols][i % cols] / scale[(i / cols / 128) * sc + (i % cols) / 128])
+        .collect();
+    let q = Tensor::from_vec(scaled, (rows, cols), &Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F8E4M3))
+        .unwrap();
+    (q, Tensor::from_vec(scale, (sr, sc), &Device::Cpu).unwrap())
+}
+
+/// The deepseek_v3 fixture as an FP8 checkpoint: layer 1's projections from
+/// fixtures/fp8/deepseek_v3_layer1_fp8.safetensors, and the embeddings and the head quantised
+/// here too (rows 128..256 take the second row of scales), `quantization_config` declared.
+fn fp8_target() -> PathBuf {
+    let dir = fixture("models/deepseek_v3");
+    let mut tensors =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let quant = candle_core::safetensors::load(
+        fixture("fp8/deepseek_v3_layer1_fp8.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    tensors.extend(quant);
+    for name in ["model.embed_tokens.weight", "lm_head.weight"] {
+        let (q, s) = quantise_fp8(&tensors[name]);
+        tensors.insert(name.to_string(), q);
+        tensors.insert(format!("{name}_scale_inv"), s);
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    config["quantization_config"] = serde_json::json!({
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]
+    });
+    let out = scratch("stream-fp8");
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    let tensors: HashMap<String, Tensor> = tensors.into_iter().collect();
+    candle_core::safetensors::save(&tensors, out.join("model.safetensors")).unwrap();
+    out
+}
+
+#[test]
+fn streamed_fp8_checkpoint_dequantises_layers_rows_and_head_chunks_like_the_resident_load() {
+    let dir = fp8_target();
+    let cfg = ModelConfig::load(&dir).unwrap();
+    assert_eq!(cfg.fp8_block, Some([128, 128]));
+    let src = SafetensorsSource::open(&dir).unwrap();
+    let fp8 = src
+        .names()
+        .iter()
+        .filter(|n| n.ends_with("_scale_inv"))
+        .count();
+    assert_eq!(
+        fp8, 34,
+        "32 layer-1 projections, the embeddings and the head"
+    );
+    // 48 rows per head chunk round up to one 128-row FP8 block: two chunks over 256 rows.
+    check_streaming("deepseek_v3 fp8", &cfg, &*safetensors(&dir));
+}
+
+#[test]
+fn streamed_q8_0_gguf_reads_one_layer_and_embedding_rows_at_a_time() {
+    // llama (Q/K rows un-permuted), qwen2 (tied: the head is read from token_embd's rows),
+    // qwen3 (q/k norms).
+    for name in ["llama", "qwen2", "qwen3"] {
+        let path = crate::gguf::write_q8_0(name);
+        let (cfg, _) = open_gguf(&path).unwrap();
+        let open = move || Box::new(open_gguf(&path).unwrap().1) as Box<dyn WeightSource>;
+        check_streaming(&format!("{name} q8_0 gguf"), &cfg, &open);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The command line.
+
+fn estimate(dir: &Path) -> WeightEstimate {
+    let cfg = ModelConfig::load(dir).unwrap();
+    let src = SafetensorsSource::open(dir).unwrap();
+    WeightEstimate::of(&cfg, &src, DType::F32)
+}
+
+fn subject(out: &crate::support::Output, key: &str) -> String {
+    out.json()["subject"][key]
+        .as_str()
+        .unwrap_or_else(|| panic!("no `{key}` fact in {}", out.stdout))
+        .to_string()
+}
+
+fn dump(out: &crate::support::Output, path: &Path) -> HashMap<String, Tensor> {
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
+}
+
+/// Target and draft through the real binary: the streamed run's dump (every boundary, the fc
+/// input the engine assembles, the draft's logits over the target's embedding rows) equals the
+/// resident run's, in f32 and bf16, and the report says how the weights were held.
+#[test]
+fn run_with_stream_layers_dumps_what_the_resident_run_dumps() {
+    let dir = scratch("stream-run");
+    for bundle in ["bundles/tiny-llama", "bundles/tiny-deepseek"] {
+        for dtype in ["f32", "bf16"] {
+            let resident_path = dir.join(format!("resident-{dtype}.safetensors"));
+            let streamed_path = dir.join(format!("streamed-{dtype}.safetensors"));
+            let common = |path: &Path| {
+                vec![
+                    "run".to_string(),
+                    p(&fixture(bundle)),
+                    "--dtype".into(),
+                    dtype.into(),
+                    "--dump".into(),
+                    p(path),
+                    "--format".into(),
+                    "json".into(),
+                ]
+            };
+            let resident = eagle_check(common(&resident_path));
+            let mut args = common(&streamed_path);
+            args.push("--stream-layers".into());
+            let streamed = eagle_check(&args);
+            let (a, b) = (
+                dump(&resident, &resident_path),
+                dump(&streamed, &streamed_path),
+            );
+            let mut keys: Vec<&String> = a.keys().collect();
+            keys.sort();
+            assert!(keys.iter().any(|k| *k == "draft_logits"), "{keys:?}");
+            assert_eq!(keys.len(), b.len());
+            for k in keys {
+                assert_same_bits(&format!("{bundle} {dtype} {k}"), &a[k], &b[k]);
+            }
+            assert!(
+                subject(&resident, "weights").starts_with("resident"),
+                "{}",
+                resident.stdout
+            );
+            let weights = subject(&streamed, "weights");
+            assert!(
+                weights.starts_with("streamed one layer at a time"),
+                "{weights}"
+            );
+            let streaming = subject(&streamed, "streaming");
+            assert!(
+                streaming.contains("at most 2 resident at once"),
+                "{streaming}"
+            );
+            assert!(
+                streamed.stderr.is_empty(),
+                "asked for: nothing to announce: {}",
+                streamed.stderr
+            );
+        }
+    }
+}
+
+#[test]
+fn max_memory_below_one_layer_is_refused_naming_both_sizes() {
+    let bundle = fixture("bundles/tiny-llama");
+    let (layer, need) = estimate(&bundle.join("target")).largest_layer();
+    for extra in [vec!["--stream-layers"], vec![]] {
+        let mut args = vec![
+            "run".to_string(),
+            p(&bundle),
+            "--max-memory".into(),
+            "1KiB".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        eagle_check(&args).assert_could_not_check(&[
+            "--max-memory 1.00 KiB",
+            &format!("layer {layer}: {} in F32", format_bytes(need)),
+        ]);
+    }
+    eagle_check(["run", &p(&bundle), "--max-memory", "4parsecs"])
+        .assert_could_not_check(&["--max-memory", "unknown unit `parsecs`"]);
+}
+
+/// Without `--stream-layers`, a budget below the weights' estimate streams (and says so on
+/// stderr); a budget that holds them does not.
+#[test]
+fn streaming_is_automatic_when_the_weights_do_not_fit_the_budget() {
+    let bundle = fixture("bundles/tiny-llama");
+    let total = estimate(&bundle.join("target")).total;
+    let run = |budget: u64| {
+        eagle_check([
+            "run",
+            &p(&bundle),
+            "--max-memory",
+            &budget.to_string(),
+            "--format",
+            "json",
+        ])
+    };
+    let over = run(total - 1);
+    assert_eq!(over.code, 0, "{}", over.stderr);
+    assert_eq!(over.stderr.lines().count(), 1, "{}", over.stderr);
+    assert!(
+        over.stderr.contains("streaming its layers")
+            && over
+                .stderr
+                .contains(&format!("--max-memory {}", format_bytes(total - 1))),
+        "{}",
+        over.stderr
+    );
+    let weights = subject(&over, "weights");
+    assert!(
+        weights.starts_with("streamed") && weights.contains("do not fit the budget"),
+        "{weights}"
+    );
+    let fits = run(total);
+    assert_eq!(fits.code, 0, "{}", fits.stderr);
+    assert!(fits.stderr.is_empty(), "{}", fits.stderr);
+    assert!(subject(&fits, "weights").starts_with("resident"));
+}
+
+/// The report prints the peak (VmHWM) against the budget; a peak over `--max-memory` is a
+/// `memory-budget` warning: the captures stand (exit 0), the budget was not kept.
+#[test]
+fn the_peak_is_reported_against_the_budget() {
+    let bundle = fixture("bundles/tiny-llama");
+    let run = |budget: &str| {
+        eagle_check([
+            "run",
+            &p(&bundle),
+            "--stream-layers",
+            "--max-memory",
+            budget,
+            "--format",
+            "json",
+        ])
+    };
+    let roomy = run("64GiB");
+    assert_eq!(roomy.code, 0, "{}", roomy.stderr);
+    let peak = subject(&roomy, "peak_memory");
+    assert!(
+        peak.contains("(resident, VmHWM)")
+            && peak.ends_with("budget --max-memory 64.0 GiB: within"),
+        "{peak}"
+    );
+    assert!(!roomy.finding_names().contains(&"memory-budget".to_string()));
+    // Room for the two layers streaming needs, never for the process around them.
+    let (_, layer) = estimate(&bundle.join("target")).largest_layer();
+    let tight = run(&(2 * layer).to_string());
+    assert_eq!(tight.code, 0, "{}", tight.stderr);
+    assert!(subject(&tight, "peak_memory").ends_with(": OVER"));
+    assert!(
+        tight.finding_names().contains(&"memory-budget".to_string()),
+        "{}",
+        tight.stdout
+    );
+}
+
+/// `diff` re-runs the target per sample: streamed, every slot is identified exactly as when
+/// it is resident.
+#[test]
+fn diff_with_stream_layers_identifies_what_the_resident_diff_does() {
+    let diff = |stream: bool| {
+        let mut args = vec![
+            "diff",
+            "--spec",
+            "fixtures/captures/corpus/llama/spec.yaml",
+            "--target",
+            "fixtures/models/llama",
+            "--captures",
+            "fixtures/captures/corpus/llama/clean-f32",
+            "fixtures/captures/corpus/llama/off-by-one",
+            "--format",
+            "json",
+        ];
+        if stream {
+            args.push("--stream-layers");
+        }
+        eagle_check(args)
+    };
+    let (resident, streamed) = (diff(false), diff(true));
+    assert_eq!(resident.code, streamed.code, "{}", streamed.stderr);
+    assert_eq!(resident.code, 1, "the off-by-one capture is a mismatch");
+    assert_eq!(resident.json()["captures"], streamed.json()["captures"]);
+    assert_eq!(resident.finding_names(), streamed.finding_names());
+    assert!(subject(&streamed, "weights").starts_with("streamed"));
+    let streaming = subject(&streamed, "streaming");
+    assert!(
+        streaming.contains("at most 2 resident at once"),
+        "{streaming}"
+    );
+}
