@@ -77,6 +77,21 @@ fn check_case(case: &str) {
         );
         let samples = entry["samples"].as_array().unwrap().len();
         assert_eq!(stats.samples, samples, "{label}");
+        // A finding about a sample names that sample's file.
+        let files: Vec<&str> = entry["samples"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["file"].as_str().unwrap())
+            .collect();
+        for f in report.findings.iter().filter(|f| f.sample.is_some()) {
+            let file = f.file.as_deref().unwrap_or_default();
+            assert!(
+                files.iter().any(|s| std::path::Path::new(file).ends_with(s)),
+                "{label}: {} names {file:?}, not one of {files:?}",
+                f.name.as_str()
+            );
+        }
         // Many samples of one kind collapse into one finding with a count.
         for f in &report.findings {
             assert_eq!(
@@ -91,10 +106,29 @@ fn check_case(case: &str) {
         } else {
             assert_eq!(report.exit_code(), 1, "{label}");
         }
-        // Where the manifest says which boundary each slot holds, identification agrees.
+        let distinct: BTreeSet<&str> = files.iter().copied().collect();
+        assert_eq!(stats.files, distinct.len(), "{label}: files read");
+        // Where the manifest says which boundary each slot holds, identification agrees. A
+        // slot named by an expected finding has that status; the others are `ok` unless a
+        // finding about the whole file (order, embedding capture) is expected, whose slots
+        // each say how they are off.
         let truth = entry["found_boundaries"].as_array().unwrap();
+        let want = expected(entry);
+        let file_level = want.iter().any(|(_, s)| s.is_none());
         for capture in &report.captures {
             for slot in &capture.slots {
+                let mine: Vec<&String> = want
+                    .iter()
+                    .filter(|(_, s)| *s == Some(slot.slot as u64))
+                    .map(|(n, _)| n)
+                    .collect();
+                assert!(
+                    mine.contains(&&slot.status)
+                        || (mine.is_empty() && (slot.status == "ok" || file_level)),
+                    "{label} slot {}: status {} but the expected findings are {want:?}",
+                    slot.slot,
+                    slot.status
+                );
                 if let Some(b) = truth.get(slot.slot).and_then(|b| b.as_u64()) {
                     assert_eq!(
                         slot.found_boundary,
@@ -582,4 +616,91 @@ fn rows_and_token_ids_of_different_lengths_cannot_be_checked() {
             && line.contains(&format!("{} rows", hs.shape()[0])),
         "{line}"
     );
+}
+
+/// A file of several samples reports, per slot, its worst sample (the lowest cosine): a batch
+/// of [noisy, clean] says what the noisy sample alone says, not what the clean one says.
+#[test]
+fn a_batched_file_reports_its_worst_sample_per_slot() {
+    let dir = scratch("diff-batch-worst");
+    let r = candle_core::safetensors::load(
+        fixture("models/llama/reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ids = r["input_ids"].to_dtype(DType::I64).unwrap();
+    let t = ids.dim(0).unwrap();
+    let clean = candle_core::Tensor::cat(
+        &[
+            &r["hidden_states.2"],
+            &r["hidden_states.3"],
+            &r["hidden_states.4"],
+        ],
+        1,
+    )
+    .unwrap();
+    // A fixed perturbation of slot 0 alone, small enough that b = 2 is still what it holds.
+    let wiggle: Vec<f32> = (0..t * 192)
+        .map(|i| {
+            if i % 192 < 64 {
+                ((i * 7919 % 13) as f32 / 13.0 - 0.5) * 0.2
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let noisy = (&clean + candle_core::Tensor::from_vec(wiggle, (t, 192), &Device::Cpu).unwrap())
+        .unwrap();
+    let write = |name: &str, rows: &[&candle_core::Tensor]| -> PathBuf {
+        let path = dir.join(name);
+        let n = rows.len();
+        let tensors = std::collections::HashMap::from([
+            (
+                "input_ids".to_string(),
+                candle_core::Tensor::stack(&vec![&ids; n], 0).unwrap(),
+            ),
+            (
+                "aux_hidden_states".to_string(),
+                candle_core::Tensor::stack(rows, 0).unwrap(),
+            ),
+        ]);
+        candle_core::safetensors::save(&tensors, &path).unwrap();
+        path
+    };
+    let target = fixture("models/llama");
+    let spec = Spec::load(&fixture("captures/corpus/llama/spec.yaml")).unwrap();
+    let slots = |capture: PathBuf| {
+        let mut reference = RunnerReference {
+            target: open_target(&target, DType::F32, &Device::Cpu).unwrap(),
+            path: target.clone(),
+            forward_seconds: 0.0,
+        };
+        let (report, _) = diff(
+            &DiffInput {
+                spec: &spec,
+                captures: &[capture],
+                feed: None,
+                arch: None,
+            },
+            &mut reference,
+        )
+        .unwrap();
+        assert_eq!(report.captures.len(), 1);
+        report.captures[0].slots.clone()
+    };
+    let alone = slots(write("noisy.safetensors", &[&noisy]));
+    let clean_alone = slots(write("clean.safetensors", &[&clean]));
+    let both = slots(write("both.safetensors", &[&noisy, &clean]));
+    assert_eq!(alone[0].found_boundary, Some(2), "{alone:?}");
+    assert!(
+        alone[0].cosine < clean_alone[0].cosine,
+        "the wiggle lowers slot 0's cosine: {} vs {}",
+        alone[0].cosine,
+        clean_alone[0].cosine
+    );
+    assert_eq!(both.len(), 3);
+    for (b, a) in both.iter().zip(&alone) {
+        assert_eq!(b.cosine, a.cosine, "slot {}", b.slot);
+        assert_eq!(b.found_boundary, a.found_boundary, "slot {}", b.slot);
+    }
 }

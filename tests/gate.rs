@@ -645,3 +645,117 @@ fn a_target_checkpoint_missing_a_layer_is_named() {
         "{msg}"
     );
 }
+
+/// The spec's `target:` block against the target config: layer count, hidden size and
+/// model_type each refuse a target the spec was not written for.
+#[test]
+fn spec_target_block_is_checked_against_the_target() {
+    let dir = scratch("spec-target-block");
+    let base = std::fs::read_to_string(fixture("bundles/tiny-llama/spec.yaml")).unwrap();
+    let line = "target: { num_hidden_layers: 5, hidden_size: 64 }";
+    assert!(base.contains(line));
+    for (label, target, needle) in [
+        (
+            "layers",
+            "target: { num_hidden_layers: 6, hidden_size: 64 }",
+            "written for a 6-layer target",
+        ),
+        (
+            "hidden",
+            "target: { num_hidden_layers: 5, hidden_size: 96 }",
+            "written for hidden size 96",
+        ),
+        (
+            "model-type",
+            "target: { num_hidden_layers: 5, hidden_size: 64, model_type: mistral }",
+            "written for a `mistral` target",
+        ),
+    ] {
+        let spec = dir.join(format!("{label}.yaml"));
+        std::fs::write(&spec, base.replace(line, target)).unwrap();
+        let out = eagle_check([
+            "gate",
+            "--spec",
+            &p(&spec),
+            "--draft",
+            &p(&fixture("bundles/tiny-llama/draft")),
+            "--target",
+            &p(&fixture("models/llama")),
+            "--format",
+            "json",
+        ]);
+        assert_eq!(out.code, 1, "{label}: {}", out.stdout);
+        let messages: Vec<String> = out.json()["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|f| f["name"] == "shape")
+            .map(|f| f["message"].as_str().unwrap().to_string())
+            .collect();
+        assert!(
+            messages.iter().any(|m| m.contains(needle)),
+            "{label}: {messages:?}"
+        );
+    }
+}
+
+/// A multimodal wrapper as the gate's target: the text model's dims come from `text_config`,
+/// the vocabulary size from the wrapper, the weights from `model.language_model.*`. The bundle
+/// is consistent against it; a draft with another vocabulary is refused against the wrapper's.
+#[test]
+fn gate_reads_a_multimodal_target_through_its_text_config() {
+    let dir = scratch("gate-multimodal");
+    let plain = fixture("models/llama");
+    let mut text: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(plain.join("config.json")).unwrap()).unwrap();
+    let vocab = text.as_object_mut().unwrap().remove("vocab_size").unwrap();
+    let cfg = serde_json::json!({
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "vocab_size": vocab,
+        "text_config": text,
+    });
+    let target = dir.join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    std::fs::write(target.join("config.json"), cfg.to_string()).unwrap();
+    let weights =
+        candle_core::safetensors::load(plain.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let renamed: std::collections::HashMap<String, candle_core::Tensor> = weights
+        .into_iter()
+        .map(|(k, v)| match k.strip_prefix("model.") {
+            Some(rest) => (format!("model.language_model.{rest}"), v),
+            None => (k, v),
+        })
+        .collect();
+    candle_core::safetensors::save(&renamed, target.join("model.safetensors")).unwrap();
+    let draft = fixture("bundles/tiny-llama/draft/config.json");
+    let mut other: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&draft).unwrap()).unwrap();
+    other["vocab_size"] = serde_json::json!(512);
+    let other_path = dir.join("draft-512.json");
+    std::fs::write(&other_path, other.to_string()).unwrap();
+    let gate = |draft: &std::path::Path| {
+        eagle_check([
+            "gate",
+            "--spec",
+            &p(&fixture("bundles/tiny-llama/spec.yaml")),
+            "--draft",
+            &p(draft),
+            "--target",
+            &p(&target),
+            "--format",
+            "json",
+        ])
+    };
+    let out = gate(&draft);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let out = gate(&other_path);
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.finding_names(), vec!["shape"]);
+    let msg = out.json()["findings"][0]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(msg.contains("draft vocab_size 512 differs from the target's 256"), "{msg}");
+}

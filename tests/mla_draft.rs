@@ -91,9 +91,14 @@ fn mla_draft_loads_under_the_vllm_layer_prefix() {
 }
 
 /// `eagle-check run` on the MLA draft: the engine's fc input goes through the MLA draft layer and
-/// the report carries its greedy agreement with the target.
+/// the report carries its greedy agreement with the target. The random-weight draft agrees with
+/// the target at none of the 11 positions, so "0/11" alone would also pass for a draft that
+/// never ran right: the dumped draft logits and tokens must be the PyTorch reference's. The
+/// reference fed b = [1, 2, 3] (ids [0, 1, 2], OUT); sglang 0.5.10 adds 1 to every id on DeepSeek
+/// targets (newer sglang reads a first id of 0 raw, PR 25454), so it feeds the same boundaries.
 #[test]
 fn run_executes_the_mla_draft() {
+    let dump = scratch("mla-run").join("dump.safetensors");
     let tokens: Vec<String> = reference()["input_ids"]
         .to_vec1::<i64>()
         .unwrap()
@@ -107,17 +112,28 @@ fn run_executes_the_mla_draft() {
         "--draft",
         &p(&fixture("models/mla-draft")),
         "--engine",
-        "sglang",
+        "sglang@0.5.10",
         "--tokens",
         &tokens.join(","),
+        "--dump",
+        &p(&dump),
         "--format",
         "json",
     ]);
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     let json = out.json();
+    assert_eq!(json["subject"]["fed_b"], "[1, 2, 3]", "{json}");
+    let dumped = candle_core::safetensors::load(&dump, &Device::Cpu).unwrap();
+    let r = reference();
+    let c = closeness(&dumped["draft_logits"], &r["draft_logits"]).unwrap();
+    assert!(c.max_rel <= F32_TOL, "run's draft logits: max rel {:.3e}", c.max_rel);
+    assert_eq!(
+        dumped["draft_next_target_ids"].to_vec1::<i64>().unwrap(),
+        r["draft_next_target_ids"].to_vec1::<i64>().unwrap(),
+        "run's greedy draft tokens"
+    );
     // The reference draft tokens (row t: feature t, embedding of token t + 1) against the
     // target's greedy token at t + 1, from the two reference files.
-    let r = reference();
     let next = r["draft_next_target_ids"].to_vec1::<i64>().unwrap();
     let target = candle_core::safetensors::load(
         fixture("models/deepseek_v3/reference.safetensors"),

@@ -275,3 +275,39 @@ fn unread_checkpoint_tensors_are_refused_by_name() {
         "{err}"
     );
 }
+
+/// `run --generate N`: each new token is the target's argmax at the last position of the
+/// sequence so far. The first one is checked against transformers' logits, the next ones
+/// against our own forward over the grown sequence (no reference holds longer sequences).
+#[test]
+fn greedy_continuation_takes_the_argmax_of_the_last_position() {
+    let dir = fixture("models/llama");
+    let cfg = ModelConfig::load(&dir).unwrap();
+    let src = SafetensorsSource::open(&dir).unwrap();
+    let model = load_target(&cfg, &src, DType::F32, &Device::Cpu).unwrap();
+    let r = reference("models/llama/reference.safetensors");
+    let tokens = ids(&r, "input_ids");
+    let argmax_last = |logits: &Tensor| -> u32 {
+        let rows = logits.dim(0).unwrap();
+        logits
+            .get(rows - 1)
+            .and_then(|row| row.argmax(0))
+            .and_then(|a| a.to_scalar::<u32>())
+            .unwrap()
+    };
+    let new = eagle_check::runner::greedy_continuation(model.as_ref(), &tokens, 3).unwrap();
+    assert_eq!(new.len(), 3, "{new:?}");
+    assert_eq!(new[0], argmax_last(&r["logits"]), "first token vs transformers");
+    let want = CaptureRequest {
+        boundaries: Some(Vec::new()),
+        final_pre_norm: false,
+        logits: true,
+        layer_outputs: false,
+    };
+    for k in 1..3 {
+        let mut seq = tokens.clone();
+        seq.extend(&new[..k]);
+        let cap = model.forward(&seq, &want, &mut Progress::hidden()).unwrap();
+        assert_eq!(new[k], argmax_last(cap.logits.as_ref().unwrap()), "token {k}");
+    }
+}

@@ -2,7 +2,7 @@
 //! is a sparse hole: a 671B DeepSeek-V3 checkpoint layout costs a few MB of headers on disk.
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 pub struct Tensor {
@@ -275,10 +275,14 @@ pub fn draft_dir_with(
 
 /// The (name, dtype, shape) of every tensor of a safetensors file, in data order.
 fn read_listing(path: &Path) -> Vec<(String, &'static str, Vec<usize>)> {
-    let bytes = std::fs::read(path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    // The header only: the data section is a multi-gigabyte sparse hole.
+    let mut f = File::open(path).unwrap();
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).unwrap();
+    let mut text = vec![0u8; u64::from_le_bytes(len) as usize];
+    f.read_exact(&mut text).unwrap();
     let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        serde_json::from_slice(&text).unwrap();
     let mut out: Vec<(usize, String, &'static str, Vec<usize>)> = header
         .into_iter()
         .map(|(name, v)| {
