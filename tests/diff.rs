@@ -87,7 +87,9 @@ fn check_case(case: &str) {
         for f in report.findings.iter().filter(|f| f.sample.is_some()) {
             let file = f.file.as_deref().unwrap_or_default();
             assert!(
-                files.iter().any(|s| std::path::Path::new(file).ends_with(s)),
+                files
+                    .iter()
+                    .any(|s| std::path::Path::new(file).ends_with(s)),
                 "{label}: {} names {file:?}, not one of {files:?}",
                 f.name.as_str()
             );
@@ -623,11 +625,9 @@ fn rows_and_token_ids_of_different_lengths_cannot_be_checked() {
 #[test]
 fn a_batched_file_reports_its_worst_sample_per_slot() {
     let dir = scratch("diff-batch-worst");
-    let r = candle_core::safetensors::load(
-        fixture("models/llama/reference.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap();
+    let r =
+        candle_core::safetensors::load(fixture("models/llama/reference.safetensors"), &Device::Cpu)
+            .unwrap();
     let ids = r["input_ids"].to_dtype(DType::I64).unwrap();
     let t = ids.dim(0).unwrap();
     let clean = candle_core::Tensor::cat(
@@ -649,8 +649,8 @@ fn a_batched_file_reports_its_worst_sample_per_slot() {
             }
         })
         .collect();
-    let noisy = (&clean + candle_core::Tensor::from_vec(wiggle, (t, 192), &Device::Cpu).unwrap())
-        .unwrap();
+    let noisy =
+        (&clean + candle_core::Tensor::from_vec(wiggle, (t, 192), &Device::Cpu).unwrap()).unwrap();
     let write = |name: &str, rows: &[&candle_core::Tensor]| -> PathBuf {
         let path = dir.join(name);
         let n = rows.len();

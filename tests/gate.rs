@@ -757,5 +757,8 @@ fn gate_reads_a_multimodal_target_through_its_text_config() {
         .as_str()
         .unwrap()
         .to_string();
-    assert!(msg.contains("draft vocab_size 512 differs from the target's 256"), "{msg}");
+    assert!(
+        msg.contains("draft vocab_size 512 differs from the target's 256"),
+        "{msg}"
+    );
 }

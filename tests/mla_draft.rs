@@ -126,7 +126,11 @@ fn run_executes_the_mla_draft() {
     let dumped = candle_core::safetensors::load(&dump, &Device::Cpu).unwrap();
     let r = reference();
     let c = closeness(&dumped["draft_logits"], &r["draft_logits"]).unwrap();
-    assert!(c.max_rel <= F32_TOL, "run's draft logits: max rel {:.3e}", c.max_rel);
+    assert!(
+        c.max_rel <= F32_TOL,
+        "run's draft logits: max rel {:.3e}",
+        c.max_rel
+    );
     assert_eq!(
         dumped["draft_next_target_ids"].to_vec1::<i64>().unwrap(),
         r["draft_next_target_ids"].to_vec1::<i64>().unwrap(),

@@ -297,7 +297,11 @@ fn greedy_continuation_takes_the_argmax_of_the_last_position() {
     };
     let new = eagle_check::runner::greedy_continuation(model.as_ref(), &tokens, 3).unwrap();
     assert_eq!(new.len(), 3, "{new:?}");
-    assert_eq!(new[0], argmax_last(&r["logits"]), "first token vs transformers");
+    assert_eq!(
+        new[0],
+        argmax_last(&r["logits"]),
+        "first token vs transformers"
+    );
     let want = CaptureRequest {
         boundaries: Some(Vec::new()),
         final_pre_norm: false,
@@ -308,6 +312,10 @@ fn greedy_continuation_takes_the_argmax_of_the_last_position() {
         let mut seq = tokens.clone();
         seq.extend(&new[..k]);
         let cap = model.forward(&seq, &want, &mut Progress::hidden()).unwrap();
-        assert_eq!(new[k], argmax_last(cap.logits.as_ref().unwrap()), "token {k}");
+        assert_eq!(
+            new[k],
+            argmax_last(cap.logits.as_ref().unwrap()),
+            "token {k}"
+        );
     }
 }

@@ -281,8 +281,7 @@ fn read_listing(path: &Path) -> Vec<(String, &'static str, Vec<usize>)> {
     f.read_exact(&mut len).unwrap();
     let mut text = vec![0u8; u64::from_le_bytes(len) as usize];
     f.read_exact(&mut text).unwrap();
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&text).unwrap();
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&text).unwrap();
     let mut out: Vec<(usize, String, &'static str, Vec<usize>)> = header
         .into_iter()
         .map(|(name, v)| {
