@@ -5,6 +5,10 @@
 //! the peer's boundaries and greedy tokens. Prints one JSON object per length.
 //!
 //!     gpu MODEL_DIR HF_STATES.safetensors T,T,... REPS
+//!     gpu moe-gemm T,T,... REPS        (the MoE expert GEMMs alone; see `moe_gemm`)
+//!
+//! With `EAGLE_CHECK_PHASES=1` each length also gets one forward timed phase by phase
+//! (`eagle_check::model::phases`), reported under "phases".
 //!
 //! The roofline floor (METHOD.md): the larger of the weight bytes over 4.3 TB/s (the copy rate
 //! measured on these H200s, KINDS.md) and the FLOPs over 790 TFLOP/s (the bf16 matrix rate
@@ -26,7 +30,7 @@ mod gpu {
     use candle_core::backend::BackendDevice;
     use candle_core::{DType, Device, Tensor};
     use eagle_check::compare::closeness;
-    use eagle_check::model::{CaptureRequest, Progress, open_target};
+    use eagle_check::model::{CaptureRequest, Progress, open_target, phases};
     use std::path::Path;
     use std::time::Instant;
 
@@ -128,8 +132,95 @@ mod gpu {
         (d.to_scalar::<f64>().unwrap() / n.to_scalar::<f64>().unwrap()).sqrt()
     }
 
+    /// `gpu moe-gemm T,T,... REPS`: the routed experts of one DeepSeek-V3 MoE layer (256
+    /// experts, 8 per token, H 7168, I 2048, bf16) as one grouped cuBLAS call against one
+    /// `cublasGemmEx` per expert, both projections' shapes (gate or up: I x H; down: H x I),
+    /// T x 8 rows spread evenly over the experts. Prints ms and the weight bytes over the time.
+    fn moe_gemm(ts: &[usize], reps: usize) {
+        use eagle_check::kernels::KernelDType;
+        use eagle_check::kernels::cuda::tensor_ptr;
+        use eagle_check::kernels::gemm::{GroupedGemmArgs, grouped_gemm_raw, per_group_gemm_raw};
+        let dev = candle_core::CudaDevice::new(0).unwrap();
+        let device = Device::Cuda(dev.clone());
+        let (e, k_per_tok, h, inter) = (256usize, 8usize, 7168usize, 2048usize);
+        let randn = |shape: &[usize]| {
+            Tensor::randn(0f32, 0.02, shape, &device)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap()
+        };
+        for (name, n, k) in [("gate or up", inter, h), ("down", h, inter)] {
+            let w = randn(&[e, n, k]);
+            for &t in ts {
+                let rows = t * k_per_tok;
+                let a = randn(&[rows, k]);
+                let out = Tensor::zeros((rows, n), DType::BF16, &device).unwrap();
+                let el = 2u64;
+                let (a_p, w_p, o_p) = (
+                    tensor_ptr(&a).unwrap(),
+                    tensor_ptr(&w).unwrap(),
+                    tensor_ptr(&out).unwrap(),
+                );
+                let mut groups = Vec::with_capacity(e);
+                let mut row = 0;
+                for x in 0..e {
+                    let r = rows / e + usize::from(x < rows % e);
+                    groups.push((
+                        a_p + (row * k) as u64 * el,
+                        w_p + (x * n * k) as u64 * el,
+                        o_p + (row * n) as u64 * el,
+                        r,
+                    ));
+                    row += r;
+                }
+                let args = GroupedGemmArgs {
+                    groups,
+                    a_stride: k,
+                    w_stride: k,
+                    out_stride: n,
+                    n,
+                    k,
+                };
+                let touched = args.groups.iter().filter(|g| g.3 > 0).count();
+                let bytes = (touched * n * k) as f64 * 2.0;
+                let time = |f: &dyn Fn()| {
+                    for _ in 0..2 {
+                        f();
+                    }
+                    device.synchronize().unwrap();
+                    let mut ms: Vec<f64> = (0..reps)
+                        .map(|_| {
+                            let s = Instant::now();
+                            f();
+                            device.synchronize().unwrap();
+                            s.elapsed().as_secs_f64() * 1e3
+                        })
+                        .collect();
+                    ms.sort_by(f64::total_cmp);
+                    ms[ms.len() / 2]
+                };
+                let grouped = time(&|| grouped_gemm_raw(&dev, KernelDType::BF16, &args).unwrap());
+                let looped = time(&|| per_group_gemm_raw(&dev, KernelDType::BF16, &args).unwrap());
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "moe_gemm": name, "T": t, "rows": rows, "experts_touched": touched,
+                        "weight_gb": bytes / 1e9,
+                        "grouped_ms": grouped, "grouped_tb_s": bytes / grouped / 1e9,
+                        "per_expert_ms": looped, "per_expert_tb_s": bytes / looped / 1e9,
+                    })
+                );
+            }
+        }
+    }
+
     pub fn main() {
         let args: Vec<String> = std::env::args().collect();
+        if args.get(1).map(String::as_str) == Some("moe-gemm") && args.len() >= 4 {
+            let ts: Vec<usize> = args[2].split(',').map(|t| t.parse().unwrap()).collect();
+            moe_gemm(&ts, args[3].parse().unwrap());
+            return;
+        }
         if args.len() < 5 {
             eprintln!("usage: gpu MODEL_DIR HF_STATES T,T,... REPS");
             std::process::exit(2);
@@ -215,6 +306,18 @@ mod gpu {
                     .count() as f64
                     / t as f64
             });
+            // One more forward with every phase closed by a synchronisation: where the time
+            // goes (not part of the timings above).
+            let phases = std::env::var_os("EAGLE_CHECK_PHASES").map(|_| {
+                phases::set_enabled(true);
+                drop(run());
+                let totals = phases::take();
+                phases::set_enabled(false);
+                totals
+                    .into_iter()
+                    .map(|(name, ms, n)| serde_json::json!({"phase": name, "ms": ms, "marks": n}))
+                    .collect::<Vec<_>>()
+            });
             let floor_ms = counts.floor_ms(t);
             let line = serde_json::json!({
                 "T": t,
@@ -227,6 +330,7 @@ mod gpu {
                 "tolerance": BF16_NORMWISE_TOL,
                 "within_tolerance": worst <= BF16_NORMWISE_TOL,
                 "greedy_agreement": greedy_agree,
+                "phases": phases,
             });
             println!("{line}");
         }

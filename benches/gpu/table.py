@@ -20,3 +20,10 @@ for o in ours:
         f"{o['ratio_to_floor']:.2f} | {h / o['floor_ms']:.2f} | {o['worst_normwise_err']:.2e} | "
         f"{o['greedy_agreement']:.3f} |"
     )
+# Where the time goes, when the bench ran with EAGLE_CHECK_PHASES=1 (one extra forward, each
+# phase closed by a device synchronisation, so the sum exceeds the timed median a little).
+for o in ours:
+    if o.get("phases"):
+        total = sum(p["ms"] for p in o["phases"])
+        parts = ", ".join(f"{p['phase']} {p['ms']:.2f} ({p['marks']}x)" for p in o["phases"])
+        print(f"T = {o['T']} phases, {total:.2f} ms in all: {parts}")

@@ -169,6 +169,30 @@ pub fn grouped_gemm_raw(dev: &CudaDevice, dtype: KernelDType, g: &GroupedGemmArg
     })
 }
 
+/// [`GroupedGemmArgs`] as one `cublasGemmEx` per group with rows: the peer the GPU bench
+/// measures the grouped call against (`gpu-bench moe-gemm`).
+pub fn per_group_gemm_raw(dev: &CudaDevice, dtype: KernelDType, g: &GroupedGemmArgs) -> Result<()> {
+    for &(a, w, out, rows) in g.groups.iter().filter(|grp| grp.3 > 0) {
+        gemm_raw(
+            dev,
+            dtype,
+            &GemmArgs {
+                out,
+                out_stride: g.out_stride,
+                a,
+                a_stride: g.a_stride,
+                w,
+                w_stride: g.w_stride,
+                m: rows,
+                n: g.n,
+                k: g.k,
+                accumulate: false,
+            },
+        )?;
+    }
+    Ok(())
+}
+
 /// The CPU form of [`gemm_into`] (f32 math, one rounding), for tests.
 fn gemm_ref<T: super::Elem>(
     out: &mut [T],

@@ -16,7 +16,7 @@
 use super::Resident;
 use super::llama::LlamaDecoder;
 use super::nn::{Linear, RopeTables};
-use super::{Capture, CaptureRequest, EmbedRows, Progress, Target};
+use super::{Capture, CaptureRequest, EmbedRows, Progress, Target, phases};
 use crate::config::ModelConfig;
 use crate::error::{CandleContext, Result};
 use crate::kernels::KernelDType;
@@ -289,6 +289,7 @@ impl FastLlama {
         let el = self.kd.size() as u64;
         let launch = |what: &str, r: candle_core::Result<()>| r.ctx(|| what.to_string());
 
+        phases::mark("start", &device);
         launch(
             "embedding",
             cuda::gather_rows(
@@ -325,6 +326,7 @@ impl FastLlama {
                 },
             ),
         )?;
+        phases::mark("embedding + input norm", &device);
         let (cos, sin) = (ptr(&cos_t)?, ptr(&sin_t)?);
         for (i, layer) in self.layers.iter().enumerate() {
             let x = row(caps_p, i);
@@ -383,6 +385,7 @@ impl FastLlama {
                 }
                 (q, k, v, nh * hd, nkv * hd, nkv * hd)
             };
+            phases::mark("qkv gemm", &device);
             let rope_on = |base: DevPtr, stride: usize, heads: usize| {
                 cuda::rope(
                     &self.dev,
@@ -408,6 +411,7 @@ impl FastLlama {
                 launch("rope q", rope_on(q, qs, nh))?;
                 launch("rope k", rope_on(k, ks, nkv))?;
             }
+            phases::mark("rope", &device);
             launch(
                 "attention",
                 cuda::flash_attn(
@@ -434,6 +438,7 @@ impl FastLlama {
                 )
                 .map(|_| ()),
             )?;
+            phases::mark("attention", &device);
             self.gemm(
                 &layer.o,
                 (attn_p, nh * hd),
@@ -442,6 +447,7 @@ impl FastLlama {
                 nh * hd,
                 &s.zeros,
             )?;
+            phases::mark("o gemm", &device);
             launch(
                 "post-attention norm",
                 cuda::add_rmsnorm(
@@ -461,6 +467,7 @@ impl FastLlama {
                     },
                 ),
             )?;
+            phases::mark("add + norm", &device);
             self.gemm(
                 &layer.gate_up,
                 (normed_p, h),
@@ -469,6 +476,7 @@ impl FastLlama {
                 h,
                 &s.zeros,
             )?;
+            phases::mark("gate_up gemm", &device);
             launch(
                 "silu-mul",
                 cuda::silu_mul(
@@ -486,6 +494,7 @@ impl FastLlama {
                     },
                 ),
             )?;
+            phases::mark("silu-mul", &device);
             let down_out = match &mlp_out {
                 Some(m) => row(ptr(m)?, i),
                 None => proj_p,
@@ -498,6 +507,7 @@ impl FastLlama {
                 inter,
                 &s.zeros,
             )?;
+            phases::mark("down gemm", &device);
             let (next_w, normed_out) = match self.layers.get(i + 1) {
                 Some(next) => (ptr(&next.in_norm)?, normed_p),
                 None => (ptr(&self.inner.norm.weight)?, ptr(&post)?),
@@ -521,6 +531,7 @@ impl FastLlama {
                     },
                 ),
             )?;
+            phases::mark("add + norm", &device);
         }
 
         let mut capture = Capture::default();
@@ -544,6 +555,7 @@ impl FastLlama {
             };
             self.gemm(&head, (ptr(&post)?, h), (ptr(&logits)?, v), t, h, &s.zeros)?;
             capture.logits = Some(logits);
+            phases::mark("lm_head", &device);
         }
         if want.wants(l) {
             capture.hidden.insert(l, post);

@@ -9,6 +9,7 @@ pub mod fp8;
 pub mod gguf;
 pub mod llama;
 pub mod nn;
+pub mod phases;
 pub mod source;
 pub mod stream;
 
@@ -198,11 +199,15 @@ impl<D: Decoder> Target for Resident<D> {
         want: &CaptureRequest,
         progress: &mut Progress,
     ) -> Result<Capture> {
-        let ctx = self.dec.context(ids.len(), self.embed.device())?;
+        let dev = self.embed.device();
+        phases::mark("start", dev);
+        let ctx = self.dec.context(ids.len(), dev)?;
         let n = self.layers.len();
         let mut run = DecoderRun::new(self.embed.rows(ids)?, want, n, progress);
+        phases::mark("embedding + context", dev);
         for (i, layer) in self.layers.iter().enumerate() {
             run.layer(i, |xs| self.dec.step(layer, i, xs, &ctx))?;
+            phases::mark("residual + capture", dev);
         }
         let (mut capture, xs) = run.finish();
         finish_capture(&mut capture, xs, &self.norm, want, n, |normed| {
@@ -211,6 +216,7 @@ impl<D: Decoder> Target for Resident<D> {
                 .and_then(|w| normed.matmul(&w))
                 .ctx(|| "lm_head".to_string())
         })?;
+        phases::mark("final norm + lm_head", dev);
         Ok(capture)
     }
 }
