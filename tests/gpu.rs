@@ -254,3 +254,100 @@ fn gpu_verdicts_equal_cpu_verdicts() {
         );
     }
 }
+
+/// The acceptance probe on the trained pair (f32 on both devices): the same rows (layouts and
+/// labels, in the same order), the same findings and exit code, and acceptance figures that
+/// differ by at most two positions of 255 (f32 sums in another order can flip a top-1 near-tie).
+#[test]
+fn gpu_probe_gives_the_cpu_probe() {
+    let Some(_) = gpu() else { return };
+    let bundle = p(&fixture("bundles/trained-llama"));
+    let on = |device: &str| {
+        eagle_check([
+            "probe", &bundle, "--device", device, "--dtype", "f32", "--format", "json",
+        ])
+    };
+    let (cpu, gpu) = (on("cpu"), on("cuda"));
+    assert_eq!(cpu.code, 0, "{}", cpu.stderr);
+    assert_eq!(
+        (gpu.code, gpu.finding_names()),
+        (cpu.code, cpu.finding_names()),
+        "{}",
+        gpu.stderr
+    );
+    let rows = |out: &crate::support::Output| out.json()["probe"].as_array().cloned().unwrap();
+    let (a, b) = (rows(&cpu), rows(&gpu));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x["boundaries"], y["boundaries"]);
+        assert_eq!(x["labels"], y["labels"]);
+        let acc = |r: &serde_json::Value| r["acceptance"]["value"].as_f64().unwrap();
+        assert!(
+            (acc(x) - acc(y)).abs() <= 2.0 / 255.0 + 1e-9,
+            "{}: cpu {} gpu {}",
+            x["labels"],
+            acc(x),
+            acc(y)
+        );
+    }
+}
+
+/// `--stream-layers` on the GPU (each layer uploaded, run and dropped) dumps what the resident
+/// GPU run dumps, within f32 parity (the resident run may take the fused path, the streamed one
+/// the generic layers), and gives the same verdict.
+#[test]
+fn gpu_streamed_run_dumps_what_the_resident_gpu_run_dumps() {
+    let Some(_) = gpu() else { return };
+    let dir = crate::support::scratch("gpu-stream");
+    for bundle in ["bundles/tiny-llama", "bundles/tiny-deepseek"] {
+        let run = |path: &std::path::Path, stream: bool| {
+            let mut args = vec![
+                "run".to_string(),
+                p(&fixture(bundle)),
+                "--device".into(),
+                "cuda".into(),
+                "--dtype".into(),
+                "f32".into(),
+                "--dump".into(),
+                p(path),
+                "--format".into(),
+                "json".into(),
+            ];
+            if stream {
+                args.push("--stream-layers".into());
+            }
+            let out = eagle_check(&args);
+            let dump = candle_core::safetensors::load(path, &Device::Cpu)
+                .unwrap_or_else(|e| panic!("{bundle}: {e}: {}", out.stderr));
+            (out, dump)
+        };
+        let (resident, a) = run(&dir.join("resident.safetensors"), false);
+        let (streamed, b) = run(&dir.join("streamed.safetensors"), true);
+        assert_eq!(
+            (streamed.code, streamed.finding_names()),
+            (resident.code, resident.finding_names()),
+            "{bundle}: {}",
+            streamed.stderr
+        );
+        let weights = streamed.json()["subject"]["weights"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(weights.starts_with("streamed"), "{bundle}: {weights}");
+        let mut keys: Vec<&String> = a.keys().collect();
+        keys.sort();
+        assert_eq!(keys.len(), b.len(), "{bundle}");
+        for k in keys {
+            if a[k].dtype().is_int() {
+                // The tokens match exactly; the draft's argmax ids follow its logits, checked
+                // below, and may flip at a near-tie.
+                if k == "input_ids" {
+                    assert_eq!(ids(&a, k), ids(&b, k), "{bundle}");
+                }
+                continue;
+            }
+            let c = closeness(&b[k], &a[k]).unwrap();
+            assert!(c.max_rel <= F32_TOL, "{bundle} {k}: {:.3e}", c.max_rel);
+        }
+    }
+}
