@@ -8,7 +8,7 @@ use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams, RouteParams};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
-use crate::model::{ComputePath, Decoder, LayerStep};
+use crate::model::{ComputePath, Decoder, LayerStep, phases};
 use candle_core::{D, DType, Device, Tensor};
 
 /// transformers' `yarn_get_mscale`.
@@ -100,6 +100,53 @@ pub(crate) struct Mla {
     kv_rank: usize,
     interleave: bool,
     scale: f64,
+    /// On a CUDA device: `kv_b_proj` widened once at load for the kernel path, so that the
+    /// per-head keys and the values come out of one GEMM each, straight from
+    /// `kv_a_proj_with_mqa`'s output `[T, kv_rank + rope]` (its latent normed and its rope key
+    /// rotated in place), in the layout flash attention reads, with no strided copy or
+    /// broadcast: key rows `[nh * (nope + rope), kv_rank + rope]`, per head its `nope` rows of
+    /// `kv_b_proj` (zeros against the rope key) and then `[0 | I_rope]`, which copies the
+    /// shared rope key into the head exactly (one product by 1.0 and zeros, f32 accumulation);
+    /// value rows `[nh * v, kv_rank + rope]`, `kv_b_proj`'s value rows with zeros against the
+    /// rope key.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    kv_b_split: Option<(Tensor, Tensor)>,
+}
+
+/// [`Mla::kv_b_split`] from `kv_b_proj`'s weight `[nh * (nope + v), kv_rank]`.
+fn split_kv_b(
+    w: &Tensor,
+    nh: usize,
+    nope: usize,
+    rope: usize,
+    v: usize,
+) -> Result<(Tensor, Tensor)> {
+    let split = || -> candle_core::Result<(Tensor, Tensor)> {
+        let (r, dt, dev) = (w.dim(1)?, w.dtype(), w.device());
+        let per_head = w.reshape((nh, nope + v, r))?;
+        // Zero columns against the rope key, appended to rows of kv_b_proj.
+        let widen = |rows: &Tensor| -> candle_core::Result<Tensor> {
+            let n = rows.dim(1)?;
+            Tensor::cat(&[rows, &Tensor::zeros((nh, n, rope), dt, dev)?], 2)
+        };
+        let rope_rows = Tensor::cat(
+            &[
+                &Tensor::zeros((rope, r), dt, dev)?,
+                &Tensor::eye(rope, dt, dev)?,
+            ],
+            1,
+        )?
+        .unsqueeze(0)?
+        .broadcast_as((nh, rope, r + rope))?;
+        let k = Tensor::cat(&[&widen(&per_head.narrow(1, 0, nope)?)?, &rope_rows], 1)?
+            .reshape((nh * (nope + rope), r + rope))?
+            .contiguous()?;
+        let v = widen(&per_head.narrow(1, nope, v)?)?
+            .reshape((nh * v, r + rope))?
+            .contiguous()?;
+        Ok((k, v))
+    };
+    split().ctx(|| "kv_b_proj split for the kernel path".to_string())
 }
 
 impl Mla {
@@ -138,6 +185,13 @@ impl Mla {
             kv_rank: mla.kv_lora_rank,
             interleave: mla.rope_interleave,
             scale: dims.scale,
+            kv_b_split: None,
+        })
+        .and_then(|mut m| {
+            if vb.device.is_cuda() {
+                m.kv_b_split = Some(split_kv_b(&m.kv_b.weight, nh, m.nope, m.rope, m.v_dim)?);
+            }
+            Ok(m)
         })
     }
 
@@ -166,10 +220,54 @@ impl Mla {
             rot_dim: rd,
             interleaved: self.interleave,
         };
+        let dev = xs.device();
         // [T, nh * (nope + rope)]
         let q = self.q.forward(xs)?.contiguous()?;
         kernels::rope_in_place(&q, &rope.cos32, &rope.sin32, &rot(nh, nope + rd, nope))?;
+        phases::mark("mla: q projections + rope", dev);
         let ckv = self.kv_a.forward(xs)?; // [T, kv_rank + rope]
+        let params = AttnParams {
+            nh,
+            nkv: nh,
+            dk: nope + rd,
+            dv: vd,
+            scale: self.scale,
+            window: None,
+        };
+        #[cfg(feature = "cuda")]
+        if let (Some((wk, wv)), candle_core::Device::Cuda(cuda_dev)) = (&self.kv_b_split, dev) {
+            use crate::kernels::cuda::{self, tensor_ptr};
+            // kv_a's output in place: the latent normed, the rope key rotated; then the keys
+            // and values as one GEMM each (see `kv_b_split`).
+            let ckv = ckv.contiguous()?;
+            let width = self.kv_rank + rd;
+            let p = tensor_ptr(&ckv)?;
+            cuda::add_rmsnorm(
+                cuda_dev,
+                kernels::KernelDType::of(ckv.dtype())?,
+                &cuda::RmsNormArgs {
+                    x: p,
+                    x_stride: width,
+                    delta: None,
+                    w: tensor_ptr(&self.kv_norm.weight)?,
+                    resid: None,
+                    normed: p,
+                    normed_stride: width,
+                    rows: t,
+                    cols: self.kv_rank,
+                    eps: self.kv_norm.eps as f32,
+                },
+            )?;
+            kernels::rope_in_place(&ckv, &rope.cos32, &rope.sin32, &rot(1, width, self.kv_rank))?;
+            let k = ckv.matmul(&wk.t()?)?; // [T, nh * (nope + rope)]
+            let v = ckv.matmul(&wv.t()?)?; // [T, nh * v]
+            phases::mark("mla: kv projections", dev);
+            let out = kernels::flash_attention(&q, &k, &v, &params)?;
+            phases::mark("mla: flash attention", dev);
+            let out = self.o.forward(&out)?;
+            phases::mark("mla: o_proj", dev);
+            return Ok(out);
+        }
         let kv_latent = self.kv_norm.forward(&ckv.narrow(1, 0, self.kv_rank)?)?;
         let k_rot = ckv.narrow(1, self.kv_rank, rd)?.contiguous()?;
         kernels::rope_in_place(&k_rot, &rope.cos32, &rope.sin32, &rot(1, rd, 0))?;
@@ -186,14 +284,6 @@ impl Mla {
             .narrow(2, nope, vd)?
             .contiguous()?
             .reshape((t, nh * vd))?;
-        let params = AttnParams {
-            nh,
-            nkv: nh,
-            dk: nope + rd,
-            dv: vd,
-            scale: self.scale,
-            window: None,
-        };
         self.o
             .forward(&kernels::flash_attention(&q, &k, &v, &params)?)
     }
@@ -401,23 +491,30 @@ impl Moe {
             .into_iter()
             .map(|c| c as usize)
             .collect();
+        phases::mark("moe routing, plan, gather", xs.device());
         let ys = self.experts_forward(&sorted, &counts)?;
         let shared = match &self.shared {
             Some(s) => Some(s.forward(xs)?),
             None => None,
         };
+        phases::mark("moe shared expert", xs.device());
         let out = kernels::moe_combine(&ys, &plan, &routing.topk_w, shared.as_ref())?;
+        phases::mark("moe combine", xs.device());
         Ok((out, routing.topk_idx, routing.topk_w))
     }
 
     /// The experts on rows sorted by expert (`counts[e]` rows each): `[R, H]` -> `[R, H]`.
     fn experts_forward(&self, sorted: &Tensor, counts: &[usize]) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if sorted.device().is_cuda() {
+        if let candle_core::Device::Cuda(cuda_dev) = sorted.device() {
             let (rows, h) = sorted.dims2()?;
             let inter = self.cfg.moe_intermediate_size;
             let grouped = |a: &Tensor, ws: Vec<&Tensor>, n: usize| -> candle_core::Result<Tensor> {
-                let out = Tensor::zeros((rows, n), a.dtype(), a.device())?;
+                // Uninitialised: the groups' rows (counts sum to `rows`) cover every row.
+                let out = kernels::cuda::tensor(
+                    kernels::cuda::alloc(cuda_dev, a.dtype(), rows * n)?,
+                    (rows, n),
+                );
                 kernels::gemm::grouped_gemm_into(&out, a, &ws, counts)?;
                 Ok(out)
             };
@@ -432,11 +529,14 @@ impl Moe {
                 inter,
             )?;
             let act = kernels::silu_mul(&gate, &up)?;
-            return grouped(
+            phases::mark("moe experts gate, up, silu", sorted.device());
+            let down = grouped(
                 &act,
                 self.experts.iter().map(|m| &m.down.weight).collect(),
                 h,
             );
+            phases::mark("moe experts down", sorted.device());
+            return down;
         }
         let mut parts = Vec::with_capacity(self.experts.len());
         let mut start = 0;
@@ -548,6 +648,10 @@ pub(crate) struct DeepseekDecoder {
     cfg: ModelConfig,
     dtype: DType,
     path: ComputePath,
+    /// The last forward's rope tables (its length and device): a capture bench or a `diff`
+    /// over samples of one length builds them once (at T = 2048, building them and gathering
+    /// the embedding rows took 1.8 ms of a 37 ms forward on the H200 machine).
+    rope_cache: std::sync::Mutex<Option<(usize, Device, RopeTables)>>,
 }
 
 /// Config checks the forward relies on, with the numbers in the message.
@@ -592,6 +696,7 @@ impl DeepseekDecoder {
             cfg: cfg.clone(),
             dtype,
             path,
+            rope_cache: std::sync::Mutex::new(None),
         })
     }
 
@@ -634,7 +739,21 @@ impl Decoder for DeepseekDecoder {
     }
 
     fn context(&self, t: usize, device: &Device) -> Result<Self::Ctx> {
-        let rope = RopeTables::new(&self.cfg.rope, self.rope_dim(), t, self.dtype, device)?;
+        let rope = {
+            let mut cache = self
+                .rope_cache
+                .lock()
+                .map_err(|_| Error::Device("rope table cache poisoned".into()))?;
+            match cache.as_ref() {
+                Some((n, d, r)) if *n == t && d.same_device(device) => r.clone(),
+                _ => {
+                    let r =
+                        RopeTables::new(&self.cfg.rope, self.rope_dim(), t, self.dtype, device)?;
+                    *cache = Some((t, device.clone(), r.clone()));
+                    r
+                }
+            }
+        };
         let mask = match self.path {
             ComputePath::Candle => causal_mask(t, None, self.dtype, device)?,
             ComputePath::Kernels | ComputePath::Fused => {
@@ -656,6 +775,7 @@ impl Decoder for DeepseekDecoder {
         type Step = (Tensor, Tensor, Option<(Tensor, Tensor)>);
         let step = || -> candle_core::Result<Step> {
             let normed = layer.input_norm.forward(xs)?;
+            phases::mark("input norm", device);
             let (xs, normed) = match self.path {
                 ComputePath::Candle => {
                     let xs = (xs + layer.attn.forward(&normed, rope, mask)?)?;
@@ -667,8 +787,13 @@ impl Decoder for DeepseekDecoder {
                     layer.post_norm.add_forward(xs, &a)?
                 }
             };
+            phases::mark("post-attention add + norm", device);
             let (f, routing) = match (&layer.ffn, self.path) {
-                (Ffn::Dense(mlp), _) => (mlp.forward(&normed)?, None),
+                (Ffn::Dense(mlp), _) => {
+                    let f = mlp.forward(&normed)?;
+                    phases::mark("dense mlp", device);
+                    (f, None)
+                }
                 (Ffn::Moe(moe), ComputePath::Candle) => {
                     let (f, r) = moe.forward(&normed)?;
                     (f, Some(routing_tensors(&r, device)?))

@@ -183,6 +183,7 @@ pub fn inv_freq(rope: &Rope, dim: usize) -> (Vec<f64>, f64) {
 
 /// cos/sin tables for positions `0..seq_len`: [seq_len, dim / 2] each, already scaled; in the
 /// compute dtype for the candle path and in f32 for the rope kernel.
+#[derive(Clone)]
 pub struct RopeTables {
     pub cos: Tensor,
     pub sin: Tensor,
