@@ -472,3 +472,30 @@ fn fixes_round_trip_through_each_rule() {
         assert_eq!(fed(&back), [3, 17, 30], "{engine}");
     }
 }
+
+/// sglang 0.5.10's CUDA-graph caveat (cuda_graph_runner.py `CudaGraphRunner.__init__`, recorded
+/// after the default layers are set and before the explicit ids) concerns explicit ids only: a
+/// drafter that leaves the default gets no such note; TensorRT-LLM's -1 caveat needs a -1.
+#[test]
+fn caveats_are_noted_only_where_they_apply() {
+    let cuda_graph = |f: &Feed| f.notes.iter().any(|n| n.contains("CUDA graphs"));
+    let explicit = feed("sglang@0.5.10", Some("llama"), Some(&[2, 16, 29]), 32);
+    assert_eq!(explicit.how, How::Explicit);
+    assert!(cuda_graph(&explicit), "{:?}", explicit.notes);
+    let default = feed("sglang@0.5.10", Some("llama"), None, 32);
+    assert_ne!(default.how, How::Explicit);
+    assert!(!cuda_graph(&default), "{:?}", default.notes);
+    let minus_one = |f: &Feed| f.notes.iter().any(|n| n.contains("post-norm final state"));
+    assert!(minus_one(&feed(
+        "trtllm",
+        Some("llama"),
+        Some(&[-1, 2, 16]),
+        32
+    )));
+    assert!(!minus_one(&feed(
+        "trtllm",
+        Some("llama"),
+        Some(&[1, 2, 16]),
+        32
+    )));
+}
