@@ -499,3 +499,32 @@ fn caveats_are_noted_only_where_they_apply() {
         32
     )));
 }
+
+/// A fix at b = L must land on the wanted side of the final norm: TensorRT-LLM captures the
+/// last layer's output (pre-norm) for id L-1 and the post-norm output for -1, which its sort
+/// puts first. A post-norm b = L wanted last cannot be produced (id L-1 would feed the pre-norm
+/// state there), so no ids are offered; wanted first, -1 is; no side asked for, either will do.
+#[test]
+fn fixes_at_the_last_boundary_keep_their_side_of_the_norm() {
+    let sel = EngineSel::parse("trtllm").unwrap();
+    let l = 32;
+    let at = |b: usize, side: Option<FinalNorm>| (Boundary(b), side);
+    let post_last = [at(2, None), at(16, None), at(l, Some(FinalNorm::Post))];
+    assert_eq!(ids_for(&sel, Some("llama"), &post_last, l), None);
+    let pre_last = [at(2, None), at(16, None), at(l, Some(FinalNorm::Pre))];
+    assert_eq!(
+        ids_for(&sel, Some("llama"), &pre_last, l).map(|(ids, _)| ids),
+        Some(vec![1, 15, 31])
+    );
+    // No side asked for at b = L: either side will do.
+    let any_last = [at(2, None), at(16, None), at(l, None)];
+    assert_eq!(
+        ids_for(&sel, Some("llama"), &any_last, l).map(|(ids, _)| ids),
+        Some(vec![1, 15, 31])
+    );
+    let post_first = [at(l, Some(FinalNorm::Post)), at(2, None), at(16, None)];
+    assert_eq!(
+        ids_for(&sel, Some("llama"), &post_first, l).map(|(ids, _)| ids),
+        Some(vec![-1, 1, 15])
+    );
+}
