@@ -528,3 +528,19 @@ fn fixes_at_the_last_boundary_keep_their_side_of_the_norm() {
         Some(vec![-1, 1, 15])
     );
 }
+
+/// When two id lists feed the same boundaries (sglang's deepseek_v2.py adds 1 only when the
+/// first id is 1, so [1, 29, 57] and [2, 30, 58] both feed b = [2, 30, 58]), the fix offered
+/// is the layer-output form (b - 1) that the published DeepSeek drafter configs use and that
+/// sglang 0.5.10's unconditional +1 also reads right; on a raw engine the raw ids.
+#[test]
+fn fixes_prefer_layer_output_ids_when_several_lists_work() {
+    let want: Vec<Want> = [2, 30, 58].map(|b| (Boundary(b), None)).to_vec();
+    let ids = |engine: &str| {
+        let sel = EngineSel::parse(engine).unwrap();
+        ids_for(&sel, Some("deepseek_v3"), &want, 61).map(|(ids, _)| ids)
+    };
+    assert_eq!(ids("sglang"), Some(vec![1, 29, 57]));
+    assert_eq!(ids("sglang@0.5.10"), Some(vec![1, 29, 57]));
+    assert_eq!(ids("vllm"), Some(vec![2, 30, 58]));
+}
