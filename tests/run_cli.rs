@@ -204,3 +204,58 @@ fn spec_without_draft_judges_the_engine_default() {
     assert_eq!(out.code, 1, "{}", out.stdout);
     assert_eq!(out.finding_names(), vec!["default-fallback"]);
 }
+
+/// `run` reads the draft's weight headers before any weight: a draft whose `lm_head` has half
+/// its rows is named as a `shape` error (exit 1) and nothing is run (no draft agreement in the
+/// report), instead of failing later while loading it.
+#[test]
+fn run_names_a_misshapen_draft_head_before_running_anything() {
+    let dir = scratch("run-misshapen-draft-head");
+    let bundle = fixture("bundles/tiny-llama");
+    std::os::unix::fs::symlink(bundle.join("target"), dir.join("target")).unwrap();
+    std::fs::copy(bundle.join("spec.yaml"), dir.join("spec.yaml")).unwrap();
+    std::fs::create_dir(dir.join("draft")).unwrap();
+    std::fs::copy(
+        bundle.join("draft/config.json"),
+        dir.join("draft/config.json"),
+    )
+    .unwrap();
+    // Through the safetensors crate: the draft holds a bool t2d, which candle does not load.
+    let bytes = std::fs::read(bundle.join("draft/model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            if name != "lm_head.weight" {
+                return (name, t);
+            }
+            let (rows, cols) = (t.shape()[0] / 2, t.shape()[1]);
+            let size = rows * cols * t.dtype().bitsize() / 8;
+            let half = safetensors::tensor::TensorView::new(
+                t.dtype(),
+                vec![rows, cols],
+                &t.data()[..size],
+            )
+            .unwrap();
+            (name, half)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("draft/model.safetensors")).unwrap();
+
+    let out = eagle_check(["run", &p(&dir), "--format", "json"]);
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    let json = out.json();
+    let shape = json["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["name"] == "shape")
+        .unwrap_or_else(|| panic!("no shape finding: {}", out.stdout));
+    assert!(shape.to_string().contains("lm_head.weight"), "{shape}");
+    assert!(
+        json["subject"].get("draft_top1").is_none(),
+        "{}",
+        out.stdout
+    );
+}

@@ -97,3 +97,25 @@ pub fn static_report(
     }
     Ok((report, dims, feeds))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_fact_says_where_the_ids_are_and_whether_they_agree() {
+        let ids =
+            |top: Option<Vec<i64>>, nested: Option<Vec<i64>>| ids_fact(&DraftIds { top, nested });
+        assert_eq!(ids(None, None), "none (engines use their defaults)");
+        assert_eq!(ids(Some(vec![1, 2]), None), "[1, 2] (top level)");
+        assert_eq!(ids(None, Some(vec![1, 2])), "[1, 2] (eagle_config)");
+        assert_eq!(
+            ids(Some(vec![1, 2]), Some(vec![1, 2])),
+            "[1, 2] (top level and eagle_config)"
+        );
+        assert_eq!(
+            ids(Some(vec![1, 2]), Some(vec![2, 3])),
+            "[1, 2] (top level), [2, 3] (eagle_config): they differ"
+        );
+    }
+}
