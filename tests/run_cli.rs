@@ -259,3 +259,22 @@ fn run_names_a_misshapen_draft_head_before_running_anything() {
         out.stdout
     );
 }
+
+/// `--generate N` adds the greedy continuation to the report; without it there is none.
+#[test]
+fn generate_adds_the_greedy_continuation_only_when_asked() {
+    let bundle = p(&fixture("bundles/tiny-llama"));
+    let with = eagle_check(["run", &bundle, "--generate", "3", "--format", "json"]);
+    assert_eq!(with.code, 0, "{}", with.stderr);
+    let text = with.json()["subject"]["greedy_continuation"].clone();
+    assert!(text.is_string(), "{}", with.stdout);
+    let without = eagle_check(["run", &bundle, "--format", "json"]);
+    assert_eq!(without.code, 0, "{}", without.stderr);
+    assert!(
+        without.json()["subject"]
+            .get("greedy_continuation")
+            .is_none(),
+        "{}",
+        without.stdout
+    );
+}
