@@ -278,3 +278,14 @@ fn generate_adds_the_greedy_continuation_only_when_asked() {
         without.stdout
     );
 }
+
+/// One token gives no pair to align the draft with: refused (exit 2); two are enough.
+#[test]
+fn run_needs_two_tokens_and_two_are_enough() {
+    let bundle = p(&fixture("bundles/tiny-llama"));
+    let one = eagle_check(["run", &bundle, "--tokens", "5"]);
+    assert_eq!(one.code, 2, "{}", one.stderr);
+    assert!(one.stderr.contains("at least 2 tokens"), "{}", one.stderr);
+    let two = eagle_check(["run", &bundle, "--tokens", "5,6"]);
+    assert_eq!(two.code, 0, "{}\n{}", two.stdout, two.stderr);
+}
