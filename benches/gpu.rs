@@ -6,6 +6,7 @@
 //!
 //!     gpu MODEL_DIR HF_STATES.safetensors T,T,... REPS
 //!     gpu moe-gemm T,T,... REPS        (the MoE expert GEMMs alone; see `moe_gemm`)
+//!     gpu score REPS                   (the diff's scoring kernels alone; see `score`)
 //!
 //! With `EAGLE_CHECK_PHASES=1` each length also gets one forward timed phase by phase
 //! (`eagle_check::model::phases`), reported under "phases".
@@ -214,8 +215,96 @@ mod gpu {
         }
     }
 
+    /// `gpu score REPS`: the diff engine's scoring kernels (kernels/score.cu) alone, both
+    /// partial-sums variants, on the candidate lists `diff` builds for an L-layer target (L + 1
+    /// boundaries and the pre-norm state at shifts 0, +1, -1, and L no-residual states at 0: 2L + 2
+    /// states, 4L + 6 candidates) against k = 3 captured slots, f32. The floor is every input
+    /// byte read once (the slots and the states) over 4.3 TB/s; `hbm_fraction` is that floor over
+    /// the kernel's time (the finish pass included), timed over 20 back-to-back launches.
+    fn score(reps: usize) {
+        use eagle_check::kernels::cuda::{self, ScoreArgs, score_workspace_len, tensor_ptr};
+        use eagle_check::kernels::score::ScoreKernel;
+        let dev = candle_core::CudaDevice::new(0).unwrap();
+        let device = Device::Cuda(dev.clone());
+        let k = 3usize;
+        for (t, h, l) in [
+            (512usize, 1024usize, 3usize),
+            (512, 4096, 32),
+            (2048, 4096, 32),
+        ] {
+            let n_states = 2 * l + 2;
+            let mut cands: Vec<(i32, i32)> = Vec::new();
+            for q in 0..(l + 2) as i32 {
+                cands.extend([(q, 0), (q, 1), (q, -1)]);
+            }
+            cands.extend(((l + 2) as i32..n_states as i32).map(|q| (q, 0)));
+            let n = cands.len();
+            let x = Tensor::randn(0f32, 1.0, (t, k * h), &device).unwrap();
+            let refs = Tensor::randn(0f32, 1.0, (n_states, t, h), &device).unwrap();
+            let states: Vec<i32> = cands.iter().map(|c| c.0).collect();
+            let shifts: Vec<i32> = cands.iter().map(|c| c.1).collect();
+            let states = Tensor::new(states.as_slice(), &device).unwrap();
+            let shifts = Tensor::new(shifts.as_slice(), &device).unwrap();
+            let ws = Tensor::zeros(score_workspace_len(t, k, n), DType::F64, &device).unwrap();
+            let out = Tensor::zeros(k * n * 3, DType::F64, &device).unwrap();
+            let rows_out = Tensor::zeros(k * n, DType::U32, &device).unwrap();
+            let args = ScoreArgs {
+                x: tensor_ptr(&x).unwrap(),
+                x_stride: k * h,
+                rows: t,
+                cols: h,
+                slots: k,
+                refs: tensor_ptr(&refs).unwrap(),
+                n_states,
+                ref_rows: t,
+                ref_stride: h,
+                cand_state: tensor_ptr(&states).unwrap(),
+                cand_shift: tensor_ptr(&shifts).unwrap(),
+                n_cand: n,
+                workspace: tensor_ptr(&ws).unwrap(),
+                out: tensor_ptr(&out).unwrap(),
+                rows_out: tensor_ptr(&rows_out).unwrap(),
+            };
+            let bytes = ((t * k * h) + n_states * t * h) as f64 * 4.0;
+            let floor_ms = bytes / COPY_BYTES_PER_S * 1e3;
+            let mut line = serde_json::json!({
+                "score": "kernels/score.cu", "T": t, "H": h, "layers": l, "slots": k,
+                "states": n_states, "candidates": n, "input_gb": bytes / 1e9, "floor_ms": floor_ms,
+            });
+            for (name, kernel) in [
+                ("per_slot", ScoreKernel::PerSlot),
+                ("vec4", ScoreKernel::Vec4),
+            ] {
+                let ran = cuda::score_with(&dev, &args, kernel).unwrap();
+                assert_eq!(ran, kernel, "{name}: another kernel ran");
+                let launches = 20;
+                let time = || {
+                    device.synchronize().unwrap();
+                    let s = Instant::now();
+                    for _ in 0..launches {
+                        cuda::score_with(&dev, &args, kernel).unwrap();
+                    }
+                    device.synchronize().unwrap();
+                    s.elapsed().as_secs_f64() * 1e3 / launches as f64
+                };
+                time();
+                let mut ms: Vec<f64> = (0..reps).map(|_| time()).collect();
+                ms.sort_by(f64::total_cmp);
+                let m = ms[ms.len() / 2];
+                line[format!("{name}_ms")] = serde_json::json!(m);
+                line[format!("{name}_hbm_fraction")] = serde_json::json!(floor_ms / m);
+                line[format!("{name}_tb_s")] = serde_json::json!(bytes / m / 1e9);
+            }
+            println!("{line}");
+        }
+    }
+
     pub fn main() {
         let args: Vec<String> = std::env::args().collect();
+        if args.get(1).map(String::as_str) == Some("score") && args.len() >= 3 {
+            score(args[2].parse().unwrap());
+            return;
+        }
         if args.get(1).map(String::as_str) == Some("moe-gemm") && args.len() >= 4 {
             let ts: Vec<usize> = args[2].split(',').map(|t| t.parse().unwrap()).collect();
             moe_gemm(&ts, args[3].parse().unwrap());

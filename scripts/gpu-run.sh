@@ -5,7 +5,7 @@
 # $OUT (default: a temp dir) and printing a summary last.
 #   CUDA_LIB: the CUDA 13 runtime libraries (libcublas, libcudart, ...), default /usr/local/cuda/lib64
 #   STEPS: which steps to run (default: kernels gpu throughput bench; also bench-deepseek,
-#     moe-gemm, stream, diff); EAGLE_CHECK_PHASES=1 adds a phase-by-phase forward to each bench length
+#     moe-gemm, score, stream, diff); EAGLE_CHECK_PHASES=1 adds a phase-by-phase forward to each bench length
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-${TMPDIR:-/tmp}/eagle-check-gpu}
@@ -32,6 +32,7 @@ for s in ${STEPS:-kernels gpu throughput bench}; do
     bench) step bench bash benches/gpu/run.sh "$out/bench" ;;
     bench-deepseek) step bench-deepseek env SHAPE=deepseek-v3-3l TOKENS=${DS_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-deepseek" ;;
     stream) step stream bash benches/gpu/stream.sh "$out/stream" ;;
+    score) step score bins/gpu-bench score ${REPS:-5} ;;
     moe-gemm) step moe-gemm bins/gpu-bench moe-gemm ${MOE_TOKENS:-128,512,2048} ${REPS:-5} ;;
     diff) step diff env EAGLE_CHECK_BENCH_DEVICES=cpu,cuda EAGLE_CHECK_BENCH_SAMPLES=${DIFF_SAMPLES:-200} EAGLE_CHECK_BENCH_DIR="${TMPDIR:-/tmp}/eagle-check-diff-bench" bins/diff-bench ;;
     esac

@@ -107,6 +107,34 @@ pub fn score_slots(
     refs: &Tensor,
     candidates: &[(usize, isize)],
 ) -> Result<Vec<PairSums>> {
+    score_slots_with(x, slots, cols, refs, candidates, SCORE_KERNEL)
+}
+
+/// Which partial-sums kernel of kernels/score.cu runs on a CUDA device (the same sums, added
+/// in another order: they agree to f32 rounding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScoreKernel {
+    /// `score_partials`: one block per (chunk, slot, four candidates).
+    PerSlot,
+    /// `score_partials_vec`: one block per (four candidates, chunk, four slots), float4 reads,
+    /// each reference value read once for every slot of the block; rows whose columns, stride
+    /// or base are not 16-byte multiples take `PerSlot` instead.
+    Vec4,
+}
+
+/// The kernel [`score_slots`] launches.
+pub const SCORE_KERNEL: ScoreKernel = ScoreKernel::Vec4;
+
+/// [`score_slots`] with the GPU's partial-sums kernel chosen (the bench and the device test
+/// run both); the CPU ignores `kernel`.
+pub fn score_slots_with(
+    x: &Tensor,
+    slots: usize,
+    cols: usize,
+    refs: &Tensor,
+    candidates: &[(usize, isize)],
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] kernel: ScoreKernel,
+) -> Result<Vec<PairSums>> {
     if x.dtype() != DType::F32 || refs.dtype() != DType::F32 {
         candle_core::bail!("score_slots: x and refs must be f32");
     }
@@ -145,7 +173,7 @@ pub fn score_slots(
             Ok(score_slots_cpu(&xv, &rv, &shape, candidates))
         }
         #[cfg(feature = "cuda")]
-        Device::Cuda(dev) => score_on_gpu(dev, x, &refs, &shape, candidates),
+        Device::Cuda(dev) => Ok(score_on_gpu(dev, x, &refs, &shape, candidates, kernel)?.0),
         other => candle_core::bail!("score_slots: no kernel for {:?}", other.location()),
     }
 }
@@ -157,11 +185,12 @@ fn score_on_gpu(
     refs: &Tensor,
     s: &ScoreShape,
     candidates: &[(usize, isize)],
-) -> Result<Vec<PairSums>> {
+    kernel: ScoreKernel,
+) -> Result<(Vec<PairSums>, ScoreKernel)> {
     use super::cuda;
     let n = candidates.len();
     if n == 0 || s.slots == 0 {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), kernel));
     }
     let gpu = Device::Cuda(dev.clone());
     let states = candidates
@@ -183,7 +212,7 @@ fn score_on_gpu(
     )?;
     let out = cuda::alloc(dev, DType::F64, s.slots * n * 3)?;
     let rows_out = cuda::alloc(dev, DType::I32, s.slots * n)?;
-    cuda::score(
+    let ran = cuda::score_with(
         dev,
         &cuda::ScoreArgs {
             x: cuda::tensor_ptr(x)?,
@@ -202,10 +231,11 @@ fn score_on_gpu(
             out: cuda::storage_ptr(&out, 0)?,
             rows_out: cuda::storage_ptr(&rows_out, 0)?,
         },
+        kernel,
     )?;
     let sums = cuda::tensor(out, s.slots * n * 3).to_vec1::<f64>()?;
     let rows = cuda::tensor(rows_out, s.slots * n).to_vec1::<i32>()?;
-    Ok(sums
+    let sums = sums
         .chunks(3)
         .zip(rows)
         .map(|(v, r)| PairSums {
@@ -214,7 +244,8 @@ fn score_on_gpu(
             cc: v[2],
             rows: r.max(0) as usize,
         })
-        .collect())
+        .collect();
+    Ok((sums, ran))
 }
 
 #[cfg(test)]
@@ -389,24 +420,60 @@ mod tests {
         let Some(gpu) = crate::kernels::testing::cuda_device() else {
             return;
         };
-        // Tiny ragged, and a realistic diff: 3 slots of 4096 at T = 2048 against 33 states.
+        // Tiny ragged, five slots (two slot batches of the float4 kernel), candidates not a
+        // multiple of four, and a realistic diff: 3 slots of 4096 at T = 2048 against 33 states.
+        // Each in two layouts: column windows at odd strides (the float4 kernel cannot read
+        // them and hands over to the per-slot one) and contiguous rows of 16-byte multiples.
         for &(rows, cols, slots, ref_rows, n_states) in &[
-            (1, 1, 1, 1, 1),
+            (1, 4, 1, 1, 1),
             (37, 24, 3, 38, 5),
+            (70, 300, 5, 66, 3),
             (2048, 4096, 3, 2049, 33),
         ] {
             let (x, refs) = case(rows, cols, slots, ref_rows, n_states, 3);
-            let cands = candidates(n_states);
-            let xw = x.narrow(1, 2, slots * cols).unwrap();
-            let want = reference_of(&xw, slots, cols, &refs, &cands);
-            let xg = x
-                .to_device(&gpu)
+            let mut cands = candidates(n_states);
+            cands.pop();
+            let windows = (
+                x.narrow(1, 2, slots * cols).unwrap(),
+                refs.narrow(2, 1, cols).unwrap(),
+                false,
+            );
+            // Fresh buffers (a one-row window counts as contiguous and keeps its offset).
+            let fresh = |t: &Tensor| {
+                Tensor::from_vec(
+                    t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    t.shape(),
+                    &Device::Cpu,
+                )
                 .unwrap()
-                .narrow(1, 2, slots * cols)
-                .unwrap();
-            let got =
-                score_slots(&xg, slots, cols, &refs.to_device(&gpu).unwrap(), &cands).unwrap();
-            assert_sums_close(&got, &want);
+            };
+            let packed = (fresh(&windows.0), fresh(&windows.1), true);
+            for (xw, rw, aligned) in [windows, packed] {
+                let want = reference_of(&xw, slots, cols, &rw, &cands);
+                let xg = xw.to_device(&gpu).unwrap();
+                let rg = rw.to_device(&gpu).unwrap().contiguous().unwrap();
+                let Device::Cuda(dev) = &gpu else {
+                    unreachable!()
+                };
+                let shape = ScoreShape {
+                    rows,
+                    cols,
+                    slots,
+                    x_stride: crate::kernels::Matrix::of(xg.layout(), "x").unwrap().stride,
+                    n_states,
+                    ref_rows,
+                    ref_stride: rg.dim(2).unwrap(),
+                };
+                for kernel in [ScoreKernel::PerSlot, ScoreKernel::Vec4] {
+                    let (got, ran) = score_on_gpu(dev, &xg, &rg, &shape, &cands, kernel).unwrap();
+                    let expected = match kernel {
+                        ScoreKernel::Vec4 if !aligned => ScoreKernel::PerSlot,
+                        k => k,
+                    };
+                    assert_eq!(ran, expected, "rows {rows} slots {slots} aligned {aligned}");
+                    assert_sums_close(&got, &want);
+                }
+            }
         }
     }
 }
