@@ -275,14 +275,14 @@ mod gpu {
                 ("per_slot", ScoreKernel::PerSlot),
                 ("vec4", ScoreKernel::Vec4),
             ] {
-                let ran = cuda::score_with(&dev, &args, kernel).unwrap();
+                let ran = cuda::score(&dev, &args, kernel).unwrap();
                 assert_eq!(ran, kernel, "{name}: another kernel ran");
                 let launches = 20;
                 let time = || {
                     device.synchronize().unwrap();
                     let s = Instant::now();
                     for _ in 0..launches {
-                        cuda::score_with(&dev, &args, kernel).unwrap();
+                        cuda::score(&dev, &args, kernel).unwrap();
                     }
                     device.synchronize().unwrap();
                     s.elapsed().as_secs_f64() * 1e3 / launches as f64

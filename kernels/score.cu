@@ -9,7 +9,8 @@
 // columns c < cols, skipping non-finite x values (a non-finite reference value is kept: it
 // poisons the sums, as on the CPU).
 //
-// score_partials: grid (chunks, k, ceil(n_cand / 4)), 256 threads. Block (chunk, s, group)
+// score_partials: grid (chunks, k, ceil(n_cand / 4)), 256 threads (both kernels take the same
+//   arguments). Block (chunk, s, group)
 //   accumulates rows chunk*rows_per_chunk .. for slot s and four candidates, f32 per thread,
 //   then reduces the block in double in a fixed order into
 //   partials [k, n_cand, chunks, 3] (double).
@@ -32,12 +33,13 @@
 #define SCORE_GROUP 4
 
 extern "C" __global__ void score_partials(const float *x, long x_stride, int rows, int cols,
-                                          const float *refs, int n_states, int ref_rows,
+                                          int k, const float *refs, int n_states, int ref_rows,
                                           long ref_stride, const int *cand_state,
                                           const int *cand_shift, int n_cand, int rows_per_chunk,
                                           double *partials) {
     __shared__ double scratch[SCORE_THREADS / 32][3 * SCORE_GROUP];
     const int chunk = blockIdx.x, slot = blockIdx.y, j0 = blockIdx.z * SCORE_GROUP;
+    if (slot >= k) return; // uniform over the block
     const int chunks = gridDim.x;
     const float *ref_row0[SCORE_GROUP];
     int shift[SCORE_GROUP];

@@ -904,16 +904,12 @@ const SCORE_SLOTS: usize = 4;
 /// Threads per block of `score_partials_vec`.
 const SCORE_VEC_THREADS: u32 = 128;
 
-pub use super::score::ScoreKernel;
-
-pub fn score(dev: &CudaDevice, a: &ScoreArgs) -> Result<ScoreKernel> {
-    score_with(dev, a, super::score::SCORE_KERNEL)
-}
+use super::score::ScoreKernel;
 
 /// Launches the scoring with `kernel`, or with `score_partials` where `Vec4` cannot read the
 /// rows as float4s (a column count, stride or base not a multiple of 16 bytes). Returns the
 /// kernel that ran.
-pub fn score_with(dev: &CudaDevice, a: &ScoreArgs, kernel: ScoreKernel) -> Result<ScoreKernel> {
+pub fn score(dev: &CudaDevice, a: &ScoreArgs, kernel: ScoreKernel) -> Result<ScoreKernel> {
     if a.slots == 0 || a.n_cand == 0 {
         return Ok(kernel);
     }
@@ -927,83 +923,52 @@ pub fn score_with(dev: &CudaDevice, a: &ScoreArgs, kernel: ScoreKernel) -> Resul
         k => k,
     };
     let chunks = a.rows.div_ceil(SCORE_ROWS_PER_CHUNK).max(1);
+    let groups = a.n_cand.div_ceil(SCORE_GROUP);
+    let (name, grid, threads) = match kernel {
+        ScoreKernel::PerSlot => (
+            "score_partials",
+            (
+                grid_dim(chunks, "score_partials")?,
+                grid_dim_yz(a.slots, "score_partials slots")?,
+                grid_dim_yz(groups, "score_partials candidates")?,
+            ),
+            256,
+        ),
+        ScoreKernel::Vec4 => (
+            "score_partials_vec",
+            (
+                grid_dim(groups, "score_partials_vec candidates")?,
+                grid_dim_yz(chunks, "score_partials_vec chunks")?,
+                grid_dim_yz(a.slots.div_ceil(SCORE_SLOTS), "score_partials_vec slots")?,
+            ),
+            SCORE_VEC_THREADS,
+        ),
+    };
+    let partials = function(dev, Module::Score, name)?;
     let n_cand = to_i32(a.n_cand, "candidates")?;
     let (rows, ref_rows) = (to_i32(a.rows, "rows")?, to_i32(a.ref_rows, "ref rows")?);
-    let (x_stride, cols) = (to_i64(a.x_stride, "x stride")?, to_i32(a.cols, "cols")?);
-    let (n_states, ref_stride) = (
-        to_i32(a.n_states, "states")?,
-        to_i64(a.ref_stride, "ref stride")?,
+    launch!(
+        dev,
+        partials,
+        name,
+        cfg(grid, threads, 0)?,
+        [
+            a.x,
+            to_i64(a.x_stride, "x stride")?,
+            rows,
+            to_i32(a.cols, "cols")?,
+            to_i32(a.slots, "slots")?,
+            a.refs,
+            to_i32(a.n_states, "states")?,
+            ref_rows,
+            to_i64(a.ref_stride, "ref stride")?,
+            a.cand_state,
+            a.cand_shift,
+            n_cand,
+            SCORE_ROWS_PER_CHUNK as i32,
+            a.workspace,
+        ]
     );
-    let groups = a.n_cand.div_ceil(SCORE_GROUP);
-    match kernel {
-        ScoreKernel::PerSlot => {
-            let partials = function(dev, Module::Score, "score_partials")?;
-            let config = cfg(
-                (
-                    grid_dim(chunks, "score_partials")?,
-                    grid_dim_yz(a.slots, "score_partials slots")?,
-                    grid_dim_yz(groups, "score_partials candidates")?,
-                ),
-                256,
-                0,
-            )?;
-            launch!(
-                dev,
-                partials,
-                "score_partials",
-                config,
-                [
-                    a.x,
-                    x_stride,
-                    rows,
-                    cols,
-                    a.refs,
-                    n_states,
-                    ref_rows,
-                    ref_stride,
-                    a.cand_state,
-                    a.cand_shift,
-                    n_cand,
-                    SCORE_ROWS_PER_CHUNK as i32,
-                    a.workspace,
-                ]
-            );
-        }
-        ScoreKernel::Vec4 => {
-            let partials = function(dev, Module::Score, "score_partials_vec")?;
-            let config = cfg(
-                (
-                    grid_dim(groups, "score_partials_vec candidates")?,
-                    grid_dim_yz(chunks, "score_partials_vec chunks")?,
-                    grid_dim_yz(a.slots.div_ceil(SCORE_SLOTS), "score_partials_vec slots")?,
-                ),
-                SCORE_VEC_THREADS,
-                0,
-            )?;
-            launch!(
-                dev,
-                partials,
-                "score_partials_vec",
-                config,
-                [
-                    a.x,
-                    x_stride,
-                    rows,
-                    cols,
-                    to_i32(a.slots, "slots")?,
-                    a.refs,
-                    n_states,
-                    ref_rows,
-                    ref_stride,
-                    a.cand_state,
-                    a.cand_shift,
-                    n_cand,
-                    SCORE_ROWS_PER_CHUNK as i32,
-                    a.workspace,
-                ]
-            );
-        }
-    }
     let finish = function(dev, Module::Score, "score_finish")?;
     let pairs = a.slots * a.n_cand;
     let config = cfg(

@@ -94,22 +94,6 @@ pub fn score_slots_cpu(
     pair_sums(&xs, &states, candidates)
 }
 
-/// Scores `slots` slots of `cols` columns of `x`: `[rows, >= slots * cols]` f32 (any row
-/// stride) against `refs`: `[n_states, ref_rows, >= cols]` f32 for every candidate
-/// `(state, shift)`. Returns the sums slot-major (`[slots, candidates]`), on the host.
-///
-/// On the GPU each thread sums in f32 before a double reduction (the CPU sums each row in f64),
-/// so the sums agree to about 1e-6 relative, not bit for bit.
-pub fn score_slots(
-    x: &Tensor,
-    slots: usize,
-    cols: usize,
-    refs: &Tensor,
-    candidates: &[(usize, isize)],
-) -> Result<Vec<PairSums>> {
-    score_slots_with(x, slots, cols, refs, candidates, SCORE_KERNEL)
-}
-
 /// Which partial-sums kernel of kernels/score.cu runs on a CUDA device (the same sums, added
 /// in another order: they agree to f32 rounding).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,15 +109,18 @@ pub enum ScoreKernel {
 /// The kernel [`score_slots`] launches.
 pub const SCORE_KERNEL: ScoreKernel = ScoreKernel::Vec4;
 
-/// [`score_slots`] with the GPU's partial-sums kernel chosen (the bench and the device test
-/// run both); the CPU ignores `kernel`.
-pub fn score_slots_with(
+/// Scores `slots` slots of `cols` columns of `x`: `[rows, >= slots * cols]` f32 (any row
+/// stride) against `refs`: `[n_states, ref_rows, >= cols]` f32 for every candidate
+/// `(state, shift)`. Returns the sums slot-major (`[slots, candidates]`), on the host.
+///
+/// On the GPU each thread sums in f32 before a double reduction (the CPU sums each row in f64),
+/// so the sums agree to about 1e-6 relative, not bit for bit.
+pub fn score_slots(
     x: &Tensor,
     slots: usize,
     cols: usize,
     refs: &Tensor,
     candidates: &[(usize, isize)],
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] kernel: ScoreKernel,
 ) -> Result<Vec<PairSums>> {
     if x.dtype() != DType::F32 || refs.dtype() != DType::F32 {
         candle_core::bail!("score_slots: x and refs must be f32");
@@ -173,7 +160,7 @@ pub fn score_slots_with(
             Ok(score_slots_cpu(&xv, &rv, &shape, candidates))
         }
         #[cfg(feature = "cuda")]
-        Device::Cuda(dev) => Ok(score_on_gpu(dev, x, &refs, &shape, candidates, kernel)?.0),
+        Device::Cuda(dev) => Ok(score_on_gpu(dev, x, &refs, &shape, candidates, SCORE_KERNEL)?.0),
         other => candle_core::bail!("score_slots: no kernel for {:?}", other.location()),
     }
 }
@@ -212,7 +199,7 @@ fn score_on_gpu(
     )?;
     let out = cuda::alloc(dev, DType::F64, s.slots * n * 3)?;
     let rows_out = cuda::alloc(dev, DType::I32, s.slots * n)?;
-    let ran = cuda::score_with(
+    let ran = cuda::score(
         dev,
         &cuda::ScoreArgs {
             x: cuda::tensor_ptr(x)?,
