@@ -146,7 +146,7 @@ fn main() {
     for name in devices.split(',').map(str::trim).filter(|n| !n.is_empty()) {
         let (device, dtype) = match name {
             "cpu" => (Device::Cpu, DType::F32),
-            "cuda" => (Device::new_cuda(0).unwrap(), DType::BF16),
+            "cuda" => (cuda_device(), DType::BF16),
             other => panic!("EAGLE_CHECK_BENCH_DEVICES: unknown device {other:?} (cpu, cuda)"),
         };
         bench_on(&spec, &captures, &target, samples, name, &device, dtype);
@@ -214,4 +214,15 @@ fn bench_on(
         "  scoring / forward:   {:>8.3}",
         stats.scoring_seconds / stats.reference_seconds
     );
+}
+
+/// The GPU as `eagle-check` opens it (one stream, freed memory kept in the pool).
+#[cfg(feature = "cuda")]
+fn cuda_device() -> Device {
+    Device::Cuda(eagle_check::kernels::cuda::open_device(0).unwrap())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device() -> Device {
+    Device::new_cuda(0).unwrap()
 }

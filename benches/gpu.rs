@@ -28,9 +28,9 @@ fn main() {
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use candle_core::backend::BackendDevice;
     use candle_core::{DType, Device, Tensor};
     use eagle_check::compare::closeness;
+    use eagle_check::kernels::cuda;
     use eagle_check::model::{CaptureRequest, Progress, open_target, phases};
     use std::path::Path;
     use std::time::Instant;
@@ -141,7 +141,7 @@ mod gpu {
         use eagle_check::kernels::KernelDType;
         use eagle_check::kernels::cuda::tensor_ptr;
         use eagle_check::kernels::gemm::{GroupedGemmArgs, grouped_gemm_raw, per_group_gemm_raw};
-        let dev = candle_core::CudaDevice::new(0).unwrap();
+        let dev = cuda::open_device(0).unwrap();
         let device = Device::Cuda(dev.clone());
         let (e, k_per_tok, h, inter) = (256usize, 8usize, 7168usize, 2048usize);
         let randn = |shape: &[usize]| {
@@ -224,7 +224,7 @@ mod gpu {
     fn score(reps: usize) {
         use eagle_check::kernels::cuda::{self, ScoreArgs, score_workspace_len, tensor_ptr};
         use eagle_check::kernels::score::ScoreKernel;
-        let dev = candle_core::CudaDevice::new(0).unwrap();
+        let dev = cuda::open_device(0).unwrap();
         let device = Device::Cuda(dev.clone());
         let k = 3usize;
         for (t, h, l) in [
@@ -323,10 +323,8 @@ mod gpu {
                 .collect::<Vec<_>>(),
             args[4].parse::<usize>().unwrap(),
         );
-        let dev = candle_core::CudaDevice::new(0).unwrap();
-        // SAFETY: one stream for every tensor of this process.
-        unsafe { dev.disable_event_tracking() };
-        let device = Device::Cuda(dev);
+        let dev = cuda::open_device(0).unwrap();
+        let device = Device::Cuda(dev.clone());
         let start = Instant::now();
         let target = open_target(dir, DType::BF16, &device).unwrap();
         device.synchronize().unwrap();
@@ -355,17 +353,28 @@ mod gpu {
             for _ in 0..2 {
                 run();
             }
-            let mut ms: Vec<f64> = (0..reps)
-                .map(|_| {
-                    device.synchronize().unwrap();
-                    let s = Instant::now();
-                    let c = run();
-                    let e = s.elapsed().as_secs_f64() * 1e3;
-                    drop(c);
-                    e
-                })
-                .collect();
-            ms.sort_by(f64::total_cmp);
+            let timed = || {
+                let mut ms: Vec<f64> = (0..reps)
+                    .map(|_| {
+                        device.synchronize().unwrap();
+                        let s = Instant::now();
+                        let c = run();
+                        let e = s.elapsed().as_secs_f64() * 1e3;
+                        drop(c);
+                        e
+                    })
+                    .collect();
+                ms.sort_by(f64::total_cmp);
+                ms
+            };
+            // The same forwards with the memory pool handing freed memory back to the driver at
+            // every synchronisation (the driver's default; see `cuda::keep_freed_memory`).
+            cuda::keep_freed_memory(&dev, false).unwrap();
+            run();
+            let ms_released = timed();
+            cuda::keep_freed_memory(&dev, true).unwrap();
+            run();
+            let ms = timed();
             let median = ms[ms.len() / 2];
             let cap = run();
             let mut worst = 0f64;
@@ -412,6 +421,7 @@ mod gpu {
                 "T": t,
                 "ms": median,
                 "all_ms": ms,
+                "ms_pool_released": ms_released[ms_released.len() / 2],
                 "floor_ms": floor_ms,
                 "ratio_to_floor": median / floor_ms,
                 "normwise_err": errors,

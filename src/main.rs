@@ -418,13 +418,7 @@ fn gpu_present() -> bool {
 
 #[cfg(feature = "cuda")]
 fn cuda_device() -> Result<Device> {
-    use candle_core::backend::BackendDevice;
-    let dev = candle_core::CudaDevice::new(0)?;
-    // eagle-check uses the device's one stream, so tensors need no cross-stream events; each
-    // event costs a driver call per access.
-    // SAFETY: every tensor of this process lives and is used on this one stream.
-    unsafe { dev.disable_event_tracking() };
-    Ok(Device::Cuda(dev))
+    Ok(Device::Cuda(eagle_check::kernels::cuda::open_device(0)?))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -1043,6 +1043,44 @@ pub fn fp8_dequant(dev: &CudaDevice, dtype: KernelDType, a: &Fp8Args) -> Result<
     Ok(())
 }
 
+/// Device `ordinal` as the runner uses it: one stream, so no cross-stream events (each costs a
+/// driver call per tensor access), and freed memory kept for reuse ([`keep_freed_memory`]).
+pub fn open_device(ordinal: usize) -> Result<CudaDevice> {
+    use candle_core::backend::BackendDevice;
+    let dev = CudaDevice::new(ordinal)?;
+    // SAFETY: every tensor of a runner lives and is used on this device's one stream.
+    unsafe { dev.disable_event_tracking() };
+    keep_freed_memory(&dev, true)?;
+    Ok(dev)
+}
+
+/// Whether the device's stream-ordered memory pool keeps the memory freed into it.
+///
+/// candle allocates with `cuMemAllocAsync` from the device's default pool, whose release
+/// threshold is 0: at every synchronisation the pool hands its unused memory back to the
+/// driver and the next allocations map it again. A capture synchronises between forwards (and
+/// a MoE layer once, to read its expert counts), so each stretch after one maps its buffers
+/// afresh; PyTorch's caching allocator keeps such memory. `keep` sets the threshold to its
+/// maximum (the pool keeps what it reserved: at most the most memory ever in use at once, and
+/// reuses it) or back to the driver's 0. Device memory sampled as `total - free` then reads
+/// that reservation, which is at least the memory in use.
+pub fn keep_freed_memory(dev: &CudaDevice, keep: bool) -> Result<()> {
+    use cudarc::driver::{result, sys};
+    let cu_device = dev.cuda_stream().context().cu_device();
+    let mut threshold: u64 = if keep { u64::MAX } else { 0 };
+    // SAFETY: `cu_device` belongs to a live context; the release threshold is a u64 attribute.
+    unsafe {
+        let pool =
+            result::device::get_default_mem_pool(cu_device).map_err(candle_core::Error::wrap)?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .map_err(candle_core::Error::wrap)
+    }
+}
+
 /// True when a CUDA driver and at least one device are present (asking candle for a device
 /// without a driver panics, so callers check first).
 pub fn device_available() -> bool {
