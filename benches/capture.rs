@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device};
 use eagle_check::model::gguf::open_gguf;
-use eagle_check::model::{CaptureRequest, Progress, load_target};
+use eagle_check::model::{CaptureRequest, Progress, load_target, phases};
 use eagle_check::tokenize::Tokenizer;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -116,13 +116,28 @@ fn main() {
         cfg.num_layers + 1
     );
     println!(
-        "  eagle-check (candle): {:>8.1} ms ({:.1}) {:>6.0} tokens/s ({:.0})   load + dequantise {:.2} s",
+        "  eagle-check (f32 CPU): {:>8.1} ms ({:.1}) {:>6.0} tokens/s ({:.0})   load + dequantise {:.2} s",
         ours_s * 1e3,
         ours_min * 1e3,
         T as f64 / ours_s,
         T as f64 / ours_min,
         load.as_secs_f64()
     );
+    if std::env::var_os("EAGLE_CHECK_PHASES").is_some() {
+        // One more forward, phase by phase: where the time goes, apart from the timed runs.
+        phases::set_enabled(true);
+        run();
+        let totals = phases::take();
+        phases::set_enabled(false);
+        let all: f64 = totals.iter().map(|p| p.1).sum();
+        println!("  phases of one more forward ({all:.1} ms in all):");
+        for (name, ms, n) in totals {
+            println!(
+                "    {name:<24} {ms:>8.1} ms  {:>5.1}%  ({n} marks)",
+                100.0 * ms / all
+            );
+        }
+    }
     match hf_peer(&root, &gguf, &ids_file, threads) {
         Ok((hf_s, hf_min)) => {
             println!(

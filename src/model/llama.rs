@@ -5,9 +5,10 @@
 use crate::config::ModelConfig;
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams};
+use crate::model::cpu::{self, Held};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
-use crate::model::{ComputePath, Decoder, LayerStep};
+use crate::model::{ComputePath, Decoder, LayerStep, phases};
 use crate::naming;
 use candle_core::{DType, Device, Tensor};
 
@@ -22,10 +23,14 @@ pub(crate) struct Attention {
     kv_heads: usize,
     head_dim: usize,
     window: Option<usize>,
+    /// `q|k|v` as one `[(heads + 2 kv_heads) * head_dim, H]` projection, for the CPU forward
+    /// ([`cpu`]); `q`, `k` and `v` are then views of its rows.
+    qkv: Option<Linear>,
 }
 
 impl Attention {
-    fn load(cfg: &ModelConfig, vb: &Vb) -> Result<Attention> {
+    /// With `fuse`, q, k and v are loaded into one projection ([`Attention::qkv`]).
+    fn load(cfg: &ModelConfig, vb: &Vb, fuse: bool) -> Result<Attention> {
         let (h, nh, nkv, hd) = (
             cfg.hidden_size,
             cfg.num_heads,
@@ -41,10 +46,27 @@ impl Attention {
         } else {
             (None, None)
         };
+        let q = Linear::load(&vb.pp("q_proj"), nh * hd, h, bias)?;
+        let k = Linear::load(&vb.pp("k_proj"), nkv * hd, h, bias)?;
+        let v = Linear::load(&vb.pp("v_proj"), nkv * hd, h, bias)?;
+        let (q, k, v, qkv) = if fuse {
+            let fused = || -> candle_core::Result<_> {
+                let qkv = Linear::concat(&[&q, &k, &v])?;
+                Ok((
+                    qkv.rows(0, nh * hd)?,
+                    qkv.rows(nh * hd, nkv * hd)?,
+                    qkv.rows((nh + nkv) * hd, nkv * hd)?,
+                    Some(qkv),
+                ))
+            };
+            fused().ctx(|| vb.path("q|k|v"))?
+        } else {
+            (q, k, v, None)
+        };
         Ok(Attention {
-            q: Linear::load(&vb.pp("q_proj"), nh * hd, h, bias)?,
-            k: Linear::load(&vb.pp("k_proj"), nkv * hd, h, bias)?,
-            v: Linear::load(&vb.pp("v_proj"), nkv * hd, h, bias)?,
+            q,
+            k,
+            v,
             o: Linear::load(&vb.pp("o_proj"), h, nh * hd, cfg.o_bias)?,
             q_norm,
             k_norm,
@@ -52,6 +74,7 @@ impl Attention {
             kv_heads: nkv,
             head_dim: hd,
             window: cfg.sliding_window,
+            qkv,
         })
     }
 
@@ -113,20 +136,111 @@ pub(crate) struct Layer {
     pub(crate) attn: Attention,
     pub(crate) post_norm: RmsNorm,
     pub(crate) mlp: Mlp,
+    /// `gate|up` as one `[2 * inter, H]` projection, for the CPU forward ([`cpu`]); the MLP's
+    /// `gate` and `up` are then views of its rows.
+    gate_up: Option<Linear>,
 }
 
 impl Layer {
-    /// Decoder layer `i` under the decoder prefix `m`.
-    pub(crate) fn load(cfg: &ModelConfig, m: &Vb, i: usize) -> Result<Layer> {
-        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+    /// Decoder layer `i` under the decoder prefix `m`; with `fuse`, laid out for the CPU
+    /// forward (`q|k|v` and `gate|up` each one projection).
+    pub(crate) fn load(cfg: &ModelConfig, m: &Vb, i: usize, fuse: bool) -> Result<Layer> {
+        let (h, eps, inter) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.intermediate_size);
         let l = m.pp(format!("layers.{i}"));
+        let mut mlp = Mlp::load_biased(&l.pp("mlp"), h, inter, cfg.mlp_bias)?;
+        let gate_up = if fuse {
+            let fused = || -> candle_core::Result<(Linear, Linear, Linear)> {
+                let gate_up = Linear::concat(&[&mlp.gate, &mlp.up])?;
+                Ok((
+                    gate_up.rows(0, inter)?,
+                    gate_up.rows(inter, inter)?,
+                    gate_up,
+                ))
+            };
+            let (gate, up, gate_up) = fused().ctx(|| l.path("mlp.gate|up"))?;
+            (mlp.gate, mlp.up) = (gate, up);
+            Some(gate_up)
+        } else {
+            None
+        };
         Ok(Layer {
             input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
-            attn: Attention::load(cfg, &l.pp("self_attn"))?,
+            attn: Attention::load(cfg, &l.pp("self_attn"), fuse)?,
             post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
-            mlp: Mlp::load_biased(&l.pp("mlp"), h, cfg.intermediate_size, cfg.mlp_bias)?,
+            mlp,
+            gate_up,
         })
     }
+
+    /// The CPU forward of this layer ([`cpu`]): `xs` [T, H] in f32, `qkv` and `gate_up` the
+    /// fused projections. The same computation as the candle path, op for op.
+    fn forward_cpu(
+        &self,
+        xs: &Tensor,
+        rope: &RopeTables,
+        qkv: &Linear,
+        gate_up: &Linear,
+    ) -> candle_core::Result<LayerStep> {
+        let (t, h) = xs.dims2()?;
+        let dev = xs.device();
+        let mark = |phase| phases::mark(phase, dev);
+        let a = &self.attn;
+        let hs = cpu::Heads {
+            heads: a.heads,
+            kv_heads: a.kv_heads,
+            head_dim: a.head_dim,
+        };
+        let x_held = Held::of(xs)?;
+        let x = x_held.f32s()?;
+        let normed = cpu::rms_norm(
+            x,
+            Held::of(&self.input_norm.weight)?.f32s()?,
+            eps_of(&self.input_norm),
+        );
+        mark("input norm");
+        let mut qkv_out = cpu::project(&normed, t, qkv)?;
+        mark("q|k|v");
+        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+            let (qw, kw) = (Held::of(&qn.weight)?, Held::of(&kn.weight)?);
+            cpu::qk_norm_in_place(&mut qkv_out, hs, qw.f32s()?, kw.f32s()?, eps_of(qn));
+        }
+        let half = a.head_dim / 2;
+        let (cos, sin) = (Held::of(&rope.cos32)?, Held::of(&rope.sin32)?);
+        let (cos, sin) = (cos.f32s()?, sin.f32s()?);
+        if cos.len() < t * half || sin.len() < t * half {
+            candle_core::bail!(
+                "rope tables for {} positions, {t} tokens",
+                cos.len() / half.max(1)
+            );
+        }
+        cpu::rope_in_place(&mut qkv_out, hs, &cos[..t * half], &sin[..t * half]);
+        mark("qk norm + rope");
+        let scale = (1.0 / (a.head_dim as f64).sqrt()) as f32;
+        let attn = cpu::attention(&qkv_out, t, hs, scale, a.window)?;
+        mark("attention");
+        let o = cpu::project(&attn, t, &a.o)?;
+        mark("o_proj");
+        let post = Held::of(&self.post_norm.weight)?;
+        let (resid, normed) = cpu::add_rms_norm(x, &o, post.f32s()?, eps_of(&self.post_norm));
+        mark("residual + post norm");
+        let gu = cpu::project(&normed, t, gate_up)?;
+        mark("gate|up");
+        let act = cpu::silu_mul(&gu, gu.len() / t.max(1) / 2);
+        mark("silu * up");
+        let m = cpu::project(&act, t, &self.mlp.down)?;
+        mark("down");
+        let next = cpu::add(&resid, &m);
+        Ok(LayerStep {
+            next: Tensor::from_vec(next, (t, h), dev)?,
+            ffn_out: Tensor::from_vec(m, (t, h), dev)?,
+            extras: Vec::new(),
+        })
+    }
+}
+
+/// A norm's epsilon as the f32 the kernels' references add.
+fn eps_of(norm: &RmsNorm) -> f32 {
+    norm.eps as f32
 }
 
 /// The Llama-family decoder: what every layer shares ([`Decoder`]).
@@ -143,6 +257,12 @@ impl LlamaDecoder {
             dtype,
             path,
         }
+    }
+
+    /// Whether layers on `device` run the CPU forward ([`cpu`]): the candle path in f32 on
+    /// the CPU.
+    fn runs_cpu_forward(&self, device: &Device) -> bool {
+        self.path == ComputePath::Candle && self.dtype == DType::F32 && device.is_cpu()
     }
 }
 
@@ -192,15 +312,17 @@ impl Decoder for LlamaDecoder {
     }
 
     fn load_layer(&self, m: &Vb, i: usize) -> Result<Layer> {
-        Layer::load(&self.cfg, m, i)
+        Layer::load(&self.cfg, m, i, self.runs_cpu_forward(&m.device))
     }
 
     fn context(&self, t: usize, device: &Device) -> Result<Self::Ctx> {
         let rope = RopeTables::new(&self.cfg.rope, self.cfg.head_dim, t, self.dtype, device)?;
         let mask = match self.path {
-            ComputePath::Candle => causal_mask(t, self.cfg.sliding_window, self.dtype, device)?,
-            // Flash attention masks by position; no [T, T] matrix.
-            ComputePath::Kernels | ComputePath::Fused => {
+            ComputePath::Candle if !self.runs_cpu_forward(device) => {
+                causal_mask(t, self.cfg.sliding_window, self.dtype, device)?
+            }
+            // Flash attention and the CPU forward mask by position; no [T, T] matrix.
+            ComputePath::Candle | ComputePath::Kernels | ComputePath::Fused => {
                 Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?
             }
         };
@@ -215,6 +337,9 @@ impl Decoder for LlamaDecoder {
         (rope, mask): &Self::Ctx,
     ) -> Result<LayerStep> {
         let step = || -> candle_core::Result<LayerStep> {
+            if let (Some(qkv), Some(gate_up)) = (&layer.attn.qkv, &layer.gate_up) {
+                return layer.forward_cpu(xs, rope, qkv, gate_up);
+            }
             let normed = layer.input_norm.forward(xs)?;
             let (xs, normed) = match self.path {
                 ComputePath::Candle => {

@@ -1,6 +1,7 @@
 //! Model execution on candle-core tensors (device-agnostic: CPU now, CUDA through the same
 //! ops). Targets capture every residual-stream boundary; the draft runs the EAGLE-3 layer.
 
+mod cpu;
 pub mod deepseek;
 pub mod draft;
 #[cfg(feature = "cuda")]

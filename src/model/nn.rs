@@ -63,6 +63,33 @@ impl Linear {
         })
     }
 
+    /// The projections `parts` as one: their weights (and biases, when every part has one)
+    /// stacked along the outputs, `[sum of outs, in]`. With [`Linear::rows`] each part can be
+    /// a view of the fused weight.
+    pub fn concat(parts: &[&Linear]) -> candle_core::Result<Linear> {
+        let weights: Vec<&Tensor> = parts.iter().map(|l| &l.weight).collect();
+        let biases: Option<Vec<&Tensor>> = parts.iter().map(|l| l.bias.as_ref()).collect();
+        if biases.is_none() && parts.iter().any(|l| l.bias.is_some()) {
+            candle_core::bail!("concat: some projections have a bias and some do not");
+        }
+        Ok(Linear {
+            weight: Tensor::cat(&weights, 0)?,
+            bias: biases.map(|b| Tensor::cat(&b, 0)).transpose()?,
+        })
+    }
+
+    /// Outputs `start..start + len` of this projection, sharing its storage.
+    pub fn rows(&self, start: usize, len: usize) -> candle_core::Result<Linear> {
+        Ok(Linear {
+            weight: self.weight.narrow(0, start, len)?,
+            bias: self
+                .bias
+                .as_ref()
+                .map(|b| b.narrow(0, start, len))
+                .transpose()?,
+        })
+    }
+
     /// `xs`: [tokens, in] -> [tokens, out]
     pub fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         let y = xs.matmul(&self.weight.t()?)?;
