@@ -12,10 +12,16 @@
 // Math in f32 without fused multiply-adds (each product and the sum rounded as the CPU
 // reference rounds them), one rounding to T at the store.
 //
-// One warp per (token, head), four per block: the warp copies the rotated part to shared memory
-// before writing, so the in-place update has no races whichever layout is used.
+// rope_*: one warp per (token, head), four per block: the warp copies the rotated part to shared
+// memory before writing, so the in-place update has no races whichever layout is used.
+// rope_half_vec_*: rotate-half only, one thread per V = 16 / sizeof(T) pairs of one (token, head):
+// it reads x[i..i + V] and x[i + half..i + half + V] as two 16-byte vectors, cos and sin as
+// float4s, and writes back the same two vectors (no other thread touches them). The launcher
+// takes it when every row and head start is 16-byte aligned, half % V == 0 and half % 4 == 0;
+// the same f32 operations, so both kernels give identical bits.
 //
-// Checked by: src/kernels/rope.rs, `tests::device_matches_reference` (GPU vs `rope_ref`) and
+// Checked by: src/kernels/rope.rs, `tests::device_matches_reference` (GPU vs `rope_ref`, each
+// case on the kernel the launcher picks for it, and the vector kernel seen to run) and
 // `tests::reference_matches_rope_tables` (the reference vs model::nn::RopeTables::apply_half
 // and apply_interleaved).
 #include "common.cuh"
@@ -52,3 +58,46 @@ __device__ __forceinline__ void rope_impl(T *x, long row_stride, int tokens, int
                      interleaved);                                                                \
     }
 EAGLE_FOR_EACH_FLOAT(ROPE)
+
+template <typename T>
+__device__ __forceinline__ void rope_half_vec_impl(T *x, long row_stride, int tokens, int heads,
+                                                   long head_stride, int rot_offset, int rot_dim,
+                                                   const float *cos, const float *sin) {
+    constexpr int V = Vec16<T>::N;
+    const int half = rot_dim / 2, chunks = half / V;
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)tokens * heads * chunks) return;
+    const int c = (int)(idx % chunks);
+    const long th = idx / chunks, t = th / heads, h = th % heads;
+    T *p = x + t * row_stride + h * head_stride + rot_offset + c * V;
+    const float *cs = cos + t * half + c * V, *sn = sin + t * half + c * V;
+    Vec16<T> a, b;
+    a.raw = *reinterpret_cast<const uint4 *>(p);
+    b.raw = *reinterpret_cast<const uint4 *>(p + half);
+    float cv[V], sv[V];
+#pragma unroll
+    for (int i = 0; i < V; i += 4) {
+        const float4 c4 = *reinterpret_cast<const float4 *>(cs + i);
+        const float4 s4 = *reinterpret_cast<const float4 *>(sn + i);
+        cv[i] = c4.x, cv[i + 1] = c4.y, cv[i + 2] = c4.z, cv[i + 3] = c4.w;
+        sv[i] = s4.x, sv[i + 1] = s4.y, sv[i + 2] = s4.z, sv[i + 3] = s4.w;
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+        const float u = to_f32(a.v[i]), w = to_f32(b.v[i]);
+        a.v[i] = from_f32<T>(__fsub_rn(__fmul_rn(u, cv[i]), __fmul_rn(w, sv[i])));
+        b.v[i] = from_f32<T>(__fadd_rn(__fmul_rn(w, cv[i]), __fmul_rn(u, sv[i])));
+    }
+    *reinterpret_cast<uint4 *>(p) = a.raw;
+    *reinterpret_cast<uint4 *>(p + half) = b.raw;
+}
+
+#define ROPE_HALF_VEC(T, SUFFIX)                                                                  \
+    extern "C" __global__ void rope_half_vec_##SUFFIX(T *x, long row_stride, int tokens,          \
+                                                      int heads, long head_stride,                \
+                                                      int rot_offset, int rot_dim,                \
+                                                      const float *cos, const float *sin) {       \
+        rope_half_vec_impl<T>(x, row_stride, tokens, heads, head_stride, rot_offset, rot_dim,     \
+                              cos, sin);                                                          \
+    }
+EAGLE_FOR_EACH_FLOAT(ROPE_HALF_VEC)

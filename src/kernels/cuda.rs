@@ -264,8 +264,39 @@ pub struct RopeArgs {
 
 /// Warps (one (token, head) each) per rope block.
 const ROPE_WARPS: usize = 4;
+/// Threads per block of `rope_half_vec_*`.
+const ROPE_VEC_THREADS: usize = 256;
 
-pub fn rope(dev: &CudaDevice, dtype: KernelDType, a: &RopeArgs) -> Result<()> {
+/// Which rope kernel ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeKernel {
+    /// `rope_*`: one warp per (token, head), any layout.
+    Warp,
+    /// `rope_half_vec_*`: 16-byte vectors, rotate-half with aligned rows.
+    HalfVec,
+}
+
+/// The kernel [`rope`] takes: [`RopeKernel::HalfVec`] for rotate-half when every row and head
+/// start is 16-byte aligned and `rot_dim / 2` is a multiple of the vector width and of 4 (the
+/// float4 reads of the tables), [`RopeKernel::Warp`] otherwise.
+pub fn rope_kernel(dtype: KernelDType, a: &RopeArgs) -> RopeKernel {
+    let (size, half) = (dtype.size(), a.rot_dim / 2);
+    let vec = 16 / size;
+    let aligned = a.x.is_multiple_of(16)
+        && [a.row_stride, a.head_stride, a.rot_offset, half]
+            .iter()
+            .all(|n| (n * size).is_multiple_of(16))
+        && a.cos.is_multiple_of(16)
+        && a.sin.is_multiple_of(16);
+    if !a.interleaved && aligned && half.is_multiple_of(vec) && half.is_multiple_of(4) {
+        RopeKernel::HalfVec
+    } else {
+        RopeKernel::Warp
+    }
+}
+
+/// Rotates in place with the kernel [`rope_kernel`] picks, and says which one ran.
+pub fn rope(dev: &CudaDevice, dtype: KernelDType, a: &RopeArgs) -> Result<RopeKernel> {
     if a.rot_dim == 0 || !a.rot_dim.is_multiple_of(2) || a.rot_dim > 2048 {
         candle_core::bail!("rope: rot_dim {} must be even and in 2..=2048", a.rot_dim);
     }
@@ -273,35 +304,73 @@ pub fn rope(dev: &CudaDevice, dtype: KernelDType, a: &RopeArgs) -> Result<()> {
         .tokens
         .checked_mul(a.heads)
         .ok_or_else(|| candle_core::Error::Msg("rope: tokens * heads overflows".into()))?;
+    let kernel = rope_kernel(dtype, a);
     if items == 0 {
-        return Ok(());
+        return Ok(kernel);
     }
-    let name = format!("rope_{}", dtype.suffix());
+    let (name, config) = match kernel {
+        RopeKernel::Warp => {
+            let name = format!("rope_{}", dtype.suffix());
+            let config = cfg(
+                (grid_dim(items.div_ceil(ROPE_WARPS), &name)?, 1, 1),
+                (ROPE_WARPS * 32) as u32,
+                ROPE_WARPS * a.rot_dim * 4,
+            )?;
+            (name, config)
+        }
+        RopeKernel::HalfVec => {
+            let name = format!("rope_half_vec_{}", dtype.suffix());
+            let threads = items
+                .checked_mul(a.rot_dim / 2 / (16 / dtype.size()))
+                .ok_or_else(|| candle_core::Error::Msg("rope: thread count overflows".into()))?;
+            let config = cfg(
+                (grid_dim(threads.div_ceil(ROPE_VEC_THREADS), &name)?, 1, 1),
+                ROPE_VEC_THREADS as u32,
+                0,
+            )?;
+            (name, config)
+        }
+    };
     let func = function(dev, Module::Rope, &name)?;
-    let config = cfg(
-        (grid_dim(items.div_ceil(ROPE_WARPS), &name)?, 1, 1),
-        (ROPE_WARPS * 32) as u32,
-        ROPE_WARPS * a.rot_dim * 4,
-    )?;
-    launch!(
-        dev,
-        func,
-        name,
-        config,
-        [
-            a.x,
-            to_i64(a.row_stride, "row stride")?,
-            to_i32(a.tokens, "tokens")?,
-            to_i32(a.heads, "heads")?,
-            to_i64(a.head_stride, "head stride")?,
-            to_i32(a.rot_offset, "rot_offset")?,
-            to_i32(a.rot_dim, "rot_dim")?,
-            a.cos,
-            a.sin,
-            i32::from(a.interleaved),
-        ]
+    let common = (
+        a.x,
+        to_i64(a.row_stride, "row stride")?,
+        to_i32(a.tokens, "tokens")?,
+        to_i32(a.heads, "heads")?,
+        to_i64(a.head_stride, "head stride")?,
+        to_i32(a.rot_offset, "rot_offset")?,
+        to_i32(a.rot_dim, "rot_dim")?,
     );
-    Ok(())
+    match kernel {
+        RopeKernel::Warp => launch!(
+            dev,
+            func,
+            name,
+            config,
+            [
+                common.0,
+                common.1,
+                common.2,
+                common.3,
+                common.4,
+                common.5,
+                common.6,
+                a.cos,
+                a.sin,
+                i32::from(a.interleaved),
+            ]
+        ),
+        RopeKernel::HalfVec => launch!(
+            dev,
+            func,
+            name,
+            config,
+            [
+                common.0, common.1, common.2, common.3, common.4, common.5, common.6, a.cos, a.sin,
+            ]
+        ),
+    }
+    Ok(kernel)
 }
 
 // ---------------------------------------------------------------------------- attention.cu
@@ -579,17 +648,64 @@ pub struct SiluMulArgs {
     pub cols: usize,
 }
 
-pub fn silu_mul(dev: &CudaDevice, dtype: KernelDType, a: &SiluMulArgs) -> Result<()> {
-    if a.rows == 0 || a.cols == 0 {
-        return Ok(());
+/// Which SiLU-mul kernel ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SiluKernel {
+    /// `silu_mul_*`: one block per row, any layout.
+    Row,
+    /// `silu_mul_vec_*`: one thread per 16-byte vector over the whole matrix.
+    Flat,
+}
+
+/// Threads per block of `silu_mul_vec_*`.
+const SILU_VEC_THREADS: usize = 256;
+
+/// [`SiluKernel::Flat`] when every row of the three matrices starts 16-byte aligned and `cols`
+/// is a multiple of the vector width, [`SiluKernel::Row`] otherwise.
+pub fn silu_kernel(dtype: KernelDType, a: &SiluMulArgs) -> SiluKernel {
+    let size = dtype.size();
+    let aligned = [a.gate, a.up, a.out].iter().all(|p| p.is_multiple_of(16))
+        && [a.g_stride, a.u_stride, a.o_stride]
+            .iter()
+            .all(|s| (s * size).is_multiple_of(16));
+    if aligned && a.cols.is_multiple_of(16 / size) {
+        SiluKernel::Flat
+    } else {
+        SiluKernel::Row
     }
-    let name = format!("silu_mul_{}", dtype.suffix());
+}
+
+/// Runs the kernel [`silu_kernel`] picks and says which one ran.
+pub fn silu_mul(dev: &CudaDevice, dtype: KernelDType, a: &SiluMulArgs) -> Result<SiluKernel> {
+    let kernel = silu_kernel(dtype, a);
+    if a.rows == 0 || a.cols == 0 {
+        return Ok(kernel);
+    }
+    let (name, config) = match kernel {
+        SiluKernel::Row => {
+            let name = format!("silu_mul_{}", dtype.suffix());
+            let config = cfg(
+                (grid_dim(a.rows, &name)?, 1, 1),
+                row_threads(a.cols, dtype.size()),
+                0,
+            )?;
+            (name, config)
+        }
+        SiluKernel::Flat => {
+            let name = format!("silu_mul_vec_{}", dtype.suffix());
+            let vectors = a
+                .rows
+                .checked_mul(a.cols / (16 / dtype.size()))
+                .ok_or_else(|| candle_core::Error::Msg("silu_mul: size overflows".into()))?;
+            let config = cfg(
+                (grid_dim(vectors.div_ceil(SILU_VEC_THREADS), &name)?, 1, 1),
+                SILU_VEC_THREADS as u32,
+                0,
+            )?;
+            (name, config)
+        }
+    };
     let func = function(dev, Module::SiluMul, &name)?;
-    let config = cfg(
-        (grid_dim(a.rows, &name)?, 1, 1),
-        row_threads(a.cols, dtype.size()),
-        0,
-    )?;
     launch!(
         dev,
         func,
@@ -606,7 +722,7 @@ pub fn silu_mul(dev: &CudaDevice, dtype: KernelDType, a: &SiluMulArgs) -> Result
             to_i32(a.cols, "cols")?,
         ]
     );
-    Ok(())
+    Ok(kernel)
 }
 
 // ------------------------------------------------------------------------------- gather.cu

@@ -1,5 +1,6 @@
 //! cuBLAS GEMMs into preallocated outputs: `out[M, N] (+)= a[M, K] @ w[N, K]^T` (the layout of
-//! every HF linear layer) through `cublasGemmEx`, and the MoE experts as one
+//! every HF linear layer) through `cublasGemmEx`, `out = a @ w^T + c` with `c` another buffer
+//! (a residual stream) through cublasLt, and the MoE experts as one
 //! `cublasGemmGroupedBatchedEx` call over the rows each expert owns. f32 accumulation; row
 //! strides honoured, so `a` and `out` may be column windows of wider buffers.
 
@@ -80,6 +81,325 @@ pub fn gemm_raw(dev: &CudaDevice, dtype: KernelDType, g: &GemmArgs) -> Result<()
     }
     .result()
     .map_err(|e| candle_core::Error::Msg(format!("cublasGemmEx {g:?}: {e}")))
+}
+
+/// `out[m, n] = a[m, k] @ w[n, k]^T + c[m, n]` with `c` (row stride `c_stride`) a buffer other
+/// than `out`: the residual add of a decoder layer in the GEMM's epilogue, the f32 sum rounded
+/// once. cuBLAS's `GemmEx` reads and writes one C; cublasLt takes C and D apart.
+pub fn gemm_add_raw(
+    dev: &CudaDevice,
+    dtype: KernelDType,
+    g: &GemmArgs,
+    c: DevPtr,
+    c_stride: usize,
+) -> Result<()> {
+    with_lt_plan(dev, dtype, g, Some(c_stride), |lt, plan| {
+        lt.run(plan, plan.chosen, dev, g, Some(c))
+    })
+}
+
+/// `out = a @ w^T` through cublasLt (the same call as [`gemm_add_raw`] without `c`).
+pub fn gemm_lt_raw(dev: &CudaDevice, dtype: KernelDType, g: &GemmArgs) -> Result<()> {
+    with_lt_plan(dev, dtype, g, None, |lt, plan| {
+        lt.run(plan, plan.chosen, dev, g, None)
+    })
+}
+
+/// The GEMM of [`gemm_lt_raw`] (or [`gemm_add_raw`] with `c`) timed once per algorithm that
+/// cublasLt's heuristic offers for its shape (up to [`LT_ALGOS`], best guess first): ms per
+/// run, the median of `reps` runs between CUDA events after one warm-up run, `None` where the
+/// algorithm failed. `out` is overwritten `reps + 1` times per algorithm, so it must not alias
+/// an input. For the GPU bench (`gpu-bench gemm`).
+pub fn gemm_lt_times(
+    dev: &CudaDevice,
+    dtype: KernelDType,
+    g: &GemmArgs,
+    c: Option<(DevPtr, usize)>,
+    reps: usize,
+) -> Result<Vec<Option<f64>>> {
+    with_lt_plan(dev, dtype, g, c.map(|c| c.1), |lt, plan| {
+        let stream = dev.cuda_stream();
+        let event = || {
+            stream
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| candle_core::Error::Msg(format!("event: {e:?}")))
+        };
+        let mut times = Vec::with_capacity(plan.algos.len());
+        for i in 0..plan.algos.len() {
+            if lt.run(plan, i, dev, g, c.map(|c| c.0)).is_err() {
+                times.push(None);
+                continue;
+            }
+            let mut ms = Vec::with_capacity(reps);
+            for _ in 0..reps.max(1) {
+                let start = event()?;
+                lt.run(plan, i, dev, g, c.map(|c| c.0))?;
+                let end = event()?;
+                ms.push(f64::from(start.elapsed_ms(&end).map_err(|e| {
+                    candle_core::Error::Msg(format!("event timing: {e:?}"))
+                })?));
+            }
+            ms.sort_by(f64::total_cmp);
+            times.push(Some(ms[ms.len() / 2]));
+        }
+        Ok(times)
+    })
+}
+
+/// How many algorithms a plan asks cublasLt's heuristic for.
+pub const LT_ALGOS: usize = 8;
+
+/// Runs `f` on the plan of `g`'s shape (made on first use) and its device's cublasLt state.
+fn with_lt_plan<R>(
+    dev: &CudaDevice,
+    dtype: KernelDType,
+    g: &GemmArgs,
+    c_stride: Option<usize>,
+    f: impl FnOnce(&LtState, &LtPlan) -> Result<R>,
+) -> Result<R> {
+    if g.a_stride < g.k
+        || g.w_stride < g.k
+        || g.out_stride < g.n
+        || c_stride.is_some_and(|c| c < g.n)
+    {
+        candle_core::bail!(
+            "cublasLt gemm: row strides {g:?} (c {c_stride:?}) shorter than the rows"
+        );
+    }
+    let key = LtKey {
+        dtype,
+        m: g.m,
+        n: g.n,
+        k: g.k,
+        strides: [g.a_stride, g.w_stride, g.out_stride],
+        c_stride,
+    };
+    let mut state = LT
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("cublasLt state poisoned".into()))?;
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let at = match state.iter().position(|s| s.ordinal == ordinal) {
+        Some(i) => i,
+        None => {
+            state.push(LtState::new(dev, ordinal)?);
+            state.len() - 1
+        }
+    };
+    let lt = &mut state[at];
+    let plan = match lt.plans.iter().position(|(k, _)| *k == key) {
+        Some(i) => i,
+        None => {
+            let plan = LtPlan::new(lt, &key)?;
+            lt.plans.push((key, plan));
+            lt.plans.len() - 1
+        }
+    };
+    let lt = &state[at];
+    f(lt, &lt.plans[plan].1)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct LtKey {
+    dtype: KernelDType,
+    m: usize,
+    n: usize,
+    k: usize,
+    /// a, w, out
+    strides: [usize; 3],
+    /// `Some` when the GEMM adds a `c` of this row stride.
+    c_stride: Option<usize>,
+}
+
+/// One device's cublasLt handle and workspace, with the plans made on it.
+struct LtState {
+    ordinal: usize,
+    handle: cudarc::cublaslt::sys::cublasLtHandle_t,
+    /// Held for `workspace_ptr`'s sake.
+    _workspace: cudarc::driver::CudaSlice<u8>,
+    workspace_ptr: DevPtr,
+    ws_bytes: usize,
+    plans: Vec<(LtKey, LtPlan)>,
+}
+
+// SAFETY: the raw handles are only used under the `LT` mutex.
+unsafe impl Send for LtState {}
+
+/// Every device's cublasLt state, made on first use and kept for the process: a plan's
+/// description, layouts and heuristic query cost about 10 us of host work, which every
+/// projection of every layer would pay again otherwise.
+static LT: std::sync::Mutex<Vec<LtState>> = std::sync::Mutex::new(Vec::new());
+
+impl LtState {
+    /// 32 MiB of workspace: cuBLAS's recommendation for Hopper.
+    const WORKSPACE: usize = 32 << 20;
+
+    fn new(dev: &CudaDevice, ordinal: usize) -> Result<LtState> {
+        use cudarc::driver::DevicePtr;
+        let handle = cudarc::cublaslt::result::create_handle()
+            .map_err(|e| candle_core::Error::Msg(format!("cublasLtCreate: {e:?}")))?;
+        let stream = dev.cuda_stream();
+        // SAFETY: written by cuBLAS as scratch only.
+        let workspace = unsafe { stream.alloc::<u8>(Self::WORKSPACE) }
+            .map_err(|e| candle_core::Error::Msg(format!("cublasLt workspace: {e:?}")))?;
+        let workspace_ptr = workspace.device_ptr(&stream).0;
+        Ok(LtState {
+            ordinal,
+            handle,
+            _workspace: workspace,
+            workspace_ptr,
+            ws_bytes: Self::WORKSPACE,
+            plans: Vec::new(),
+        })
+    }
+
+    /// `g` with the plan's algorithm `algo` (D = `g.out`; C = `c` when given, else `g.out` with
+    /// beta 0).
+    fn run(
+        &self,
+        plan: &LtPlan,
+        algo: usize,
+        dev: &CudaDevice,
+        g: &GemmArgs,
+        c: Option<DevPtr>,
+    ) -> Result<()> {
+        if g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        let (alpha, beta) = (1f32, if c.is_some() { 1f32 } else { 0f32 });
+        let c_layout = if c.is_some() {
+            plan.layouts[2]
+        } else {
+            plan.layouts[3]
+        };
+        let stream = dev.cuda_stream();
+        // SAFETY: the plan's layouts describe the caller's buffers (its contract, as for
+        // `gemm_raw`); the workspace is this state's own allocation of `ws_bytes`.
+        unsafe {
+            cudarc::cublaslt::result::matmul(
+                self.handle,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                g.w as *const c_void,
+                plan.layouts[0],
+                g.a as *const c_void,
+                plan.layouts[1],
+                c.unwrap_or(g.out) as *const c_void,
+                c_layout,
+                g.out as *mut c_void,
+                plan.layouts[3],
+                &plan.algos[algo],
+                self.workspace_ptr as *mut c_void,
+                self.ws_bytes,
+                stream.cu_stream() as *mut _,
+            )
+        }
+        .map_err(|e| candle_core::Error::Msg(format!("cublasLtMatmul {g:?} (c {c:?}): {e:?}")))
+    }
+}
+
+/// The description, the A, B, C, D layouts and the candidate algorithms of one shape.
+struct LtPlan {
+    desc: cudarc::cublaslt::sys::cublasLtMatmulDesc_t,
+    layouts: [cudarc::cublaslt::sys::cublasLtMatrixLayout_t; 4],
+    /// The heuristic's algorithms, best guess first.
+    algos: Vec<cudarc::cublaslt::sys::cublasLtMatmulAlgo_t>,
+    /// The one [`gemm_lt_raw`] and [`gemm_add_raw`] run.
+    chosen: usize,
+}
+
+impl LtPlan {
+    /// Row-major `out = a w^T (+ c)` is column-major `out^T [n, m] = w^T (op T on w [k, n]) x
+    /// a^T [k, m] (+ c^T)`, as in [`gemm_raw`].
+    fn new(lt: &LtState, key: &LtKey) -> Result<LtPlan> {
+        use cudarc::cublaslt::{result as lt_result, sys as lt_sys};
+        let err = |what: &str, e: lt_result::CublasError| {
+            candle_core::Error::Msg(format!("cublasLt {what} for {key:?}: {e:?}"))
+        };
+        let ty = match key.dtype {
+            KernelDType::F32 => lt_sys::cudaDataType_t::CUDA_R_32F,
+            KernelDType::F16 => lt_sys::cudaDataType_t::CUDA_R_16F,
+            KernelDType::BF16 => lt_sys::cudaDataType_t::CUDA_R_16BF,
+        };
+        let desc = lt_result::create_matmul_desc(
+            lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            lt_sys::cudaDataType_t::CUDA_R_32F,
+        )
+        .map_err(|e| err("matmul description", e))?;
+        let trans = cublasOperation_t::CUBLAS_OP_T;
+        // SAFETY: a live description and an attribute of the size it declares.
+        unsafe {
+            lt_result::set_matmul_desc_attribute(
+                desc,
+                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                (&trans as *const cublasOperation_t).cast(),
+                std::mem::size_of::<cublasOperation_t>(),
+            )
+        }
+        .map_err(|e| err("transpose", e))?;
+        let [a_stride, w_stride, out_stride] = key.strides.map(|s| s as i64);
+        let c_stride = key.c_stride.map_or(out_stride, |s| s as i64);
+        let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
+        let layout = |rows: u64, cols: u64, ld: i64| {
+            lt_result::create_matrix_layout(ty, rows, cols, ld).map_err(|e| err("layout", e))
+        };
+        let layouts = [
+            layout(k, n, w_stride)?,
+            layout(k, m, a_stride)?,
+            layout(n, m, c_stride)?,
+            layout(n, m, out_stride)?,
+        ];
+        let pref = lt_result::create_matmul_pref().map_err(|e| err("preference", e))?;
+        let ws = lt.ws_bytes as u64;
+        let mut results = vec![
+            // SAFETY: plain data that cuBLAS fills.
+            unsafe { std::mem::zeroed::<lt_sys::cublasLtMatmulHeuristicResult_t>() };
+            LT_ALGOS
+        ];
+        let mut found: std::ffi::c_int = 0;
+        // SAFETY: live descriptors and layouts made above; `results` has room for LT_ALGOS.
+        let status = unsafe {
+            lt_result::set_matmul_pref_attribute(
+                pref,
+                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+            .and_then(|_| {
+                lt_sys::cublasLtMatmulAlgoGetHeuristic(
+                    lt.handle,
+                    desc,
+                    layouts[0],
+                    layouts[1],
+                    layouts[2],
+                    layouts[3],
+                    pref,
+                    LT_ALGOS as std::ffi::c_int,
+                    results.as_mut_ptr(),
+                    &mut found,
+                )
+                .result()
+            })
+        };
+        // SAFETY: made above and used no more.
+        let _ = unsafe { lt_result::destroy_matmul_pref(pref) };
+        status.map_err(|e| err("heuristic", e))?;
+        let algos: Vec<_> = results
+            .iter()
+            .take(found.max(0) as usize)
+            .filter(|r| r.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|r| r.algo)
+            .collect();
+        if algos.is_empty() {
+            candle_core::bail!("cublasLt has no algorithm for {key:?}");
+        }
+        Ok(LtPlan {
+            desc,
+            layouts,
+            algos,
+            chosen: 0,
+        })
+    }
 }
 
 /// The MoE experts on raw pointers: for each group, `out[rows] = a[rows] @ w^T` with `w`
@@ -465,6 +785,72 @@ mod tests {
                     rtol,
                     &format!("{m}x{n}x{k} {dtype:?}"),
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn device_gemm_add_matches_reference() {
+        let Some(gpu) = crate::kernels::testing::cuda_device() else {
+            return;
+        };
+        let Device::Cuda(dev) = &gpu else {
+            unreachable!("cuda_device is a CUDA device")
+        };
+        // Ragged; Llama-3.1-8B's o projection at T = 2048 reading c from a window of a wider
+        // buffer (a capture row block) and writing another; the same shape again (the kept plan).
+        for &(m, n, k, c_pad) in &[
+            (1, 1, 1, 0),
+            (37, 24, 40, 8),
+            (2048, 4096, 4096, 0),
+            (2048, 4096, 4096, 0),
+        ] {
+            for dtype in [DType::F32, DType::BF16] {
+                let kd = KernelDType::of(dtype).unwrap();
+                let a = random(&[m, k], dtype, 3, &Device::Cpu);
+                let w = random(&[n, k], dtype, 4, &Device::Cpu);
+                let c = random(&[m, n + c_pad], dtype, 6, &Device::Cpu);
+                let c_win = c.narrow(1, c_pad, n).unwrap();
+                let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                let want =
+                    (f32s(&a).matmul(&f32s(&w).t().unwrap()).unwrap() + f32s(&c_win)).unwrap();
+                let (ag, wg, cg) = (
+                    a.to_device(&gpu).unwrap(),
+                    w.to_device(&gpu).unwrap(),
+                    c.to_device(&gpu).unwrap(),
+                );
+                let out = random(&[m, n], dtype, 5, &gpu); // poisoned by its random contents
+                let ptr = |t: &Tensor| cuda::tensor_ptr(t).unwrap();
+                gemm_add_raw(
+                    dev,
+                    kd,
+                    &GemmArgs {
+                        out: ptr(&out),
+                        out_stride: n,
+                        a: ptr(&ag),
+                        a_stride: k,
+                        w: ptr(&wg),
+                        w_stride: k,
+                        m,
+                        n,
+                        k,
+                        accumulate: true,
+                    },
+                    ptr(&cg.narrow(1, c_pad, n).unwrap()),
+                    n + c_pad,
+                )
+                .unwrap();
+                // As device_gemm_matches_reference, plus c's rounding (one rounding of the sum).
+                let scale = values(&want).iter().fold(0f32, |m, v| m.max(v.abs()));
+                let (atol, rtol) = if dtype == DType::F32 {
+                    (1e-5 * scale.max(1.0), 1e-4)
+                } else {
+                    (1e-2 * scale.max(1.0), 1.0 / 128.0)
+                };
+                let what = format!("{m}x{n}x{k} + c {dtype:?}");
+                assert_close(&values(&out), &values(&want), atol, rtol, &what);
+                // c is read, not written.
+                assert_eq!(values(&cg), values(&c), "{what}: c changed");
             }
         }
     }

@@ -175,6 +175,7 @@ impl InplaceOp3 for Rope {
                 interleaved: p.interleaved,
             },
         )
+        .map(|_| ())
     }
 }
 
@@ -342,6 +343,7 @@ mod tests {
                 },
             ),
         ];
+        let mut kernels = std::collections::BTreeSet::new();
         for (tokens, width, col, p) in cases {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let tab = tables(p.rot_dim, tokens, &cpu);
@@ -353,7 +355,26 @@ mod tests {
                     tab.cos.to_device(&gpu).unwrap(),
                     tab.sin.to_device(&gpu).unwrap(),
                 );
-                rope_in_place(&xg.narrow(1, col, cols).unwrap(), &cg, &sg, &p).unwrap();
+                let window = xg.narrow(1, col, cols).unwrap();
+                let ptr = |t: &Tensor| crate::kernels::cuda::tensor_ptr(t).unwrap();
+                let args = crate::kernels::cuda::RopeArgs {
+                    x: ptr(&window),
+                    row_stride: width,
+                    tokens,
+                    heads: p.heads,
+                    head_stride: p.head_stride,
+                    rot_offset: p.rot_offset,
+                    rot_dim: p.rot_dim,
+                    cos: ptr(&cg),
+                    sin: ptr(&sg),
+                    interleaved: p.interleaved,
+                };
+                let kd = crate::kernels::KernelDType::of(dtype).unwrap();
+                kernels.insert(format!(
+                    "{:?}",
+                    crate::kernels::cuda::rope_kernel(kd, &args)
+                ));
+                rope_in_place(&window, &cg, &sg, &p).unwrap();
                 let got = xg.narrow(1, col, cols).unwrap();
                 // The kernel does the reference's f32 operations without fused multiply-adds:
                 // bit-exact in every dtype.
@@ -371,5 +392,11 @@ mod tests {
                 }
             }
         }
+        // The Llama cases take the vector kernel, the ragged and interleaved ones the warp one.
+        assert_eq!(
+            kernels.into_iter().collect::<Vec<_>>(),
+            ["HalfVec", "Warp"],
+            "both rope kernels ran"
+        );
     }
 }

@@ -135,6 +135,7 @@ mod tests {
         let cpu = Device::Cpu;
         let mut shapes = SHAPES.to_vec();
         shapes.push((2048, 14336)); // Llama-3.1-8B MLP at T = 2048
+        let mut kernels = std::collections::BTreeSet::new();
         for (rows, cols) in shapes {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let gu = random(&[rows, 2 * cols], dtype, 2, &cpu);
@@ -144,11 +145,27 @@ mod tests {
                 )
                 .unwrap();
                 let gug = gu.to_device(&gpu).unwrap();
-                let got = silu_mul(
-                    &gug.narrow(1, 0, cols).unwrap(),
-                    &gug.narrow(1, cols, cols).unwrap(),
-                )
-                .unwrap();
+                let (g, u) = (
+                    gug.narrow(1, 0, cols).unwrap(),
+                    gug.narrow(1, cols, cols).unwrap(),
+                );
+                let ptr = |t: &Tensor| crate::kernels::cuda::tensor_ptr(t).unwrap();
+                let args = crate::kernels::cuda::SiluMulArgs {
+                    gate: ptr(&g),
+                    g_stride: 2 * cols,
+                    up: ptr(&u),
+                    u_stride: 2 * cols,
+                    out: 0, // the op's own fresh, aligned output
+                    o_stride: cols,
+                    rows,
+                    cols,
+                };
+                let kd = crate::kernels::KernelDType::of(dtype).unwrap();
+                kernels.insert(format!(
+                    "{:?}",
+                    crate::kernels::cuda::silu_kernel(kd, &args)
+                ));
+                let got = silu_mul(&g, &u).unwrap();
                 // CUDA's expf is within 2 ulp of the CPU's exp: a few f32 ulps, at most one
                 // ulp of a 16-bit dtype.
                 let rtol = match dtype {
@@ -165,5 +182,12 @@ mod tests {
                 );
             }
         }
+        // The aligned shapes (Llama's among them) take the flat kernel, the ragged ones the
+        // per-row kernel.
+        assert_eq!(
+            kernels.into_iter().collect::<Vec<_>>(),
+            ["Flat", "Row"],
+            "both SiLU-mul kernels ran"
+        );
     }
 }

@@ -5,13 +5,16 @@
 //!
 //! Per layer, nine launches: the residual stream `caps[i]` ([T, H], the boundary b = i) goes
 //! through `q|k|v = normed @ Wqkv^T` (one cuBLAS GEMM over the fused weights; three when the
-//! model normalises q and k per head), rope on q and k in place, flash attention, `@ Wo^T`, the
-//! residual add fused with the post-attention norm, `@ Wgate|up^T`, SiLU-mul, `@ Wdown^T`, and
-//! the residual add fused with the next layer's input norm, which writes `caps[i + 1]`. After
-//! the last layer that fused norm is the final norm: `caps[L]` is the pre-norm state engines
-//! capture and the normed output is b = L as HF returns it. The same math as the kernel path
-//! of [`super::llama`] (tested against transformers on the CPU through the kernels' references);
-//! the device tests compare the two on the GPU.
+//! model normalises q and k per head), rope on q and k in place, flash attention,
+//! `mid = caps[i] + attn @ Wo^T` (the residual add in the GEMM's epilogue, cublasLt), the
+//! post-attention norm, `@ Wgate|up^T`, SiLU-mul, `caps[i + 1] = mid + act @ Wdown^T` (again in
+//! the epilogue), and the next layer's input norm. A projection with a bias, or a down
+//! projection whose output is captured on its own, is written apart and added by the norm
+//! kernel instead. After the last layer the next norm is the final norm: `caps[L]` is the
+//! pre-norm state engines capture and the normed output is b = L as HF returns it. The same math
+//! as the kernel path of [`super::llama`] (tested against transformers on the CPU through the
+//! kernels' references) up to the epilogue's single rounding of each residual sum; the device
+//! tests compare the two on the GPU.
 
 use super::Resident;
 use super::llama::LlamaDecoder;
@@ -21,7 +24,7 @@ use crate::config::ModelConfig;
 use crate::error::{CandleContext, Result};
 use crate::kernels::KernelDType;
 use crate::kernels::cuda::{self, DevPtr, tensor_ptr};
-use crate::kernels::gemm::{GemmArgs, gemm_raw};
+use crate::kernels::gemm::{GemmArgs, gemm_add_raw, gemm_raw};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
 
@@ -200,6 +203,38 @@ impl FastLlama {
             },
         )
         .ctx(|| "projection".to_string())
+    }
+
+    /// `out[T, n] = a[T, k] @ p.w^T + c[T, n]` (row stride `n` for c): the residual add in the
+    /// GEMM's epilogue, for projections without a bias.
+    fn gemm_add(
+        &self,
+        p: &Proj,
+        a: (DevPtr, usize),
+        out: DevPtr,
+        t: usize,
+        k: usize,
+        c: DevPtr,
+    ) -> Result<()> {
+        gemm_add_raw(
+            &self.dev,
+            self.kd,
+            &GemmArgs {
+                out,
+                out_stride: p.n,
+                a: a.0,
+                a_stride: a.1,
+                w: ptr(&p.w)?,
+                w_stride: k,
+                m: t,
+                n: p.n,
+                k,
+                accumulate: true,
+            },
+            c,
+            p.n,
+        )
+        .ctx(|| "projection + residual".to_string())
     }
 
     /// An uninitialised `[rows, cols]` buffer in the compute dtype: every buffer of the
@@ -403,6 +438,7 @@ impl FastLlama {
                         interleaved: false,
                     },
                 )
+                .map(|_| ())
             };
             if layer.qkv.len() == 1 {
                 // q and k heads sit side by side in each row: one launch rotates both.
@@ -439,14 +475,21 @@ impl FastLlama {
                 .map(|_| ()),
             )?;
             phases::mark("attention", &device);
-            self.gemm(
-                &layer.o,
-                (attn_p, nh * hd),
-                (proj_p, h),
-                t,
-                nh * hd,
-                &s.zeros,
-            )?;
+            // mid = x + attn @ Wo^T: in the GEMM's epilogue when o has no bias (one rounding of
+            // the f32 sum where HF rounds the projection and then the sum), else added by the norm.
+            let folded = layer.o.b.is_none();
+            if folded {
+                self.gemm_add(&layer.o, (attn_p, nh * hd), mid_p, t, nh * hd, x)?;
+            } else {
+                self.gemm(
+                    &layer.o,
+                    (attn_p, nh * hd),
+                    (proj_p, h),
+                    t,
+                    nh * hd,
+                    &s.zeros,
+                )?;
+            }
             phases::mark("o gemm", &device);
             launch(
                 "post-attention norm",
@@ -454,11 +497,11 @@ impl FastLlama {
                     &self.dev,
                     self.kd,
                     &cuda::RmsNormArgs {
-                        x,
+                        x: if folded { mid_p } else { x },
                         x_stride: h,
-                        delta: Some((proj_p, h)),
+                        delta: (!folded).then_some((proj_p, h)),
                         w: ptr(&layer.post_norm)?,
-                        resid: Some((mid_p, h)),
+                        resid: (!folded).then_some((mid_p, h)),
                         normed: normed_p,
                         normed_stride: h,
                         rows: t,
@@ -492,37 +535,46 @@ impl FastLlama {
                         rows: t,
                         cols: inter,
                     },
-                ),
+                )
+                .map(|_| ()),
             )?;
             phases::mark("silu-mul", &device);
-            let down_out = match &mlp_out {
-                Some(m) => row(ptr(m)?, i),
-                None => proj_p,
-            };
-            self.gemm(
-                &layer.down,
-                (act_p, inter),
-                (down_out, h),
-                t,
-                inter,
-                &s.zeros,
-            )?;
-            phases::mark("down gemm", &device);
             let (next_w, normed_out) = match self.layers.get(i + 1) {
                 Some(next) => (ptr(&next.in_norm)?, normed_p),
                 None => (ptr(&self.inner.norm.weight)?, ptr(&post)?),
             };
+            let next_x = row(caps_p, i + 1);
+            // caps[i + 1] = mid + act @ Wdown^T, in the epilogue unless the MLP's output is
+            // captured on its own (or down has a bias).
+            let folded = mlp_out.is_none() && layer.down.b.is_none();
+            let down_out = match &mlp_out {
+                Some(m) => row(ptr(m)?, i),
+                None => proj_p,
+            };
+            if folded {
+                self.gemm_add(&layer.down, (act_p, inter), next_x, t, inter, mid_p)?;
+            } else {
+                self.gemm(
+                    &layer.down,
+                    (act_p, inter),
+                    (down_out, h),
+                    t,
+                    inter,
+                    &s.zeros,
+                )?;
+            }
+            phases::mark("down gemm", &device);
             launch(
                 "residual add + norm",
                 cuda::add_rmsnorm(
                     &self.dev,
                     self.kd,
                     &cuda::RmsNormArgs {
-                        x: mid_p,
+                        x: if folded { next_x } else { mid_p },
                         x_stride: h,
-                        delta: Some((down_out, h)),
+                        delta: (!folded).then_some((down_out, h)),
                         w: next_w,
-                        resid: Some((row(caps_p, i + 1), h)),
+                        resid: (!folded).then_some((next_x, h)),
                         normed: normed_out,
                         normed_stride: h,
                         rows: t,
