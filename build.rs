@@ -5,7 +5,9 @@
 //! the build (and `cargo check --features cuda` in CI) instead of the first GPU run; a run pays
 //! no compile latency; and the binary needs no NVRTC library. The PTX targets `compute_80`
 //! (mma.sync on bf16 needs sm_80+); the driver JITs it for the GPU it loads on (sm_90 on the
-//! H200). `EAGLE_CHECK_CUDA_ARCH` overrides the architecture, e.g. `compute_90`.
+//! H200). `EAGLE_CHECK_CUDA_ARCH` overrides the architecture, e.g. `compute_90`. Files named
+//! `*_sm90.cu` use Hopper-only instructions (wgmma, setmaxnreg) and always target `compute_90a`:
+//! their PTX loads on sm_90 devices only, and the runner picks them only there.
 //!
 //! nvcc is `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on the PATH.
 
@@ -43,9 +45,13 @@ fn main() {
     for src in &sources {
         let stem = src.file_stem().expect("a .cu file has a stem");
         let ptx = out_dir.join(stem).with_extension("ptx");
+        let hopper = stem.to_string_lossy().ends_with("_sm90");
         let output = Command::new(&nvcc)
             .args(["-ptx", "-O3", "-std=c++17"])
-            .arg(format!("-arch={arch}"))
+            .arg(format!(
+                "-arch={}",
+                if hopper { "compute_90a" } else { arch.as_str() }
+            ))
             .arg("-I")
             .arg(kernels)
             .arg(src)

@@ -208,7 +208,7 @@ impl CustomOp3 for FlashAttention {
         v: &candle_core::CudaStorage,
         vl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use super::cuda::{self, FlashPath, TC_CONFIGS, storage_ptr};
+        use super::cuda::{self, FlashPath, TC_CONFIGS, WG_CONFIGS, storage_ptr};
         let [qm, km, vm] = shapes(&self.p, ql, kl, vl)?;
         let p = &self.p;
         let dtype = q.dtype();
@@ -233,14 +233,16 @@ impl CustomOp3 for FlashAttention {
             window: p.window.unwrap_or(0),
         };
         let path = match self.path {
-            None => cuda::flash_path(kd, &args),
+            None => cuda::flash_path(&q.device, kd, &args),
             Some("generic") => FlashPath::Generic,
-            Some(tag) => FlashPath::TensorCore(
-                *TC_CONFIGS
-                    .iter()
-                    .find(|c| c.tag == tag)
-                    .ok_or_else(|| candle_core::Error::Msg(format!("no attention tile {tag}")))?,
-            ),
+            Some(tag) => match TC_CONFIGS.iter().find(|c| c.tag == tag) {
+                Some(c) => FlashPath::TensorCore(*c),
+                None => {
+                    FlashPath::Hopper(*WG_CONFIGS.iter().find(|c| c.tag == tag).ok_or_else(
+                        || candle_core::Error::Msg(format!("no attention tile {tag}")),
+                    )?)
+                }
+            },
         };
         cuda::flash_attn_on(&q.device, kd, &args, path)?;
         Ok((out, Shape::from((qm.rows, p.nh * p.dv))))
@@ -254,8 +256,8 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, p: &AttnParams) -> Re
     flash_attention_on(q, k, v, p, None)
 }
 
-/// [`flash_attention`] on a chosen kernel (a tensor-core tile tag from
-/// `cuda::TC_CONFIGS`, or "generic"); the CPU ignores the choice.
+/// [`flash_attention`] on a chosen kernel (a tensor-core tile tag from `cuda::TC_CONFIGS`, a
+/// Hopper kernel's from `cuda::WG_CONFIGS`, or "generic"); the CPU ignores the choice.
 pub fn flash_attention_on(
     q: &Tensor,
     k: &Tensor,
@@ -374,7 +376,20 @@ mod tests {
     #[cfg(feature = "cuda")]
     mod device {
         use super::*;
-        use crate::kernels::cuda::TC_CONFIGS;
+        use crate::kernels::cuda::{TC_CONFIGS, WG_CONFIGS};
+
+        /// The CUDA device when it runs the Hopper kernels (sm_90), else `None` after saying why.
+        fn hopper_device() -> Option<Device> {
+            let gpu = crate::kernels::testing::cuda_device()?;
+            let Device::Cuda(dev) = &gpu else {
+                return None;
+            };
+            if !crate::kernels::cuda::hopper(dev) {
+                eprintln!("skipped: not an sm_90 device (or EAGLE_CHECK_ATTENTION=mma)");
+                return None;
+            }
+            Some(gpu)
+        }
 
         /// Runs `path` on the GPU and the reference on the CPU; `q`, `k`, `v` are windows of a
         /// fused QKV made in `dtype`.
@@ -492,6 +507,36 @@ mod tests {
             }
         }
 
+        /// `WG_CONFIGS` against the instantiations in kernels/attention_sm90.cu (the same tags,
+        /// head dims and stages) and their shared memory within the 227 KiB a block may have.
+        /// No GPU needed.
+        #[test]
+        fn hopper_table_matches_the_instantiations() {
+            let mut cu = Vec::new();
+            for line in include_str!("../../kernels/attention_sm90.cu").lines() {
+                let Some(rest) = line.trim().strip_prefix("FLASH_WG_TYPES(") else {
+                    continue;
+                };
+                let a: Vec<&str> = rest
+                    .trim_end_matches(')')
+                    .split(',')
+                    .map(str::trim)
+                    .collect();
+                if let [tag, dk, dv, st] = a[..] {
+                    let num = |x: &str| x.parse::<usize>().unwrap();
+                    cu.push((format!("wg_{tag}"), num(dk), num(dv), num(st)));
+                }
+            }
+            let rust: Vec<_> = WG_CONFIGS
+                .iter()
+                .map(|c| (c.tag.to_string(), c.dk, c.dv, c.stages))
+                .collect();
+            assert_eq!(rust, cu, "WG_CONFIGS vs kernels/attention_sm90.cu");
+            for c in WG_CONFIGS {
+                assert!(c.shared_bytes() <= 227 * 1024, "{}: shared memory", c.tag);
+            }
+        }
+
         #[test]
         fn device_generic_matches_reference() {
             let Some(gpu) = crate::kernels::testing::cuda_device() else {
@@ -561,17 +606,156 @@ mod tests {
             check(&gpu, DType::F16, (512, 2048, 32, 8, 128, 128, None), None);
         }
 
+        /// The Hopper kernels' building blocks: one S = Q K^T tile (both operands K-major from
+        /// TMA copies) and one O = P V tile (P from registers, V N-major) against f32 products
+        /// of the same bf16 values. A wrong descriptor (swizzle, leading or stride offset, the
+        /// transpose) permutes or mixes elements: errors of the size of the values, not ulps.
+        #[test]
+        fn device_wgmma_tile_matches_reference() {
+            let Some(gpu) = hopper_device() else {
+                return;
+            };
+            let Device::Cuda(dev) = &gpu else {
+                unreachable!("hopper_device is a CUDA device")
+            };
+            let host =
+                |rows: usize, seed: u64| random(&[rows, 128], DType::BF16, seed, &Device::Cpu);
+            let (q, k, v, p) = (host(64, 1), host(128, 2), host(128, 3), host(64, 4));
+            let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let want_s = values(&f32s(&q).matmul(&f32s(&k).t().unwrap()).unwrap());
+            let want_o = values(&f32s(&p).matmul(&f32s(&v)).unwrap());
+            let on_gpu = |t: &Tensor| t.to_device(&gpu).unwrap();
+            let (gq, gk, gv, gp) = (on_gpu(&q), on_gpu(&k), on_gpu(&v), on_gpu(&p));
+            let out = |n: usize| {
+                crate::kernels::cuda::tensor(
+                    crate::kernels::cuda::alloc(dev, DType::F32, n).unwrap(),
+                    n,
+                )
+            };
+            let (s_out, o_out) = (out(64 * 128), out(64 * 128));
+            let ptr = |t: &Tensor| crate::kernels::cuda::tensor_ptr(t).unwrap();
+            crate::kernels::cuda::wg_tile_check(
+                dev,
+                ptr(&gq),
+                ptr(&gk),
+                ptr(&gv),
+                ptr(&gp),
+                ptr(&s_out),
+                ptr(&o_out),
+            )
+            .unwrap();
+            // f32 sums of 128 exact products (bf16 x bf16) of magnitude <= 1: the order of the
+            // additions moves the last bits only.
+            assert_close(&values(&s_out), &want_s, 1e-4, 1e-5, "wgmma S = Q K^T");
+            assert_close(&values(&o_out), &want_o, 1e-4, 1e-5, "wgmma O = P V");
+        }
+
+        /// The Hopper kernels against the reference on the tensor-core cases (ragged lengths,
+        /// tq < tk, windows, growing row maxima) and realistic shapes; and the default path on
+        /// an sm_90 device is the Hopper kernel.
+        #[test]
+        fn device_hopper_matches_reference() {
+            let Some(gpu) = hopper_device() else {
+                return;
+            };
+            for c in WG_CONFIGS {
+                let mla = c.dk != c.dv;
+                let (nh, nkv) = if mla { (16, 16) } else { (8, 2) };
+                for (tq, tk, window, ramp) in [
+                    (1, 1, None, false),
+                    (37, 37, None, false),
+                    (129, 129, None, false),
+                    (70, 300, None, false),
+                    (200, 200, Some(33), false),
+                    (100, 600, Some(150), false),
+                    (300, 300, None, true),
+                    (257, 257, Some(70), true),
+                    (700, 700, None, false),
+                ] {
+                    for dtype in [DType::BF16, DType::F16] {
+                        check_inputs(
+                            &gpu,
+                            dtype,
+                            (tq, tk, nh, nkv, c.dk, c.dv, window),
+                            Some(c.tag),
+                            ramp,
+                        );
+                    }
+                }
+            }
+            let Device::Cuda(dev) = &gpu else {
+                unreachable!("hopper_device is a CUDA device")
+            };
+            let llama = crate::kernels::cuda::FlashArgs {
+                q: 0,
+                q_stride: 6144,
+                k: 8192,
+                k_stride: 6144,
+                v: 10240,
+                v_stride: 6144,
+                out: 0,
+                o_stride: 4096,
+                tq: 2048,
+                tk: 2048,
+                nh: 32,
+                nkv: 8,
+                dk: 128,
+                dv: 128,
+                scale: 1.0,
+                window: 0,
+            };
+            assert_eq!(
+                crate::kernels::cuda::flash_path(dev, crate::kernels::KernelDType::BF16, &llama),
+                crate::kernels::cuda::FlashPath::Hopper(WG_CONFIGS[0])
+            );
+            // Default path at realistic shapes: Llama-3.1-8B, a Mistral window, DeepSeek MLA.
+            check(&gpu, DType::BF16, (2048, 2048, 32, 8, 128, 128, None), None);
+            check(
+                &gpu,
+                DType::BF16,
+                (2048, 2048, 32, 8, 128, 128, Some(1000)),
+                None,
+            );
+            check(
+                &gpu,
+                DType::BF16,
+                (2048, 2048, 16, 16, 192, 128, None),
+                None,
+            );
+            check(&gpu, DType::F16, (512, 2048, 32, 8, 128, 128, None), None);
+        }
+
         /// Throughput of every tensor-core tile on Llama-3.1-8B heads (nh 32, nkv 8, hd 128) and
         /// DeepSeek MLA heads at T = 2048..8192. A benchmark, not a check: run with
         /// `--ignored --nocapture`.
+        /// A kernel's tag and head dims, for the throughput table.
+        struct Tile {
+            tag: &'static str,
+            dk: usize,
+            dv: usize,
+        }
+
         #[test]
         #[ignore = "benchmark; run with --ignored --nocapture"]
         fn device_throughput() {
             let Some(gpu) = crate::kernels::testing::cuda_device() else {
                 return;
             };
+            let hopper = hopper_device().is_some();
+            let tiles = TC_CONFIGS
+                .iter()
+                .filter(|c| c.dk >= 128)
+                .map(|c| (c.tag, c.dk, c.dv))
+                .chain(
+                    WG_CONFIGS
+                        .iter()
+                        .filter(|_| hopper)
+                        .map(|c| (c.tag, c.dk, c.dv)),
+                )
+                .collect::<Vec<_>>();
             for t in [2048, 4096, 8192] {
-                for c in TC_CONFIGS.iter().filter(|c| c.dk >= 128) {
+                for &(tag, dk, dv) in &tiles {
+                    let c = Tile { tag, dk, dv };
                     let (nh, nkv) = if c.dk != c.dv { (128, 128) } else { (32, 8) };
                     let width = nh * c.dk + nkv * c.dk + nkv * c.dv;
                     let qkv = random(&[t, width], DType::BF16, 1, &gpu);

@@ -20,6 +20,7 @@ pub type DevPtr = u64;
 #[derive(Clone, Copy, Debug)]
 enum Module {
     Attention,
+    AttentionSm90,
     Fp8,
     Gather,
     Moe,
@@ -34,6 +35,7 @@ impl Module {
     fn name(self) -> &'static str {
         match self {
             Module::Attention => "eagle_check_attention",
+            Module::AttentionSm90 => "eagle_check_attention_sm90",
             Module::Fp8 => "eagle_check_fp8_dequant",
             Module::Gather => "eagle_check_gather",
             Module::Moe => "eagle_check_moe",
@@ -47,6 +49,9 @@ impl Module {
     fn ptx(self) -> &'static str {
         match self {
             Module::Attention => include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")),
+            Module::AttentionSm90 => {
+                include_str!(concat!(env!("OUT_DIR"), "/attention_sm90.ptx"))
+            }
             Module::Fp8 => include_str!(concat!(env!("OUT_DIR"), "/fp8_dequant.ptx")),
             Module::Gather => include_str!(concat!(env!("OUT_DIR"), "/gather.ptx")),
             Module::Moe => include_str!(concat!(env!("OUT_DIR"), "/moe.ptx")),
@@ -476,22 +481,98 @@ pub const TC_CONFIGS: &[TcConfig] = &[
 pub enum FlashPath {
     Generic,
     TensorCore(TcConfig),
+    /// kernels/attention_sm90.cu: wgmma and TMA, sm_90 devices only.
+    Hopper(WgConfig),
+}
+
+/// One Hopper kernel, as instantiated at the end of kernels/attention_sm90.cu
+/// (`flash_attn_wg_{tag}_{bf16,f16}`): blocks of [`WgConfig::BM`] query rows, key tiles of
+/// [`WgConfig::BN`], `stages` K/V tiles in shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WgConfig {
+    pub tag: &'static str,
+    pub dk: usize,
+    pub dv: usize,
+    pub stages: usize,
+}
+
+impl WgConfig {
+    /// Query rows per block (two consumer warpgroups of 64).
+    pub const BM: usize = 128;
+    /// Keys per K/V tile.
+    pub const BN: usize = 128;
+    /// Threads per block: a producer warpgroup and two consumers.
+    pub const THREADS: usize = 384;
+
+    /// The Q tile, `stages` K and V tiles (2-byte elements) and 1 KiB to align them to the
+    /// 128-byte swizzle's 1024-byte pattern (`Smem::TOTAL` in the .cu).
+    pub fn shared_bytes(&self) -> usize {
+        Self::BM * self.dk * 2 + self.stages * (self.dk + self.dv) * Self::BN * 2 + 1024
+    }
+}
+
+/// Every Hopper entry point; the one matching (dk, dv) is the default on an sm_90 device.
+pub const WG_CONFIGS: &[WgConfig] = &[
+    WgConfig {
+        tag: "wg_d128",
+        dk: 128,
+        dv: 128,
+        stages: 2,
+    },
+    WgConfig {
+        tag: "wg_d192",
+        dk: 192,
+        dv: 128,
+        stages: 2,
+    },
+];
+
+/// Set by [`prefer_mma_attention`].
+static MMA_ATTENTION: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes [`flash_path`] take the mma.sync kernels on every device (the GPU bench times both
+/// in one process); `EAGLE_CHECK_ATTENTION=mma` does the same for a whole run.
+pub fn prefer_mma_attention(on: bool) {
+    MMA_ATTENTION.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the device runs sm_90a code (the Hopper kernels' PTX targets exactly that), unless
+/// the mma.sync kernels are preferred ([`prefer_mma_attention`], `EAGLE_CHECK_ATTENTION=mma`).
+pub fn hopper(dev: &CudaDevice) -> bool {
+    if MMA_ATTENTION.load(std::sync::atomic::Ordering::Relaxed)
+        || std::env::var("EAGLE_CHECK_ATTENTION").is_ok_and(|v| v == "mma")
+    {
+        return false;
+    }
+    dev.cuda_stream()
+        .context()
+        .compute_capability()
+        .is_ok_and(|cc| cc == (9, 0))
 }
 
 /// The generic path's limit on dk and dv (kernels/attention.cu `GEN_MAX_D`).
 pub const GENERIC_MAX_HEAD_DIM: usize = 256;
 const GENERIC_WARPS: usize = 4;
 
-/// The path [`flash_attn`] takes: tensor cores for bf16/f16 with a configured (dk, dv) and
-/// 16-byte aligned rows, the generic kernel otherwise.
-pub fn flash_path(dtype: KernelDType, a: &FlashArgs) -> FlashPath {
+/// The path [`flash_attn`] takes: the Hopper kernel on an sm_90 device, else the mma.sync
+/// tensor-core kernel, for bf16/f16 with a configured (dk, dv) and 16-byte aligned rows; the
+/// generic kernel otherwise.
+pub fn flash_path(dev: &CudaDevice, dtype: KernelDType, a: &FlashArgs) -> FlashPath {
     let aligned = [a.q, a.k, a.v, a.out].iter().all(|p| p.is_multiple_of(16))
         && [a.q_stride, a.k_stride, a.v_stride, a.o_stride]
             .iter()
             .all(|s| s.is_multiple_of(8));
+    if dtype == KernelDType::F32 || !aligned {
+        return FlashPath::Generic;
+    }
+    if let Some(c) = WG_CONFIGS.iter().find(|c| c.dk == a.dk && c.dv == a.dv)
+        && hopper(dev)
+    {
+        return FlashPath::Hopper(*c);
+    }
     match TC_CONFIGS.iter().find(|c| c.dk == a.dk && c.dv == a.dv) {
-        Some(c) if dtype != KernelDType::F32 && aligned => FlashPath::TensorCore(*c),
-        _ => FlashPath::Generic,
+        Some(c) => FlashPath::TensorCore(*c),
+        None => FlashPath::Generic,
     }
 }
 
@@ -510,7 +591,7 @@ fn check_flash(a: &FlashArgs) -> Result<()> {
 
 /// Runs attention on the default path ([`flash_path`]) and says which one ran.
 pub fn flash_attn(dev: &CudaDevice, dtype: KernelDType, a: &FlashArgs) -> Result<FlashPath> {
-    let path = flash_path(dtype, a);
+    let path = flash_path(dev, dtype, a);
     flash_attn_on(dev, dtype, a, path)?;
     Ok(path)
 }
@@ -589,7 +670,7 @@ pub fn flash_attn_on(
                     a.dv
                 );
             }
-            if flash_path(dtype, a) == FlashPath::Generic {
+            if flash_path(dev, dtype, a) == FlashPath::Generic {
                 candle_core::bail!("attention: tile {} needs 16-byte aligned rows", c.tag);
             }
             let name = format!("flash_attn_tc_{}_{}", c.tag, dtype.suffix());
@@ -629,7 +710,159 @@ pub fn flash_attn_on(
                 ]
             );
         }
+        FlashPath::Hopper(c) => {
+            if dtype == KernelDType::F32 || (c.dk, c.dv) != (a.dk, a.dv) {
+                candle_core::bail!(
+                    "attention: kernel {} cannot run {dtype:?} with dk {} dv {}",
+                    c.tag,
+                    a.dk,
+                    a.dv
+                );
+            }
+            if !hopper(dev) {
+                candle_core::bail!("attention: kernel {} needs an sm_90 device", c.tag);
+            }
+            if matches!(flash_path(dev, dtype, a), FlashPath::Generic) {
+                candle_core::bail!("attention: kernel {} needs 16-byte aligned rows", c.tag);
+            }
+            let name = format!("flash_attn_{}_{}", c.tag, dtype.suffix());
+            let func = function(dev, Module::AttentionSm90, &name)?;
+            let smem = c.shared_bytes();
+            allow_shared_memory(&func, smem, &name)?;
+            let config = cfg(
+                (
+                    grid_dim(a.nh, &name)?,
+                    grid_dim_yz(a.tq.div_ceil(WgConfig::BM), &name)?,
+                    1,
+                ),
+                WgConfig::THREADS as u32,
+                smem,
+            )?;
+            let box_rows = (WgConfig::BM / 2, WgConfig::BN);
+            let q_map = tensor_map(dtype, a.q, a.nh * a.dk, a.tq, a.q_stride, box_rows.0)?;
+            let k_map = tensor_map(dtype, a.k, a.nkv * a.dk, a.tk, a.k_stride, box_rows.1)?;
+            let v_map = tensor_map(dtype, a.v, a.nkv * a.dv, a.tk, a.v_stride, box_rows.1)?;
+            let [tq, tk, nh, nkv] = common(&name)?;
+            launch!(
+                dev,
+                func,
+                name,
+                config,
+                [
+                    q_map,
+                    k_map,
+                    v_map,
+                    a.out,
+                    to_i64(a.o_stride, "out stride")?,
+                    tq,
+                    tk,
+                    nh,
+                    nkv,
+                    a.scale,
+                    to_i32(a.window, "window")?,
+                ]
+            );
+        }
     }
+    Ok(())
+}
+
+/// A TMA tensor map (`CUtensorMap`), passed by value to the Hopper kernels.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+pub struct TensorMap(cudarc::driver::sys::CUtensorMap);
+
+// SAFETY: a plain 128-byte, 128-aligned value that the kernel takes by value
+// (`const __grid_constant__ CUtensorMap`); the launch copies it from this address.
+unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
+
+/// The map of a `[rows, cols]` matrix of `dtype` at `base` (row stride `stride` elements) that
+/// the Hopper kernels read in boxes of 64 columns (128 bytes) x `box_rows` rows with the 128-byte
+/// swizzle; reads outside the matrix fill zeros.
+pub fn tensor_map(
+    dtype: KernelDType,
+    base: DevPtr,
+    cols: usize,
+    rows: usize,
+    stride: usize,
+    box_rows: usize,
+) -> Result<TensorMap> {
+    use cudarc::driver::sys;
+    let data_type = match dtype {
+        KernelDType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        KernelDType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        KernelDType::F32 => candle_core::bail!("tensor map: the Hopper kernels take bf16 or f16"),
+    };
+    let row_bytes = stride
+        .checked_mul(dtype.size())
+        .filter(|b| b.is_multiple_of(16) && *b < 1 << 40)
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!("tensor map: row stride {stride} elements"))
+        })?;
+    if !base.is_multiple_of(16) || cols == 0 || rows == 0 || cols > stride {
+        candle_core::bail!(
+            "tensor map: base {base:#x}, {rows} x {cols} at stride {stride} is not a TMA matrix"
+        );
+    }
+    let dims = [cols as u64, rows as u64];
+    let strides = [row_bytes as u64];
+    let boxes = [64u32, u32::try_from(box_rows).unwrap_or(u32::MAX).min(256)];
+    let element_strides = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every array has the rank's length (2, and 1 stride); the driver only encodes the
+    // map (no device access) and checks the values it is given.
+    let status = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            data_type,
+            2,
+            base as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    status.result().map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "tensor map of {rows} x {cols} (stride {stride}, box {box_rows}): {e:?}"
+        ))
+    })?;
+    // SAFETY: cuTensorMapEncodeTiled succeeded, so it wrote the whole map.
+    Ok(TensorMap(unsafe { map.assume_init() }))
+}
+
+/// `wg_tile_check_bf16` (kernels/attention_sm90.cu, for the device test): `s_out[64, 128]` =
+/// `q[64, 128] k[128, 128]^T` and `o_out[64, 128]` = `p[64, 128] v[128, 128]`, f32 out, the
+/// inputs bf16 and contiguous.
+pub fn wg_tile_check(
+    dev: &CudaDevice,
+    q: DevPtr,
+    k: DevPtr,
+    v: DevPtr,
+    p: DevPtr,
+    s_out: DevPtr,
+    o_out: DevPtr,
+) -> Result<()> {
+    let name = "wg_tile_check_bf16";
+    let func = function(dev, Module::AttentionSm90, name)?;
+    let smem = (2 * 64 * 128 + 4 * 128 * 128) + 1024;
+    allow_shared_memory(&func, smem, name)?;
+    let bf = KernelDType::BF16;
+    let q_map = tensor_map(bf, q, 128, 64, 128, 64)?;
+    let k_map = tensor_map(bf, k, 128, 128, 128, 128)?;
+    let v_map = tensor_map(bf, v, 128, 128, 128, 128)?;
+    launch!(
+        dev,
+        func,
+        name,
+        cfg((1, 1, 1), 128, smem)?,
+        [q_map, k_map, v_map, p, s_out, o_out]
+    );
     Ok(())
 }
 
