@@ -7,6 +7,8 @@
 //!     gpu MODEL_DIR HF_STATES.safetensors T,T,... REPS
 //!     gpu moe-gemm T,T,... REPS        (the MoE expert GEMMs alone; see `moe_gemm`)
 //!     gpu score REPS                   (the diff's scoring kernels alone; see `score`)
+//!     gpu gemm T,T,... REPS            (the Llama projections: cuBLAS against cublasLt's
+//!                                       algorithms; see `gemm`)
 //!
 //! With `EAGLE_CHECK_PHASES=1` each length also gets one forward timed phase by phase
 //! (`eagle_check::model::phases`), reported under "phases".
@@ -299,10 +301,179 @@ mod gpu {
         }
     }
 
+    /// `gpu gemm T,T,... REPS`: every projection of a Llama-3.1-8B-shape forward at each T
+    /// (bf16, random data): `cublasGemmEx` (what `gemm_raw` calls) against each algorithm
+    /// cublasLt's heuristic offers (`gemm_lt_times`), the o and down projections with the
+    /// residual `c` of the fused forward. ms per GEMM (median of REPS between CUDA events) and
+    /// TFLOP/s; the index of cublasLt's fastest algorithm (0 is its heuristic's first choice).
+    fn gemm(ts: &[usize], reps: usize) {
+        use eagle_check::kernels::KernelDType;
+        use eagle_check::kernels::cuda::tensor_ptr;
+        use eagle_check::kernels::gemm::{GemmArgs, gemm_lt_times, gemm_raw};
+        let dev = cuda::open_device(0).unwrap();
+        let device = Device::Cuda(dev.clone());
+        let randn = |shape: &[usize]| {
+            Tensor::randn(0f32, 0.02, shape, &device)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap()
+        };
+        let stream = dev.cuda_stream();
+        for &t in ts {
+            for (name, n, k, residual) in [
+                ("qkv", 6144usize, 4096usize, false),
+                ("o", 4096, 4096, true),
+                ("gate_up", 28672, 4096, false),
+                ("down", 4096, 14336, true),
+                ("lm_head", 128256, 4096, false),
+            ] {
+                let (a, w, out, c) = (
+                    randn(&[t, k]),
+                    randn(&[n, k]),
+                    randn(&[t, n]),
+                    randn(&[t, n]),
+                );
+                let g = GemmArgs {
+                    out: tensor_ptr(&out).unwrap(),
+                    out_stride: n,
+                    a: tensor_ptr(&a).unwrap(),
+                    a_stride: k,
+                    w: tensor_ptr(&w).unwrap(),
+                    w_stride: k,
+                    m: t,
+                    n,
+                    k,
+                    accumulate: false,
+                };
+                let event = || {
+                    stream
+                        .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                        .unwrap()
+                };
+                gemm_raw(&dev, KernelDType::BF16, &g).unwrap();
+                let mut ex: Vec<f64> = (0..reps)
+                    .map(|_| {
+                        let s = event();
+                        gemm_raw(&dev, KernelDType::BF16, &g).unwrap();
+                        let e = event();
+                        f64::from(s.elapsed_ms(&e).unwrap())
+                    })
+                    .collect();
+                ex.sort_by(f64::total_cmp);
+                let ex = ex[ex.len() / 2];
+                let c_arg = residual.then(|| (tensor_ptr(&c).unwrap(), n));
+                let lt = gemm_lt_times(&dev, KernelDType::BF16, &g, c_arg, reps).unwrap();
+                let best = lt
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, x)| x.map(|x| (i, x)))
+                    .min_by(|a, b| a.1.total_cmp(&b.1));
+                let tflops = |ms: f64| 2.0 * (t * n * k) as f64 / ms / 1e9;
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "gemm": name, "T": t, "n": n, "k": k, "residual": residual,
+                        "gemm_ex_ms": ex, "gemm_ex_tflops": tflops(ex),
+                        "lt_ms": lt, "lt_first_tflops": lt[0].map(tflops),
+                        "lt_best": best.map(|b| b.0), "lt_best_tflops": best.map(|b| tflops(b.1)),
+                    })
+                );
+            }
+        }
+    }
+
+    /// The projections of a Llama-family forward and nothing else: per layer the q|k|v, o,
+    /// gate|up and down GEMMs (`cublasGemmEx`, one layer's random weights reused by every
+    /// layer: at any T the weights of a layer, 436 MB for Llama-3.1-8B, are far beyond the L2,
+    /// so the reads are those of distinct layers), then the output head. Timed as the capture
+    /// forward is, in the same process: what any forward built on these GEMMs costs at least on
+    /// this machine as it runs (its clocks under load included), the same-run peer of the
+    /// roofline floor.
+    struct Projections {
+        /// (weight, n, k, input buffer index, output buffer index)
+        layer: Vec<(Tensor, usize, usize, usize, usize)>,
+        head: Tensor,
+        layers: usize,
+        bufs: Vec<Tensor>,
+        logits: Tensor,
+    }
+
+    impl Projections {
+        fn new(cfg: &eagle_check::config::ModelConfig, t: usize, device: &Device) -> Projections {
+            let randn = |shape: &[usize]| {
+                Tensor::randn(0f32, 0.02, shape, device)
+                    .unwrap()
+                    .to_dtype(DType::BF16)
+                    .unwrap()
+            };
+            let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+            let (q, kv) = (
+                cfg.num_heads * cfg.head_dim,
+                cfg.num_kv_heads * cfg.head_dim,
+            );
+            // Buffers: 0 normed [T, h], 1 q|k|v [T, q + 2 kv], 2 attention out [T, q],
+            // 3 o / down out [T, h], 4 gate|up [T, 2i], 5 act [T, i].
+            let bufs = vec![
+                randn(&[t, h]),
+                randn(&[t, q + 2 * kv]),
+                randn(&[t, q]),
+                randn(&[t, h]),
+                randn(&[t, 2 * i]),
+                randn(&[t, i]),
+            ];
+            let layer = vec![
+                (randn(&[q + 2 * kv, h]), q + 2 * kv, h, 0, 1),
+                (randn(&[h, q]), h, q, 2, 3),
+                (randn(&[2 * i, h]), 2 * i, h, 0, 4),
+                (randn(&[h, i]), h, i, 5, 3),
+            ];
+            Projections {
+                layer,
+                head: randn(&[cfg.vocab_size, h]),
+                layers: cfg.num_layers,
+                logits: randn(&[t, cfg.vocab_size]),
+                bufs,
+            }
+        }
+
+        fn run(&self, dev: &candle_core::cuda_backend::CudaDevice, t: usize) {
+            use eagle_check::kernels::KernelDType;
+            use eagle_check::kernels::cuda::tensor_ptr;
+            use eagle_check::kernels::gemm::{GemmArgs, gemm_raw};
+            let gemm = |w: &Tensor, n: usize, k: usize, a: &Tensor, out: &Tensor| {
+                let g = GemmArgs {
+                    out: tensor_ptr(out).unwrap(),
+                    out_stride: n,
+                    a: tensor_ptr(a).unwrap(),
+                    a_stride: k,
+                    w: tensor_ptr(w).unwrap(),
+                    w_stride: k,
+                    m: t,
+                    n,
+                    k,
+                    accumulate: false,
+                };
+                gemm_raw(dev, KernelDType::BF16, &g).unwrap();
+            };
+            for _ in 0..self.layers {
+                for (w, n, k, a, out) in &self.layer {
+                    gemm(w, *n, *k, &self.bufs[*a], &self.bufs[*out]);
+                }
+            }
+            let (v, h) = (self.head.dim(0).unwrap(), self.head.dim(1).unwrap());
+            gemm(&self.head, v, h, &self.bufs[0], &self.logits);
+        }
+    }
+
     pub fn main() {
         let args: Vec<String> = std::env::args().collect();
         if args.get(1).map(String::as_str) == Some("score") && args.len() >= 3 {
             score(args[2].parse().unwrap());
+            return;
+        }
+        if args.get(1).map(String::as_str) == Some("gemm") && args.len() >= 4 {
+            let ts: Vec<usize> = args[2].split(',').map(|t| t.parse().unwrap()).collect();
+            gemm(&ts, args[3].parse().unwrap());
             return;
         }
         if args.get(1).map(String::as_str) == Some("moe-gemm") && args.len() >= 4 {
@@ -367,12 +538,12 @@ mod gpu {
                 ms.sort_by(f64::total_cmp);
                 ms
             };
-            // The same forwards with the memory pool handing freed memory back to the driver at
-            // every synchronisation (the driver's default; see `cuda::keep_freed_memory`).
-            cuda::keep_freed_memory(&dev, false).unwrap();
+            // The same forwards with the mma.sync attention kernels (the default before the
+            // Hopper kernels; the same as the default on a GPU that is not sm_90).
+            cuda::prefer_mma_attention(true);
             run();
-            let ms_released = timed();
-            cuda::keep_freed_memory(&dev, true).unwrap();
+            let ms_mma = timed();
+            cuda::prefer_mma_attention(false);
             run();
             let ms = timed();
             let median = ms[ms.len() / 2];
@@ -416,12 +587,30 @@ mod gpu {
                     .map(|(name, ms, n)| serde_json::json!({"phase": name, "ms": ms, "marks": n}))
                     .collect::<Vec<_>>()
             });
+            // The same-run peer: the forward's GEMMs alone, timed the same way (Llama family).
+            let projections_ms = (cfg.mla.is_none() && cfg.moe.is_none()).then(|| {
+                let p = Projections::new(&cfg, t, &device);
+                let once = || {
+                    device.synchronize().unwrap();
+                    let s = Instant::now();
+                    p.run(&dev, t);
+                    device.synchronize().unwrap();
+                    s.elapsed().as_secs_f64() * 1e3
+                };
+                for _ in 0..2 {
+                    once();
+                }
+                let mut ms: Vec<f64> = (0..reps).map(|_| once()).collect();
+                ms.sort_by(f64::total_cmp);
+                ms[ms.len() / 2]
+            });
             let floor_ms = counts.floor_ms(t);
             let line = serde_json::json!({
                 "T": t,
                 "ms": median,
                 "all_ms": ms,
-                "ms_pool_released": ms_released[ms_released.len() / 2],
+                "ms_mma_attention": ms_mma[ms_mma.len() / 2],
+                "projections_only_ms": projections_ms,
                 "floor_ms": floor_ms,
                 "ratio_to_floor": median / floor_ms,
                 "normwise_err": errors,

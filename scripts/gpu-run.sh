@@ -6,6 +6,11 @@
 #   CUDA_LIB: the CUDA 13 runtime libraries (libcublas, libcudart, ...), default /usr/local/cuda/lib64
 #   STEPS: which steps to run (default: kernels gpu throughput bench; also bench-deepseek,
 #     moe-gemm, score, stream, diff); EAGLE_CHECK_PHASES=1 adds a phase-by-phase forward to each bench length
+#   CLOCKS=1: samples the SM clock, power, temperature and throttle reasons every 200 ms into
+#     $OUT/clocks.csv while the steps run (is a long forward slower than its phases because the
+#     clock drops?)
+#   STEP_TIMEOUT: seconds before a step is killed (default 1200: a hung kernel costs one step,
+#     not the whole device call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-${TMPDIR:-/tmp}/eagle-check-gpu}
@@ -15,14 +20,20 @@ export LD_LIBRARY_PATH=${CUDA_LIB:-/usr/local/cuda/lib64}${LD_LIBRARY_PATH:+:$LD
 export EAGLE_CHECK_ROOT=$PWD EAGLE_CHECK_BIN=$PWD/.gpu/bins/eagle-check
 ln -sfn .gpu/bins bins
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
+if [ "${CLOCKS:-0}" = 1 ]; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv -lms 200 >"$out/clocks.csv" 2>&1 &
+    clocks_pid=$!
+    trap 'kill $clocks_pid 2>/dev/null' EXIT
+fi
 summary=()
 step() { # name, command...
     local name=$1
     shift
     local start=$SECONDS
-    "$@" >"$out/$name.log" 2>&1
+    timeout "${STEP_TIMEOUT:-1200}" "$@" >"$out/$name.log" 2>&1
     local rc=$?
-    summary+=("$name: exit $rc in $((SECONDS - start)) s; $(grep -E '^test result' "$out/$name.log" | tr '\n' ' ')")
+    summary+=("$name: exit $rc in $((SECONDS - start)) s (ended $(date +%T)); $(grep -E '^test result' "$out/$name.log" | tr '\n' ' ')")
 }
 for s in ${STEPS:-kernels gpu throughput bench}; do
     case $s in
@@ -33,6 +44,7 @@ for s in ${STEPS:-kernels gpu throughput bench}; do
     bench-deepseek) step bench-deepseek env SHAPE=deepseek-v3-3l TOKENS=${DS_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-deepseek" ;;
     stream) step stream bash benches/gpu/stream.sh "$out/stream" ;;
     score) step score bins/gpu-bench score ${REPS:-5} ;;
+    gemm) step gemm bins/gpu-bench gemm ${GEMM_TOKENS:-2048,8192} ${REPS:-5} ;;
     moe-gemm) step moe-gemm bins/gpu-bench moe-gemm ${MOE_TOKENS:-128,512,2048} ${REPS:-5} ;;
     diff) step diff env EAGLE_CHECK_BENCH_DEVICES=cpu,cuda EAGLE_CHECK_BENCH_SAMPLES=${DIFF_SAMPLES:-200} EAGLE_CHECK_BENCH_DIR="${TMPDIR:-/tmp}/eagle-check-diff-bench" bins/diff-bench ;;
     esac
