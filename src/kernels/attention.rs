@@ -557,53 +557,62 @@ mod tests {
             );
         }
 
+        /// Runs kernel `tag` (dk, dv) on ragged shapes against the reference: T = 1, T below and
+        /// across one block, tq < tk, a short window, a window with tq < tk over many tiles
+        /// (every stage of a 4-stage ring, tiles skipped before the window), growing row maxima
+        /// (the rescale paths).
+        fn ragged_cases(gpu: &Device, tag: &'static str, dk: usize, dv: usize) {
+            let (nh, nkv) = if dk != dv { (16, 16) } else { (8, 2) };
+            for (tq, tk, window, ramp) in [
+                (1, 1, None, false),
+                (37, 37, None, false),
+                (129, 129, None, false),
+                (70, 300, None, false),
+                (200, 200, Some(33), false),
+                (100, 600, Some(150), false),
+                (300, 300, None, true),
+                (257, 257, Some(70), true),
+            ] {
+                for dtype in [DType::BF16, DType::F16] {
+                    check_inputs(
+                        gpu,
+                        dtype,
+                        (tq, tk, nh, nkv, dk, dv, window),
+                        Some(tag),
+                        ramp,
+                    );
+                }
+            }
+        }
+
+        /// Realistic shapes on the kernel `tag_for` names for (dk, dv): Llama-3.1-8B and a
+        /// Mistral window at T = 2048, DeepSeek MLA heads, f16 with tq < tk.
+        fn realistic_cases(gpu: &Device, tag_for: impl Fn(usize, usize) -> Option<&'static str>) {
+            for (dtype, case) in [
+                (DType::BF16, (2048, 2048, 32, 8, 128, 128, None)),
+                (DType::BF16, (2048, 2048, 32, 8, 128, 128, Some(1000))),
+                (DType::BF16, (2048, 2048, 16, 16, 192, 128, None)),
+                (DType::F16, (512, 2048, 32, 8, 128, 128, None)),
+            ] {
+                check(gpu, dtype, case, tag_for(case.4, case.5));
+            }
+        }
+
         #[test]
         fn device_tensor_core_matches_reference() {
             let Some(gpu) = crate::kernels::testing::cuda_device() else {
                 return;
             };
             for c in TC_CONFIGS {
-                let mla = c.dk != c.dv;
-                let (nh, nkv) = if mla { (16, 16) } else { (8, 2) };
-                // Ragged tiles: T = 1, T below and across one block, tq < tk, a short window, a
-                // window with tq < tk over many tiles (every stage of a 4-stage ring, tiles
-                // skipped before the window), then growing row maxima (the rescale path).
-                for (tq, tk, window, ramp) in [
-                    (1, 1, None, false),
-                    (37, 37, None, false),
-                    (129, 129, None, false),
-                    (70, 300, None, false),
-                    (200, 200, Some(33), false),
-                    (100, 600, Some(150), false),
-                    (300, 300, None, true),
-                    (257, 257, Some(70), true),
-                ] {
-                    for dtype in [DType::BF16, DType::F16] {
-                        check_inputs(
-                            &gpu,
-                            dtype,
-                            (tq, tk, nh, nkv, c.dk, c.dv, window),
-                            Some(c.tag),
-                            ramp,
-                        );
-                    }
-                }
+                ragged_cases(&gpu, c.tag, c.dk, c.dv);
             }
-            // Realistic: Llama-3.1-8B and a Mistral window at T = 2048, DeepSeek MLA heads.
-            check(&gpu, DType::BF16, (2048, 2048, 32, 8, 128, 128, None), None);
-            check(
-                &gpu,
-                DType::BF16,
-                (2048, 2048, 32, 8, 128, 128, Some(1000)),
-                None,
-            );
-            check(
-                &gpu,
-                DType::BF16,
-                (2048, 2048, 16, 16, 192, 128, None),
-                None,
-            );
-            check(&gpu, DType::F16, (512, 2048, 32, 8, 128, 128, None), None);
+            // Each head shape's mma.sync tile (the default off sm_90).
+            realistic_cases(&gpu, |dk, dv| {
+                TC_CONFIGS
+                    .iter()
+                    .find(|c| (c.dk, c.dv) == (dk, dv))
+                    .map(|c| c.tag)
+            });
         }
 
         /// The Hopper kernels' building blocks: one S = Q K^T tile (both operands K-major from
@@ -650,38 +659,15 @@ mod tests {
             assert_close(&values(&o_out), &want_o, 1e-4, 1e-5, "wgmma O = P V");
         }
 
-        /// The Hopper kernels against the reference on the tensor-core cases (ragged lengths,
-        /// tq < tk, windows, growing row maxima) and realistic shapes; and the default path on
-        /// an sm_90 device is the Hopper kernel.
+        /// The Hopper kernels against the reference on the ragged cases and realistic shapes;
+        /// and the default path on an sm_90 device is the Hopper kernel.
         #[test]
         fn device_hopper_matches_reference() {
             let Some(gpu) = hopper_device() else {
                 return;
             };
             for c in WG_CONFIGS {
-                let mla = c.dk != c.dv;
-                let (nh, nkv) = if mla { (16, 16) } else { (8, 2) };
-                for (tq, tk, window, ramp) in [
-                    (1, 1, None, false),
-                    (37, 37, None, false),
-                    (129, 129, None, false),
-                    (70, 300, None, false),
-                    (200, 200, Some(33), false),
-                    (100, 600, Some(150), false),
-                    (300, 300, None, true),
-                    (257, 257, Some(70), true),
-                    (700, 700, None, false),
-                ] {
-                    for dtype in [DType::BF16, DType::F16] {
-                        check_inputs(
-                            &gpu,
-                            dtype,
-                            (tq, tk, nh, nkv, c.dk, c.dv, window),
-                            Some(c.tag),
-                            ramp,
-                        );
-                    }
-                }
+                ragged_cases(&gpu, c.tag, c.dk, c.dv);
             }
             let Device::Cuda(dev) = &gpu else {
                 unreachable!("hopper_device is a CUDA device")
@@ -708,21 +694,8 @@ mod tests {
                 crate::kernels::cuda::flash_path(dev, crate::kernels::KernelDType::BF16, &llama),
                 crate::kernels::cuda::FlashPath::Hopper(WG_CONFIGS[0])
             );
-            // Default path at realistic shapes: Llama-3.1-8B, a Mistral window, DeepSeek MLA.
-            check(&gpu, DType::BF16, (2048, 2048, 32, 8, 128, 128, None), None);
-            check(
-                &gpu,
-                DType::BF16,
-                (2048, 2048, 32, 8, 128, 128, Some(1000)),
-                None,
-            );
-            check(
-                &gpu,
-                DType::BF16,
-                (2048, 2048, 16, 16, 192, 128, None),
-                None,
-            );
-            check(&gpu, DType::F16, (512, 2048, 32, 8, 128, 128, None), None);
+            // The default path, which is the Hopper kernel here.
+            realistic_cases(&gpu, |_, _| None);
         }
 
         /// Throughput of every tensor-core tile on Llama-3.1-8B heads (nh 32, nkv 8, hd 128) and

@@ -745,6 +745,19 @@ mod tests {
         );
     }
 
+    /// (atol, rtol) of a cuBLAS GEMM against f32 products `want`: f32 accumulation in another
+    /// order (cuBLAS tiles) costs a few ulps of the largest partial sums, which reach max |out|
+    /// (an element that cancels to ~0 keeps that absolute error: the tolerance is absolute in
+    /// max |out|); a bf16 output one ulp more.
+    fn tolerance(want: &Tensor, dtype: DType) -> (f32, f32) {
+        let scale = values(want).iter().fold(0f32, |m, v| m.max(v.abs()));
+        if dtype == DType::F32 {
+            (1e-5 * scale.max(1.0), 1e-4)
+        } else {
+            (1e-2 * scale.max(1.0), 1.0 / 128.0)
+        }
+    }
+
     #[test]
     fn device_gemm_matches_reference() {
         let Some(gpu) = crate::kernels::testing::cuda_device() else {
@@ -769,15 +782,7 @@ mod tests {
                     false,
                 )
                 .unwrap();
-                // f32 accumulation in another order (cuBLAS tiles): a few ulps of the largest
-                // partial sums, which reach max |out| (an element that cancels to ~0 keeps that
-                // absolute error: the tolerance is absolute in max |out|); bf16 output: one ulp.
-                let scale = values(&want).iter().fold(0f32, |m, v| m.max(v.abs()));
-                let (atol, rtol) = if dtype == DType::F32 {
-                    (1e-5 * scale.max(1.0), 1e-4)
-                } else {
-                    (1e-2 * scale.max(1.0), 1.0 / 128.0)
-                };
+                let (atol, rtol) = tolerance(&want, dtype);
                 assert_close(
                     &values(&window),
                     &values(&want),
@@ -840,13 +845,8 @@ mod tests {
                     n + c_pad,
                 )
                 .unwrap();
-                // As device_gemm_matches_reference, plus c's rounding (one rounding of the sum).
-                let scale = values(&want).iter().fold(0f32, |m, v| m.max(v.abs()));
-                let (atol, rtol) = if dtype == DType::F32 {
-                    (1e-5 * scale.max(1.0), 1e-4)
-                } else {
-                    (1e-2 * scale.max(1.0), 1.0 / 128.0)
-                };
+                // One rounding of the sum with c, as of the product alone.
+                let (atol, rtol) = tolerance(&want, dtype);
                 let what = format!("{m}x{n}x{k} + c {dtype:?}");
                 assert_close(&values(&out), &values(&want), atol, rtol, &what);
                 // c is read, not written.

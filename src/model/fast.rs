@@ -36,6 +36,29 @@ struct Proj {
 }
 
 impl Proj {
+    /// `out[T, n] (row stride out.1) = a[T, k] @ w^T`, accumulating onto `out` when there is a
+    /// bias (the caller writes the bias rows first).
+    fn args(
+        &self,
+        a: (DevPtr, usize),
+        out: (DevPtr, usize),
+        t: usize,
+        k: usize,
+    ) -> Result<GemmArgs> {
+        Ok(GemmArgs {
+            out: out.0,
+            out_stride: out.1,
+            a: a.0,
+            a_stride: a.1,
+            w: ptr(&self.w)?,
+            w_stride: k,
+            m: t,
+            n: self.n,
+            k,
+            accumulate: self.b.is_some(),
+        })
+    }
+
     /// Several projections of the same input stacked into one (`q|k|v`, `gate|up`); one
     /// projection is taken as it is (no copy).
     fn fused(parts: &[&Linear]) -> candle_core::Result<Proj> {
@@ -186,23 +209,7 @@ impl FastLlama {
             )
             .ctx(|| "bias".to_string())?;
         }
-        gemm_raw(
-            &self.dev,
-            self.kd,
-            &GemmArgs {
-                out: out.0,
-                out_stride: out.1,
-                a: a.0,
-                a_stride: a.1,
-                w: ptr(&p.w)?,
-                w_stride: k,
-                m: t,
-                n: p.n,
-                k,
-                accumulate: p.b.is_some(),
-            },
-        )
-        .ctx(|| "projection".to_string())
+        gemm_raw(&self.dev, self.kd, &p.args(a, out, t, k)?).ctx(|| "projection".to_string())
     }
 
     /// `out[T, n] = a[T, k] @ p.w^T + c[T, n]` (row stride `n` for c): the residual add in the
@@ -216,25 +223,8 @@ impl FastLlama {
         k: usize,
         c: DevPtr,
     ) -> Result<()> {
-        gemm_add_raw(
-            &self.dev,
-            self.kd,
-            &GemmArgs {
-                out,
-                out_stride: p.n,
-                a: a.0,
-                a_stride: a.1,
-                w: ptr(&p.w)?,
-                w_stride: k,
-                m: t,
-                n: p.n,
-                k,
-                accumulate: true,
-            },
-            c,
-            p.n,
-        )
-        .ctx(|| "projection + residual".to_string())
+        let g = p.args(a, (out, p.n), t, k)?;
+        gemm_add_raw(&self.dev, self.kd, &g, c, p.n).ctx(|| "projection + residual".to_string())
     }
 
     /// An uninitialised `[rows, cols]` buffer in the compute dtype: every buffer of the
