@@ -93,22 +93,17 @@ pub fn gemm_add_raw(
     c: DevPtr,
     c_stride: usize,
 ) -> Result<()> {
+    // The heuristic's first choice: within 1-5% of cublasGemmEx and of the best of the others
+    // on the Llama projections (`gpu-bench gemm`, BENCHMARKS.md run 14).
     with_lt_plan(dev, dtype, g, Some(c_stride), |lt, plan| {
-        lt.run(plan, plan.chosen, dev, g, Some(c))
+        lt.run(plan, 0, dev, g, Some(c))
     })
 }
 
-/// `out = a @ w^T` through cublasLt (the same call as [`gemm_add_raw`] without `c`).
-pub fn gemm_lt_raw(dev: &CudaDevice, dtype: KernelDType, g: &GemmArgs) -> Result<()> {
-    with_lt_plan(dev, dtype, g, None, |lt, plan| {
-        lt.run(plan, plan.chosen, dev, g, None)
-    })
-}
-
-/// The GEMM of [`gemm_lt_raw`] (or [`gemm_add_raw`] with `c`) timed once per algorithm that
-/// cublasLt's heuristic offers for its shape (up to [`LT_ALGOS`], best guess first): ms per
-/// run, the median of `reps` runs between CUDA events after one warm-up run, `None` where the
-/// algorithm failed. `out` is overwritten `reps + 1` times per algorithm, so it must not alias
+/// `out = a @ w^T` (or [`gemm_add_raw`]'s sum with `c`) through cublasLt, timed once per
+/// algorithm that cublasLt's heuristic offers for its shape (up to [`LT_ALGOS`], best guess
+/// first): ms per run, the median of `reps` runs between CUDA events after one warm-up run,
+/// `None` where the algorithm failed. `out` is overwritten `reps + 1` times per algorithm, so it must not alias
 /// an input. For the GPU bench (`gpu-bench gemm`).
 pub fn gemm_lt_times(
     dev: &CudaDevice,
@@ -304,8 +299,6 @@ struct LtPlan {
     layouts: [cudarc::cublaslt::sys::cublasLtMatrixLayout_t; 4],
     /// The heuristic's algorithms, best guess first.
     algos: Vec<cudarc::cublaslt::sys::cublasLtMatmulAlgo_t>,
-    /// The one [`gemm_lt_raw`] and [`gemm_add_raw`] run.
-    chosen: usize,
 }
 
 impl LtPlan {
@@ -397,7 +390,6 @@ impl LtPlan {
             desc,
             layouts,
             algos,
-            chosen: 0,
         })
     }
 }
