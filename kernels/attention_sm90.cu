@@ -44,6 +44,7 @@
 // one O = P V tile through the same descriptors, against f32 products on the CPU). Skipped (and
 // said so) on a GPU that is not sm_90.
 #include "common.cuh"
+#include "mma.cuh"
 #include <cuda.h>
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -56,10 +57,6 @@ constexpr int BM = 128;      // query rows per block (two consumer warpgroups of
 constexpr int BN = 128;      // keys per K/V tile
 constexpr int SLAB = 64;     // columns per 128-byte swizzled slab
 constexpr float TAU = 8.f;   // lazy rescaling threshold, log2 units
-
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
 
 // ------------------------------------------------------------------ mbarrier and TMA
 
@@ -102,7 +99,9 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
            ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
@@ -145,21 +144,7 @@ template <typename T> struct Wg;
                          : EAGLE_ACC64                                                            \
                          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));           \
         }                                                                                         \
-        static __device__ __forceinline__ uint32_t pack(float lo, float hi) {                     \
-            return pack_pair<T>(lo, hi);                                                          \
-        }                                                                                         \
     };
-
-// Two f32 as one register of T pairs, `lo` in the low half (the lower column).
-template <typename T> __device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&v);
-}
-template <> __device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&v);
-}
 
 EAGLE_WG_TYPE(__nv_bfloat16, "bf16")
 EAGLE_WG_TYPE(__half, "f16")
@@ -232,8 +217,7 @@ __device__ __forceinline__ void softmax(float (&s)[64], float (&m)[2], float (&l
     const float mu[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
-        float x;
-        asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(x) : "f"(fmaf(s[i], scale_log2, -mu[(i >> 1) & 1])));
+        const float x = fast_exp2(fmaf(s[i], scale_log2, -mu[(i >> 1) & 1]));
         s[i] = x;
         l[(i >> 1) & 1] += x;
     }
@@ -248,7 +232,7 @@ __device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&p)[BN / 
     for (int kk = 0; kk < BN / 16; ++kk) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            p[kk][e] = Wg<T>::pack(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+            p[kk][e] = TensorCore<T>::pack(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
             reg_fence(p[kk][e]);
         }
     }
@@ -271,14 +255,14 @@ __device__ __forceinline__ void flash_wg(const CUtensorMap *q_map, const CUtenso
     using S = Smem<DK, DV, ST>;
     extern __shared__ unsigned char wg_smem_raw[];
     __shared__ __align__(8) uint64_t bars[1 + 3 * ST];
-    const uint32_t base = (smem_u32(wg_smem_raw) + 1023) & ~1023u;
+    const uint32_t base = (smem_addr(wg_smem_raw) + 1023) & ~1023u;
     const uint32_t q_s = base, kv_s = base + S::Q;
     auto k_s = [&](int st) { return kv_s + st * (S::K + S::V); };
     auto v_s = [&](int st) { return kv_s + st * (S::K + S::V) + S::K; };
-    const uint32_t q_full = smem_u32(&bars[0]);
-    auto k_full = [&](int st) { return smem_u32(&bars[1 + st]); };
-    auto v_full = [&](int st) { return smem_u32(&bars[1 + ST + st]); };
-    auto empty = [&](int st) { return smem_u32(&bars[1 + 2 * ST + st]); };
+    const uint32_t q_full = smem_addr(&bars[0]);
+    auto k_full = [&](int st) { return smem_addr(&bars[1 + st]); };
+    auto v_full = [&](int st) { return smem_addr(&bars[1 + ST + st]); };
+    auto empty = [&](int st) { return smem_addr(&bars[1 + 2 * ST + st]); };
 
     const int h = blockIdx.x, g = h / (nh / nkv);
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM; // the longest rows first
@@ -320,96 +304,95 @@ __device__ __forceinline__ void flash_wg(const CUtensorMap *q_map, const CUtenso
             }
         }
     } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-    using W = Wg<T>;
-    const int c = wg - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-    const uint32_t q_c = q_s + c * (DK / SLAB) * 64 * 128;
-    // This warpgroup's rows and the keys they see.
-    const int c_first = q0 + c * 64;
-    const int c_pos_lo = c_first + off, c_pos_hi = min(c_first + 64, tq) - 1 + off;
-    auto edge = [&](int key0) {
-        return key0 + BN - 1 > c_pos_lo || (window > 0 && key0 < c_pos_hi - window + 1);
-    };
-    const int pos0 = c_pos_lo + warp * 16 + (lane >> 2); // this lane's first row
-    const float scale_log2 = scale * 1.4426950408889634f;
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+        const int c = wg - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+        const uint32_t q_c = q_s + c * (DK / SLAB) * 64 * 128;
+        // This warpgroup's rows and the keys they see.
+        const int c_first = q0 + c * 64;
+        const int c_pos_lo = c_first + off, c_pos_hi = min(c_first + 64, tq) - 1 + off;
+        auto edge = [&](int key0) {
+            return key0 + BN - 1 > c_pos_lo || (window > 0 && key0 < c_pos_hi - window + 1);
+        };
+        const int pos0 = c_pos_lo + warp * 16 + (lane >> 2); // this lane's first row
+        const float scale_log2 = scale * 1.4426950408889634f;
 
-    float o[64], s[64];
+        float o[64], s[64];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
-    uint32_t p[BN / 16][4];
+        for (int i = 0; i < 64; ++i) o[i] = 0.f;
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+        uint32_t p[BN / 16][4];
 
-    mbar_wait(q_full, 0);
-    mbar_wait(k_full(0), 0);
-    wg_fence();
-    qk<T, DK>(s, q_c, k_s(0));
-    wg_commit();
-    wg_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 64; ++i) reg_fence(s[i]);
-    if (edge(t_lo * BN)) mask(s, t_lo * BN, pos0, window);
-    softmax(s, m, l, alpha, scale_log2);
-    pack_p<T>(s, p);
-
-    // Steady state (FA3's intra-warpgroup overlap): S(i + 1) is issued before P V(i), and its
-    // softmax runs while P V(i) does; O is rescaled and P(i + 1) packed once P V(i) is done.
-    for (int i = 0; i + 1 < tiles; ++i) {
-        const int st = i % ST, ns = (i + 1) % ST;
-        mbar_wait(k_full(ns), ((i + 1) / ST) & 1);
+        mbar_wait(q_full, 0);
+        mbar_wait(k_full(0), 0);
         wg_fence();
-        qk<T, DK>(s, q_c, k_s(ns));
+        qk<T, DK>(s, q_c, k_s(0));
         wg_commit();
-        mbar_wait(v_full(st), (i / ST) & 1);
-        wg_fence();
-        pv<T>(o, p, v_s(st));
-        wg_commit();
-        wg_wait<1>(); // S(i + 1) is ready; P V(i) may still run
+        wg_wait<0>();
 #pragma unroll
-        for (int j = 0; j < 64; ++j) reg_fence(s[j]);
-        const int key0 = (t_lo + i + 1) * BN;
-        if (edge(key0)) mask(s, key0, pos0, window);
+        for (int i = 0; i < 64; ++i) reg_fence(s[i]);
+        if (edge(t_lo * BN)) mask(s, t_lo * BN, pos0, window);
         softmax(s, m, l, alpha, scale_log2);
-        wg_wait<0>();
-#pragma unroll
-        for (int j = 0; j < 64; ++j) reg_fence(o[j]);
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) reg_fence(p[kk][e]);
-        mbar_arrive(empty(st));
-        if (alpha[0] != 1.f || alpha[1] != 1.f) {
-#pragma unroll
-            for (int j = 0; j < 64; ++j) o[j] *= alpha[(j >> 1) & 1];
-        }
         pack_p<T>(s, p);
-    }
-    {
-        const int i = tiles - 1, st = i % ST;
-        mbar_wait(v_full(st), (i / ST) & 1);
-        wg_fence();
-        pv<T>(o, p, v_s(st));
-        wg_commit();
-        wg_wait<0>();
+
+        // Steady state (FA3's intra-warpgroup overlap): S(i + 1) is issued before P V(i), and its
+        // softmax runs while P V(i) does; O is rescaled and P(i + 1) packed once P V(i) is done.
+        for (int i = 0; i + 1 < tiles; ++i) {
+            const int st = i % ST, ns = (i + 1) % ST;
+            mbar_wait(k_full(ns), ((i + 1) / ST) & 1);
+            wg_fence();
+            qk<T, DK>(s, q_c, k_s(ns));
+            wg_commit();
+            mbar_wait(v_full(st), (i / ST) & 1);
+            wg_fence();
+            pv<T>(o, p, v_s(st));
+            wg_commit();
+            wg_wait<1>(); // S(i + 1) is ready; P V(i) may still run
 #pragma unroll
-        for (int j = 0; j < 64; ++j) reg_fence(o[j]);
-        mbar_arrive(empty(st));
-    }
+            for (int j = 0; j < 64; ++j) reg_fence(s[j]);
+            const int key0 = (t_lo + i + 1) * BN;
+            if (edge(key0)) mask(s, key0, pos0, window);
+            softmax(s, m, l, alpha, scale_log2);
+            wg_wait<0>();
+#pragma unroll
+            for (int j = 0; j < 64; ++j) reg_fence(o[j]);
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) reg_fence(p[kk][e]);
+            mbar_arrive(empty(st));
+            if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+                for (int j = 0; j < 64; ++j) o[j] *= alpha[(j >> 1) & 1];
+            }
+            pack_p<T>(s, p);
+        }
+        {
+            const int i = tiles - 1, st = i % ST;
+            mbar_wait(v_full(st), (i / ST) & 1);
+            wg_fence();
+            pv<T>(o, p, v_s(st));
+            wg_commit();
+            wg_wait<0>();
+#pragma unroll
+            for (int j = 0; j < 64; ++j) reg_fence(o[j]);
+            mbar_arrive(empty(st));
+        }
 
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        float sum = l[hf];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        const int row = c_first + warp * 16 + (lane >> 2) + hf * 8;
-        if (row < tq) {
-            T *op = out + (long)row * o_stride + (long)h * DV + (lane & 3) * 2;
+        for (int hf = 0; hf < 2; ++hf) {
+            float sum = l[hf];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            const int row = c_first + warp * 16 + (lane >> 2) + hf * 8;
+            if (row < tq) {
+                T *op = out + (long)row * o_stride + (long)h * DV + (lane & 3) * 2;
 #pragma unroll
-            for (int n8 = 0; n8 < DV / 8; ++n8)
-                *reinterpret_cast<uint32_t *>(op + n8 * 8) =
-                    W::pack(o[4 * n8 + 2 * hf] * inv, o[4 * n8 + 2 * hf + 1] * inv);
+                for (int n8 = 0; n8 < DV / 8; ++n8)
+                    *reinterpret_cast<uint32_t *>(op + n8 * 8) =
+                        TensorCore<T>::pack(o[4 * n8 + 2 * hf] * inv, o[4 * n8 + 2 * hf + 1] * inv);
+            }
         }
-    }
     }
 #endif
 }
@@ -425,9 +408,9 @@ __device__ __forceinline__ void tile_check(const CUtensorMap *q_map, const CUten
 #ifdef EAGLE_SM90A
     extern __shared__ unsigned char wg_smem_raw[];
     __shared__ __align__(8) uint64_t bar;
-    const uint32_t base = (smem_u32(wg_smem_raw) + 1023) & ~1023u;
+    const uint32_t base = (smem_addr(wg_smem_raw) + 1023) & ~1023u;
     const uint32_t q_s = base, k_s = base + 2 * 64 * 128, v_s = k_s + 2 * BN * 128;
-    const uint32_t b = smem_u32(&bar);
+    const uint32_t b = smem_addr(&bar);
     if (threadIdx.x == 0) {
         mbar_init(b, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -453,7 +436,8 @@ __device__ __forceinline__ void tile_check(const CUtensorMap *q_map, const CUten
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int row = r0 + (e & 1) * 8, col = kk * 16 + (e >> 1) * 8 + (lane & 3) * 2;
-            p[kk][e] = pack_pair<T>(to_f32(pm[row * 128 + col]), to_f32(pm[row * 128 + col + 1]));
+            const T *x = pm + row * 128 + col;
+            p[kk][e] = TensorCore<T>::pack(to_f32(x[0]), to_f32(x[1]));
         }
     wg_fence();
     qk<T, 128>(s, q_s, k_s);

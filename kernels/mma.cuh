@@ -2,6 +2,7 @@
 // addresses, cp.async, ldmatrix, mma.sync m16n8k16 with f32 accumulators, ex2.approx. Kept apart
 // so that a host emulation (kernels/emu/) can compile attention.cu against lane-level models of
 // exactly these, with its own common.cuh; nothing else in attention.cu is inline PTX.
+// attention_sm90.cu uses its shared-memory addresses, `TensorCore<T>::pack` and `fast_exp2` too.
 #pragma once
 
 #include "common.cuh"

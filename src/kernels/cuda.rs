@@ -558,11 +558,7 @@ const GENERIC_WARPS: usize = 4;
 /// tensor-core kernel, for bf16/f16 with a configured (dk, dv) and 16-byte aligned rows; the
 /// generic kernel otherwise.
 pub fn flash_path(dev: &CudaDevice, dtype: KernelDType, a: &FlashArgs) -> FlashPath {
-    let aligned = [a.q, a.k, a.v, a.out].iter().all(|p| p.is_multiple_of(16))
-        && [a.q_stride, a.k_stride, a.v_stride, a.o_stride]
-            .iter()
-            .all(|s| s.is_multiple_of(8));
-    if dtype == KernelDType::F32 || !aligned {
+    if dtype == KernelDType::F32 || !rows_aligned(a) {
         return FlashPath::Generic;
     }
     if let Some(c) = WG_CONFIGS.iter().find(|c| c.dk == a.dk && c.dv == a.dv)
@@ -574,6 +570,15 @@ pub fn flash_path(dev: &CudaDevice, dtype: KernelDType, a: &FlashArgs) -> FlashP
         Some(c) => FlashPath::TensorCore(*c),
         None => FlashPath::Generic,
     }
+}
+
+/// Every pointer and row of q, k, v and out 16-byte aligned (in 2-byte elements): what the
+/// tensor-core and Hopper kernels' 16-byte copies need.
+fn rows_aligned(a: &FlashArgs) -> bool {
+    [a.q, a.k, a.v, a.out].iter().all(|p| p.is_multiple_of(16))
+        && [a.q_stride, a.k_stride, a.v_stride, a.o_stride]
+            .iter()
+            .all(|s| s.is_multiple_of(8))
 }
 
 fn check_flash(a: &FlashArgs) -> Result<()> {
@@ -670,7 +675,7 @@ pub fn flash_attn_on(
                     a.dv
                 );
             }
-            if flash_path(dev, dtype, a) == FlashPath::Generic {
+            if !rows_aligned(a) {
                 candle_core::bail!("attention: tile {} needs 16-byte aligned rows", c.tag);
             }
             let name = format!("flash_attn_tc_{}_{}", c.tag, dtype.suffix());
@@ -722,7 +727,7 @@ pub fn flash_attn_on(
             if !hopper(dev) {
                 candle_core::bail!("attention: kernel {} needs an sm_90 device", c.tag);
             }
-            if matches!(flash_path(dev, dtype, a), FlashPath::Generic) {
+            if !rows_aligned(a) {
                 candle_core::bail!("attention: kernel {} needs 16-byte aligned rows", c.tag);
             }
             let name = format!("flash_attn_{}_{}", c.tag, dtype.suffix());
@@ -804,9 +809,12 @@ pub fn tensor_map(
             "tensor map: base {base:#x}, {rows} x {cols} at stride {stride} is not a TMA matrix"
         );
     }
+    if !(1..=256).contains(&box_rows) {
+        candle_core::bail!("tensor map: a box of {box_rows} rows (TMA takes 1..=256)");
+    }
     let dims = [cols as u64, rows as u64];
     let strides = [row_bytes as u64];
-    let boxes = [64u32, u32::try_from(box_rows).unwrap_or(u32::MAX).min(256)];
+    let boxes = [64u32, box_rows as u32];
     let element_strides = [1u32, 1];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: every array has the rank's length (2, and 1 stride); the driver only encodes the
