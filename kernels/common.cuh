@@ -24,6 +24,12 @@ template <typename T> __device__ __forceinline__ float round_to(float x) {
     return to_f32(from_f32<T>(x));
 }
 
+// SwiGLU's gate: silu(g) * u with silu(g) = g / (1 + exp(-g)), in f32 with CUDA's accurate expf
+// (silu_mul.cu, and moe_gemm_sm90.cu's gate/up epilogue).
+__device__ __forceinline__ float silu_times(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
 // Elements of T in one 16-byte vector.
 template <typename T> struct Vec16 {
     static constexpr int N = 16 / sizeof(T);

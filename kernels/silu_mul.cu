@@ -18,10 +18,6 @@
 // `silu_mul_ref`, both kernels seen to run) and `tests::reference_matches_candle` (the reference vs candle's silu * up).
 #include "common.cuh"
 
-__device__ __forceinline__ float silu_times(float g, float u) {
-    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
-}
-
 template <typename T>
 __device__ __forceinline__ void silu_mul_row(const T *g, const T *u, T *o, int cols) {
     constexpr int V = Vec16<T>::N;
