@@ -5,7 +5,7 @@
 //! the peer's boundaries and greedy tokens. Prints one JSON object per length.
 //!
 //!     gpu MODEL_DIR HF_STATES.safetensors T,T,... REPS
-//!     gpu moe-gemm T,T,... REPS        (the MoE expert GEMMs alone; see `moe_gemm`)
+//!     gpu moe-gemm T,T,... REPS        (the MoE experts alone, both paths; see `moe_gemm`)
 //!     gpu score REPS                   (the diff's scoring kernels alone; see `score`)
 //!     gpu gemm T,T,... REPS            (the Llama projections: cuBLAS against cublasLt's
 //!                                       algorithms; see `gemm`)
@@ -136,13 +136,15 @@ mod gpu {
     }
 
     /// `gpu moe-gemm T,T,... REPS`: the routed experts of one DeepSeek-V3 MoE layer (256
-    /// experts, 8 per token, H 7168, I 2048, bf16) as one grouped cuBLAS call against one
-    /// `cublasGemmEx` per expert, both projections' shapes (gate or up: I x H; down: H x I),
-    /// T x 8 rows spread evenly over the experts. Prints ms and the weight bytes over the time.
+    /// experts, 8 per token, H 7168, I 2048, bf16) on T x 8 sorted rows, spread evenly and as
+    /// random routing spreads them (8 distinct experts a token, uniform, seeded), both ways
+    /// `eagle_check::kernels::moe_experts` runs them: kernels/moe_gemm_sm90.cu (two launches,
+    /// the offsets read on the device) and cuBLAS grouped GEMMs (the host reads the counts;
+    /// gate and up, SiLU-mul, down). Prints ms and the touched experts' weight bytes over the
+    /// time, for the whole experts step and for each Hopper launch.
     fn moe_gemm(ts: &[usize], reps: usize) {
-        use eagle_check::kernels::KernelDType;
-        use eagle_check::kernels::cuda::tensor_ptr;
-        use eagle_check::kernels::gemm::{GroupedGemmArgs, grouped_gemm_raw, per_group_gemm_raw};
+        use eagle_check::kernels::cuda::{MoeGemmArgs, MoeGemmKind, moe_gemm_wg, tensor_ptr};
+        use eagle_check::kernels::{KernelDType, StackedExperts, moe_experts};
         let dev = cuda::open_device(0).unwrap();
         let device = Device::Cuda(dev.clone());
         let (e, k_per_tok, h, inter) = (256usize, 8usize, 7168usize, 2048usize);
@@ -152,65 +154,125 @@ mod gpu {
                 .to_dtype(DType::BF16)
                 .unwrap()
         };
-        for (name, n, k) in [("gate or up", inter, h), ("down", h, inter)] {
-            let w = randn(&[e, n, k]);
-            for &t in ts {
-                let rows = t * k_per_tok;
-                let a = randn(&[rows, k]);
-                let out = Tensor::zeros((rows, n), DType::BF16, &device).unwrap();
-                let el = 2u64;
-                let (a_p, w_p, o_p) = (
-                    tensor_ptr(&a).unwrap(),
-                    tensor_ptr(&w).unwrap(),
-                    tensor_ptr(&out).unwrap(),
-                );
-                let mut groups = Vec::with_capacity(e);
-                let mut row = 0;
-                for x in 0..e {
-                    let r = rows / e + usize::from(x < rows % e);
-                    groups.push((
-                        a_p + (row * k) as u64 * el,
-                        w_p + (x * n * k) as u64 * el,
-                        o_p + (row * n) as u64 * el,
-                        r,
-                    ));
-                    row += r;
+        // The stacked weights hold more than 2^32 elements, past what candle's elementwise
+        // kernels index (their loops count in `unsigned int`): fill them by copies of one
+        // random block instead.
+        let block = randn(&[1 << 26]);
+        let filled = |rows: usize, cols: usize| -> Tensor {
+            let n = rows * cols;
+            let t = cuda::tensor(cuda::alloc(&dev, DType::BF16, n).unwrap(), (rows, cols));
+            let (dst, src) = (tensor_ptr(&t).unwrap(), tensor_ptr(&block).unwrap());
+            for start in (0..n).step_by(1 << 26) {
+                let len = (n - start).min(1 << 26);
+                // SAFETY: both ranges lie inside live allocations of 2-byte elements.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        dst + 2 * start as u64,
+                        src,
+                        2 * len,
+                        dev.cuda_stream().cu_stream(),
+                    )
+                    .unwrap();
                 }
-                let args = GroupedGemmArgs {
-                    groups,
-                    a_stride: k,
-                    w_stride: k,
-                    out_stride: n,
-                    n,
-                    k,
-                };
-                let touched = args.groups.iter().filter(|g| g.3 > 0).count();
-                let bytes = (touched * n * k) as f64 * 2.0;
-                let time = |f: &dyn Fn()| {
-                    for _ in 0..2 {
-                        f();
-                    }
+            }
+            t
+        };
+        let w = StackedExperts {
+            experts: e,
+            gate_up: filled(e * 2 * inter, h),
+            down: filled(e * h, inter),
+        };
+        let time = |f: &dyn Fn()| {
+            for _ in 0..2 {
+                f();
+            }
+            device.synchronize().unwrap();
+            let mut ms: Vec<f64> = (0..reps)
+                .map(|_| {
+                    let s = Instant::now();
+                    f();
                     device.synchronize().unwrap();
-                    let mut ms: Vec<f64> = (0..reps)
-                        .map(|_| {
-                            let s = Instant::now();
-                            f();
-                            device.synchronize().unwrap();
-                            s.elapsed().as_secs_f64() * 1e3
-                        })
-                        .collect();
-                    ms.sort_by(f64::total_cmp);
-                    ms[ms.len() / 2]
+                    s.elapsed().as_secs_f64() * 1e3
+                })
+                .collect();
+            ms.sort_by(f64::total_cmp);
+            ms[ms.len() / 2]
+        };
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for &t in ts {
+            let rows = t * k_per_tok;
+            let even: Vec<u32> = (0..e)
+                .map(|x| (rows / e + usize::from(x < rows % e)) as u32)
+                .collect();
+            let mut routed = vec![0u32; e];
+            for _ in 0..t {
+                let mut picked = Vec::with_capacity(k_per_tok);
+                while picked.len() < k_per_tok {
+                    let x = (next() % e as u64) as usize;
+                    if !picked.contains(&x) {
+                        picked.push(x);
+                    }
+                }
+                for x in picked {
+                    routed[x] += 1;
+                }
+            }
+            let x = randn(&[rows, h]);
+            for (spread, counts) in [("even", even), ("routed", routed)] {
+                let mut offsets = vec![0u32];
+                for c in &counts {
+                    offsets.push(offsets.last().unwrap() + c);
+                }
+                let offsets = Tensor::new(offsets.as_slice(), &device).unwrap();
+                let touched = counts.iter().filter(|&&c| c > 0).count();
+                let bytes_gu = (touched * 2 * inter * h) as f64 * 2.0;
+                let bytes_d = (touched * h * inter) as f64 * 2.0;
+                let run = |grouped: bool| {
+                    cuda::prefer_grouped_experts(grouped);
+                    let ms = time(&|| drop(moe_experts(&x, &offsets, &w).unwrap()));
+                    cuda::prefer_grouped_experts(false);
+                    ms
                 };
-                let grouped = time(&|| grouped_gemm_raw(&dev, KernelDType::BF16, &args).unwrap());
-                let looped = time(&|| per_group_gemm_raw(&dev, KernelDType::BF16, &args).unwrap());
+                let grouped_ms = run(true);
+                let hopper_ms = run(false);
+                let act = Tensor::zeros((rows, inter), DType::BF16, &device).unwrap();
+                let out = Tensor::zeros((rows, h), DType::BF16, &device).unwrap();
+                let ptr = |t: &Tensor| tensor_ptr(t).unwrap();
+                let launch = |kind, a: &Tensor, k, w: &Tensor, o: &Tensor, n_out| {
+                    let args = MoeGemmArgs {
+                        kind,
+                        x: ptr(a),
+                        rows,
+                        k,
+                        offsets: ptr(&offsets),
+                        experts: e,
+                        w: ptr(w),
+                        out: ptr(o),
+                        o_stride: n_out,
+                        n_out,
+                    };
+                    time(&|| moe_gemm_wg(&dev, KernelDType::BF16, &args).unwrap())
+                };
+                let gu_ms = launch(MoeGemmKind::GateUp, &x, h, &w.gate_up, &act, inter);
+                let down_ms = launch(MoeGemmKind::Down, &act, inter, &w.down, &out, h);
+                let max_rows = counts.iter().max().copied().unwrap_or(0);
                 println!(
                     "{}",
                     serde_json::json!({
-                        "moe_gemm": name, "T": t, "rows": rows, "experts_touched": touched,
-                        "weight_gb": bytes / 1e9,
-                        "grouped_ms": grouped, "grouped_tb_s": bytes / grouped / 1e9,
-                        "per_expert_ms": looped, "per_expert_tb_s": bytes / looped / 1e9,
+                        "moe_experts": spread, "T": t, "rows": rows, "experts_touched": touched,
+                        "max_rows": max_rows, "weight_gb": (bytes_gu + bytes_d) / 1e9,
+                        "grouped_ms": grouped_ms,
+                        "grouped_tb_s": (bytes_gu + bytes_d) / grouped_ms / 1e9,
+                        "hopper_ms": hopper_ms,
+                        "hopper_tb_s": (bytes_gu + bytes_d) / hopper_ms / 1e9,
+                        "hopper_gate_up_ms": gu_ms, "hopper_gate_up_tb_s": bytes_gu / gu_ms / 1e9,
+                        "hopper_down_ms": down_ms, "hopper_down_tb_s": bytes_d / down_ms / 1e9,
                     })
                 );
             }
@@ -544,6 +606,15 @@ mod gpu {
             run();
             let ms_mma = timed();
             cuda::prefer_mma_attention(false);
+            // MoE targets: the same forwards with the routed experts as cuBLAS grouped GEMMs
+            // (the default before kernels/moe_gemm_sm90.cu, and off sm_90).
+            let ms_grouped = cfg.moe.is_some().then(|| {
+                cuda::prefer_grouped_experts(true);
+                run();
+                let ms = timed();
+                cuda::prefer_grouped_experts(false);
+                ms[ms.len() / 2]
+            });
             run();
             let ms = timed();
             let median = ms[ms.len() / 2];
@@ -610,6 +681,7 @@ mod gpu {
                 "ms": median,
                 "all_ms": ms,
                 "ms_mma_attention": ms_mma[ms_mma.len() / 2],
+                "ms_grouped_experts": ms_grouped,
                 "projections_only_ms": projections_ms,
                 "floor_ms": floor_ms,
                 "ratio_to_floor": median / floor_ms,

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Joins the HF peer's timings (hf_times.json) and eagle-check's (ours.jsonl) into the
 BENCHMARKS.md table: ms for both, eagle-check / HF, eagle-check / roofline floor, the same
-forward with the mma.sync attention kernels (the default off sm_90), and the worst normwise
+forward with the mma.sync attention kernels (the default off sm_90), with the routed experts as
+cuBLAS grouped GEMMs (MoE targets; the default off sm_90), and the worst normwise
 difference of the compared boundaries."""
 
 import json
@@ -12,8 +13,8 @@ out = Path(sys.argv[1])
 hf = json.loads((out / "hf_times.json").read_text())
 ours = [json.loads(line) for line in (out / "ours.jsonl").read_text().splitlines() if line.strip()]
 print(f"{hf['shape']}, {hf['params'] / 1e9:.2f}B params, {hf['gpu']}, torch {hf['torch']}, transformers {hf['transformers']}")
-print("| T | HF ms | eagle-check ms | eagle-check / HF | floor ms | eagle-check / floor | HF / floor | with mma.sync attention ms | projections only ms (/ floor) | eagle-check / projections only | worst normwise diff | greedy agreement |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| T | HF ms | eagle-check ms | eagle-check / HF | floor ms | eagle-check / floor | HF / floor | with mma.sync attention ms | with grouped cuBLAS experts ms | projections only ms (/ floor) | eagle-check / projections only | worst normwise diff | greedy agreement |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 def proj(o):
     p = o.get("projections_only_ms")
     if p is None:
@@ -21,11 +22,17 @@ def proj(o):
     return f"{p:.2f} ({p / o['floor_ms']:.2f}) | {o['ms'] / p:.2f}"
 
 
+def grouped(o):
+    g = o.get("ms_grouped_experts")
+    return "-" if g is None else f"{g:.2f}"
+
+
 for o in ours:
     h = hf["times"][str(o["T"])]["median_ms"]
     print(
         f"| {o['T']} | {h:.2f} | {o['ms']:.2f} | {o['ms'] / h:.2f} | {o['floor_ms']:.2f} | "
         f"{o['ratio_to_floor']:.2f} | {h / o['floor_ms']:.2f} | {o.get('ms_mma_attention', float('nan')):.2f} | "
+        f"{grouped(o)} | "
         f"{proj(o)} | "
         f"{o['worst_normwise_err']:.2e} | "
         f"{o['greedy_agreement']:.3f} |"

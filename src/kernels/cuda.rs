@@ -22,6 +22,7 @@ enum Module {
     Attention,
     AttentionSm90,
     Fp8,
+    MoeGemmSm90,
     Gather,
     Moe,
     Rmsnorm,
@@ -37,6 +38,7 @@ impl Module {
             Module::Attention => "eagle_check_attention",
             Module::AttentionSm90 => "eagle_check_attention_sm90",
             Module::Fp8 => "eagle_check_fp8_dequant",
+            Module::MoeGemmSm90 => "eagle_check_moe_gemm_sm90",
             Module::Gather => "eagle_check_gather",
             Module::Moe => "eagle_check_moe",
             Module::Rmsnorm => "eagle_check_rmsnorm",
@@ -53,6 +55,7 @@ impl Module {
                 include_str!(concat!(env!("OUT_DIR"), "/attention_sm90.ptx"))
             }
             Module::Fp8 => include_str!(concat!(env!("OUT_DIR"), "/fp8_dequant.ptx")),
+            Module::MoeGemmSm90 => include_str!(concat!(env!("OUT_DIR"), "/moe_gemm_sm90.ptx")),
             Module::Gather => include_str!(concat!(env!("OUT_DIR"), "/gather.ptx")),
             Module::Moe => include_str!(concat!(env!("OUT_DIR"), "/moe.ptx")),
             Module::Rmsnorm => include_str!(concat!(env!("OUT_DIR"), "/rmsnorm.ptx")),
@@ -544,10 +547,33 @@ pub fn hopper(dev: &CudaDevice) -> bool {
     {
         return false;
     }
+    hopper_device(dev)
+}
+
+/// Whether the device is sm_90 (what the `*_sm90.cu` kernels' compute_90a PTX loads on).
+pub fn hopper_device(dev: &CudaDevice) -> bool {
     dev.cuda_stream()
         .context()
         .compute_capability()
         .is_ok_and(|cc| cc == (9, 0))
+}
+
+/// Set by [`prefer_grouped_experts`].
+static GROUPED_EXPERTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes [`hopper_experts`] say no on every device, so the routed experts run as cuBLAS
+/// grouped GEMMs (the GPU bench times both in one process); `EAGLE_CHECK_MOE=cublas` does the
+/// same for a whole run.
+pub fn prefer_grouped_experts(on: bool) {
+    GROUPED_EXPERTS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the routed experts run on kernels/moe_gemm_sm90.cu: an sm_90 device, unless the
+/// grouped cuBLAS path is preferred ([`prefer_grouped_experts`], `EAGLE_CHECK_MOE=cublas`).
+pub fn hopper_experts(dev: &CudaDevice) -> bool {
+    !(GROUPED_EXPERTS.load(std::sync::atomic::Ordering::Relaxed)
+        || std::env::var("EAGLE_CHECK_MOE").is_ok_and(|v| v == "cublas"))
+        && hopper_device(dev)
 }
 
 /// The generic path's limit on dk and dv (kernels/attention.cu `GEN_MAX_D`).
@@ -870,6 +896,140 @@ pub fn wg_tile_check(
         name,
         cfg((1, 1, 1), 128, smem)?,
         [q_map, k_map, v_map, p, s_out, o_out]
+    );
+    Ok(())
+}
+
+// ----------------------------------------------------------------------------- moe_gemm_sm90.cu
+
+/// Which of kernels/moe_gemm_sm90.cu's two GEMMs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeGemmKind {
+    /// `out[r, j] = silu(x_r . gate_j) * (x_r . up_j)`; each expert's weight block holds its
+    /// `n_out` gate rows, then its `n_out` up rows.
+    GateUp,
+    /// `out[r, j] = x_r . w_j`; each expert's weight block holds `n_out` rows.
+    Down,
+}
+
+/// `moe_gemm_wg_{gate_up,down}_*`: see kernels/moe_gemm_sm90.cu. `x` `[rows, k]` (row stride
+/// `k`) sorted by expert, `offsets` `[experts + 1]` u32 on the device (expert e owns rows
+/// `offsets[e]..offsets[e + 1]`, `offsets[experts] == rows`), `w` `[experts * rpe, k]` (row
+/// stride `k`; `rpe` = 2 `n_out` for [`MoeGemmKind::GateUp`], `n_out` for `Down`), `out`
+/// `[rows, n_out]` at row stride `o_stride`.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeGemmArgs {
+    pub kind: MoeGemmKind,
+    pub x: DevPtr,
+    pub rows: usize,
+    pub k: usize,
+    pub offsets: DevPtr,
+    pub experts: usize,
+    pub w: DevPtr,
+    pub out: DevPtr,
+    pub o_stride: usize,
+    pub n_out: usize,
+}
+
+/// The most experts the kernel's shared-memory tile index holds (`MAX_EXPERTS` in the .cu).
+pub const MOE_GEMM_MAX_EXPERTS: usize = 512;
+/// Token rows per tile at most (`CHUNK` in the .cu).
+const MOE_GEMM_CHUNK: usize = 96;
+/// Its ring: 5 stages of two 128 x 64 weight boxes and a 96 x 64 token chunk, 2-byte
+/// elements, and 1 KiB of alignment slack (`SMEM_BYTES` in the .cu).
+const MOE_GEMM_SMEM: usize = 5 * (2 * 128 * 64 + MOE_GEMM_CHUNK * 64) * 2 + 1024;
+
+impl MoeGemmArgs {
+    /// Rows of each expert's weight block.
+    pub fn rows_per_expert(&self) -> usize {
+        match self.kind {
+            MoeGemmKind::GateUp => 2 * self.n_out,
+            MoeGemmKind::Down => self.n_out,
+        }
+    }
+
+    /// Why the kernel cannot take these arguments (`None`: it can): the limits of its tile
+    /// index and of TMA (16-byte rows and bases, i32 coordinates).
+    pub fn unsupported(&self, dtype: KernelDType) -> Option<String> {
+        let rows_w = self.experts.checked_mul(self.rows_per_expert());
+        if dtype == KernelDType::F32 {
+            Some("f32 (the kernel takes bf16 or f16)".into())
+        } else if self.experts == 0 || self.experts > MOE_GEMM_MAX_EXPERTS {
+            Some(format!(
+                "{} experts (1..={MOE_GEMM_MAX_EXPERTS})",
+                self.experts
+            ))
+        } else if self.k == 0 || !self.k.is_multiple_of(8) || self.n_out == 0 {
+            Some(format!(
+                "k {} (a positive multiple of 8), n_out {}",
+                self.k, self.n_out
+            ))
+        } else if rows_w.is_none_or(|r| r > i32::MAX as usize) || self.rows > i32::MAX as usize {
+            Some("more rows than TMA coordinates reach".into())
+        } else if ![self.x, self.w, self.out]
+            .iter()
+            .all(|p| p.is_multiple_of(16))
+            || self.o_stride < self.n_out
+        {
+            Some("pointers not 16-byte aligned, or out rows shorter than n_out".into())
+        } else {
+            None
+        }
+    }
+}
+
+/// Runs one of the Hopper expert GEMMs on an sm_90 device (see [`MoeGemmArgs`]); a persistent
+/// grid of one 384-thread block per SM (fewer when there are fewer tiles).
+pub fn moe_gemm_wg(dev: &CudaDevice, dtype: KernelDType, a: &MoeGemmArgs) -> Result<()> {
+    if let Some(why) = a.unsupported(dtype) {
+        candle_core::bail!("moe gemm: the Hopper kernel cannot take {why}");
+    }
+    if !hopper_device(dev) {
+        candle_core::bail!("moe gemm: the Hopper kernel needs an sm_90 device");
+    }
+    if a.rows == 0 {
+        return Ok(());
+    }
+    let tag = match a.kind {
+        MoeGemmKind::GateUp => "gate_up",
+        MoeGemmKind::Down => "down",
+    };
+    let name = format!("moe_gemm_wg_{tag}_{}", dtype.suffix());
+    let func = function(dev, Module::MoeGemmSm90, &name)?;
+    allow_shared_memory(&func, MOE_GEMM_SMEM, &name)?;
+    // At most ceil(rows / CHUNK) + experts token chunks, each with its column blocks.
+    let tile_cols = match a.kind {
+        MoeGemmKind::GateUp => 128,
+        MoeGemmKind::Down => 256,
+    };
+    let tiles = (a.rows.div_ceil(MOE_GEMM_CHUNK) + a.experts) * a.n_out.div_ceil(tile_cols);
+    let sms = dev
+        .cuda_stream()
+        .context()
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .map_err(|e| candle_core::Error::Msg(format!("{name}: SM count: {e:?}")))?;
+    let blocks = tiles.min(sms.max(1) as usize);
+    let rpe = a.rows_per_expert();
+    let w_map = tensor_map(dtype, a.w, a.k, a.experts * rpe, a.k, 128)?;
+    let x_map = tensor_map(dtype, a.x, a.k, a.rows, a.k, 16)?;
+    launch!(
+        dev,
+        func,
+        name,
+        cfg((grid_dim(blocks, &name)?, 1, 1), 384, MOE_GEMM_SMEM)?,
+        [
+            w_map,
+            x_map,
+            a.offsets,
+            a.out,
+            to_i64(a.o_stride, "out stride")?,
+            to_i32(a.experts, "experts")?,
+            to_i32(rpe, "rows per expert")?,
+            to_i32(a.n_out, "n_out")?,
+            to_i32(a.k, "k")?,
+        ]
     );
     Ok(())
 }

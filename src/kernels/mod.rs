@@ -33,7 +33,10 @@ pub(crate) mod testing;
 pub use attention::{AttnParams, flash_attention};
 pub use fp8::fp8_dequant;
 pub use gather::gather_rows;
-pub use moe::{MoePlan, MoeRouting, RouteParams, moe_combine, moe_plan, moe_route};
+pub use moe::{
+    ExpertsPath, MoePlan, MoeRouting, RouteParams, StackedExperts, moe_combine, moe_experts,
+    moe_plan, moe_route,
+};
 pub use rmsnorm::{add_rms_norm, rms_norm};
 pub use rope::{RopeParams, rope, rope_in_place};
 pub use score::{PairSums, score_slots};

@@ -2,9 +2,10 @@
 //!
 //! A MoE layer on the GPU: [`moe_route`] (router logits -> top-k experts and weights),
 //! [`moe_plan`] (assignments sorted by expert: which token each expert row reads, where each
-//! pick's output lands), [`super::gather_rows`] by `perm_token`, the experts as cuBLAS grouped
-//! GEMMs (`gemm::grouped_gemm_into`, rows `offsets[e]..offsets[e + 1]` for expert e), and
-//! [`moe_combine`] (weighted sum of each token's picks plus the shared expert).
+//! pick's output lands), [`super::gather_rows`] by `perm_token`, the experts ([`moe_experts`]:
+//! rows `offsets[e]..offsets[e + 1]` for expert e; on an sm_90 device kernels/moe_gemm_sm90.cu,
+//! which reads the offsets on the device, else cuBLAS grouped GEMMs), and [`moe_combine`]
+//! (weighted sum of each token's picks plus the shared expert).
 //!
 //! These ops have several outputs (or four inputs), so they dispatch on the device themselves
 //! instead of going through a candle `CustomOp`.
@@ -396,6 +397,182 @@ pub fn moe_combine(
     }
 }
 
+/// Which way [`moe_experts`] ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertsPath {
+    /// [`moe_experts_ref`] (the CPU).
+    Reference,
+    /// kernels/moe_gemm_sm90.cu: two launches, the offsets read on the device.
+    Hopper,
+    /// cuBLAS grouped GEMMs per projection and kernels/silu_mul.cu; the host reads the counts.
+    Grouped,
+}
+
+/// The routed experts' weights stacked as the kernels read them: `gate_up` `[E * 2I, H]` (each
+/// expert's I gate rows, then its I up rows: transformers 5's `experts.gate_up_proj` [E, 2I, H]
+/// as a matrix) and `down` `[E * H, I]`, both contiguous.
+#[derive(Clone, Debug)]
+pub struct StackedExperts {
+    pub experts: usize,
+    pub gate_up: Tensor,
+    pub down: Tensor,
+}
+
+impl StackedExperts {
+    fn dims(&self) -> Result<(usize, usize)> {
+        let (rows_gu, h) = self.gate_up.dims2()?;
+        let (rows_d, inter) = self.down.dims2()?;
+        let e = self.experts;
+        if e == 0 || rows_gu != e * 2 * inter || rows_d != e * h {
+            candle_core::bail!(
+                "moe experts: gate_up {:?} and down {:?} are not [{e} * 2I, H] and [{e} * H, I]",
+                self.gate_up.dims(),
+                self.down.dims()
+            );
+        }
+        Ok((h, inter))
+    }
+
+    /// Expert e's gate, up and down weights (views).
+    pub fn expert(&self, e: usize) -> Result<[Tensor; 3]> {
+        let (h, inter) = self.dims()?;
+        Ok([
+            self.gate_up.narrow(0, e * 2 * inter, inter)?,
+            self.gate_up.narrow(0, e * 2 * inter + inter, inter)?,
+            self.down.narrow(0, e * h, h)?,
+        ])
+    }
+}
+
+/// The CPU reference of the experts: for each expert e and each of its rows x,
+/// `T(T(silu(g) * u) . down_j)` with `g = T(x . gate_j)` and `u = T(x . up_j)`, every product in
+/// f32 and every projection's output rounded to T (the unfused forward's values).
+pub fn moe_experts_ref(sorted: &Tensor, offsets: &[u32], w: &StackedExperts) -> Result<Tensor> {
+    let dtype = sorted.dtype();
+    let f32s = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+    let mut parts = Vec::new();
+    for e in 0..w.experts {
+        let (lo, hi) = (offsets[e] as usize, offsets[e + 1] as usize);
+        if hi <= lo {
+            continue;
+        }
+        let x = f32s(&sorted.narrow(0, lo, hi - lo)?)?;
+        let [g, u, d] = w.expert(e)?;
+        let proj = |x: &Tensor, w: &Tensor| x.matmul(&f32s(w)?.t()?)?.to_dtype(dtype);
+        let act = super::silu_mul(&proj(&x, &g)?, &proj(&x, &u)?)?;
+        parts.push(proj(&f32s(&act)?, &d)?);
+    }
+    if parts.is_empty() {
+        let h = w.down.dims2()?.0 / w.experts.max(1);
+        return Tensor::zeros((0, h), dtype, &Device::Cpu);
+    }
+    Tensor::cat(&parts, 0)
+}
+
+/// The routed experts on rows sorted by expert: `sorted` `[R, H]`, `offsets` `[E + 1]` u32 on
+/// `sorted`'s device (expert e owns rows `offsets[e]..offsets[e + 1]`, `offsets[E] == R`).
+/// Returns `[R, H]` and the way it ran.
+pub fn moe_experts(
+    sorted: &Tensor,
+    offsets: &Tensor,
+    w: &StackedExperts,
+) -> Result<(Tensor, ExpertsPath)> {
+    let h = w.dims()?.0;
+    let cols = sorted.dims2()?.1;
+    if cols != h || offsets.dims() != [w.experts + 1] || offsets.dtype() != DType::U32 {
+        candle_core::bail!(
+            "moe experts: sorted {:?} and offsets {:?} {:?} do not fit H {h} and {} experts",
+            sorted.dims(),
+            offsets.dtype(),
+            offsets.dims(),
+            w.experts
+        );
+    }
+    if w.gate_up.dtype() != sorted.dtype() || w.down.dtype() != sorted.dtype() {
+        candle_core::bail!(
+            "moe experts: weights {:?} for rows of {:?}",
+            w.gate_up.dtype(),
+            sorted.dtype()
+        );
+    }
+    let sorted = sorted.contiguous()?;
+    match sorted.device() {
+        Device::Cpu => Ok((
+            moe_experts_ref(&sorted, &offsets.to_vec1::<u32>()?, w)?,
+            ExpertsPath::Reference,
+        )),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => {
+            use super::cuda::{self, MoeGemmArgs, MoeGemmKind};
+            use candle_core::cuda_backend::CudaStorage;
+            let dtype = super::KernelDType::of(sorted.dtype())?;
+            let (rows, inter) = (sorted.dims2()?.0, w.dims()?.1);
+            let args = |kind: MoeGemmKind,
+                        x: &Tensor,
+                        k: usize,
+                        out: &CudaStorage,
+                        n_out: usize|
+             -> Result<MoeGemmArgs> {
+                Ok(MoeGemmArgs {
+                    kind,
+                    x: cuda::tensor_ptr(x)?,
+                    rows,
+                    k,
+                    offsets: cuda::tensor_ptr(offsets)?,
+                    experts: w.experts,
+                    w: cuda::tensor_ptr(match kind {
+                        MoeGemmKind::GateUp => &w.gate_up,
+                        MoeGemmKind::Down => &w.down,
+                    })?,
+                    out: cuda::storage_ptr(out, 0)?,
+                    o_stride: n_out,
+                    n_out,
+                })
+            };
+            let act = cuda::alloc(dev, sorted.dtype(), rows * inter)?;
+            let first = args(MoeGemmKind::GateUp, &sorted, h, &act, inter)?;
+            if cuda::hopper_experts(dev) && first.unsupported(dtype).is_none() {
+                let act = cuda::tensor(act, (rows, inter));
+                let out = cuda::alloc(dev, sorted.dtype(), rows * h)?;
+                let down = args(MoeGemmKind::Down, &act, inter, &out, h)?;
+                if down.unsupported(dtype).is_none() {
+                    cuda::moe_gemm_wg(dev, dtype, &first)?;
+                    cuda::moe_gemm_wg(dev, dtype, &down)?;
+                    return Ok((cuda::tensor(out, (rows, h)), ExpertsPath::Hopper));
+                }
+            }
+            Ok((grouped_experts(&sorted, offsets, w)?, ExpertsPath::Grouped))
+        }
+        other => candle_core::bail!("moe experts: no kernel for {:?}", other.location()),
+    }
+}
+
+/// [`moe_experts`] as cuBLAS grouped GEMMs: the host reads the offsets (a synchronisation),
+/// then one grouped call per projection, SiLU-mul between.
+#[cfg(feature = "cuda")]
+fn grouped_experts(sorted: &Tensor, offsets: &Tensor, w: &StackedExperts) -> Result<Tensor> {
+    use super::cuda;
+    let candle_core::Device::Cuda(dev) = sorted.device() else {
+        candle_core::bail!("grouped experts run on CUDA tensors");
+    };
+    let (h, inter) = w.dims()?;
+    let rows = sorted.dims2()?.0;
+    let offs = offsets.to_vec1::<u32>()?;
+    let counts: Vec<usize> = offs.windows(2).map(|p| (p[1] - p[0]) as usize).collect();
+    let views = (0..w.experts)
+        .map(|e| w.expert(e))
+        .collect::<Result<Vec<_>>>()?;
+    let grouped = |a: &Tensor, which: usize, n: usize| -> Result<Tensor> {
+        // Uninitialised: the groups' rows (counts sum to `rows`) cover every row.
+        let out = cuda::tensor(cuda::alloc(dev, a.dtype(), rows * n)?, (rows, n));
+        let ws: Vec<&Tensor> = views.iter().map(|v| &v[which]).collect();
+        super::gemm::grouped_gemm_into(&out, a, &ws, &counts)?;
+        Ok(out)
+    };
+    let act = super::silu_mul(&grouped(sorted, 0, inter)?, &grouped(sorted, 1, inter)?)?;
+    grouped(&act, 2, h)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -647,6 +824,132 @@ mod tests {
                         "T {tokens} K {k} H {hidden} {dtype:?}"
                     );
                 }
+            }
+        }
+    }
+
+    /// Random experts and rows sorted by expert with these counts, on `device`.
+    #[cfg(feature = "cuda")]
+    fn experts_case(
+        counts: &[u32],
+        h: usize,
+        inter: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> (Tensor, Vec<u32>, StackedExperts) {
+        let e = counts.len();
+        let mut offsets = vec![0u32];
+        for &c in counts {
+            offsets.push(offsets.last().unwrap() + c);
+        }
+        let rows = *offsets.last().unwrap() as usize;
+        let w = StackedExperts {
+            experts: e,
+            gate_up: random(&[e * 2 * inter, h], dtype, 21, device),
+            down: random(&[e * h, inter], dtype, 22, device),
+        };
+        (random(&[rows, h], dtype, 23, device), offsets, w)
+    }
+
+    /// The reference is the model's per-expert MLP (`Mlp::forward` on the CPU: candle matmuls
+    /// and silu_mul) on each expert's rows, with the experts' weights stacked as
+    /// transformers 5 fuses them (each expert's gate rows, then its up rows).
+    #[test]
+    fn experts_reference_is_the_expert_mlp() {
+        let cpu = Device::Cpu;
+        let (h, inter, counts) = (24, 16, [3usize, 0, 5, 1]);
+        let lin = |w: Tensor| crate::model::nn::Linear {
+            weight: w,
+            bias: None,
+        };
+        let mlps: Vec<crate::model::nn::Mlp> = (0..counts.len() as u64)
+            .map(|e| crate::model::nn::Mlp {
+                gate: lin(random(&[inter, h], DType::F32, 30 + e, &cpu)),
+                up: lin(random(&[inter, h], DType::F32, 40 + e, &cpu)),
+                down: lin(random(&[h, inter], DType::F32, 50 + e, &cpu)),
+            })
+            .collect();
+        let gate_up: Vec<&Tensor> = mlps
+            .iter()
+            .flat_map(|m| [&m.gate.weight, &m.up.weight])
+            .collect();
+        let down: Vec<&Tensor> = mlps.iter().map(|m| &m.down.weight).collect();
+        let w = StackedExperts {
+            experts: counts.len(),
+            gate_up: Tensor::cat(&gate_up, 0).unwrap(),
+            down: Tensor::cat(&down, 0).unwrap(),
+        };
+        let rows: usize = counts.iter().sum();
+        let x = random(&[rows, h], DType::F32, 60, &cpu);
+        let mut offsets = vec![0u32];
+        for c in counts {
+            offsets.push(offsets.last().unwrap() + c as u32);
+        }
+        let got = moe_experts_ref(&x, &offsets, &w).unwrap();
+        for (e, mlp) in mlps.iter().enumerate() {
+            let (lo, n) = (offsets[e] as usize, counts[e]);
+            let want = mlp.forward(&x.narrow(0, lo, n).unwrap()).unwrap();
+            let got_e = got.narrow(0, lo, n).unwrap();
+            assert_close(
+                &values(&got_e),
+                &values(&want),
+                1e-5,
+                1e-5,
+                &format!("expert {e}"),
+            );
+        }
+    }
+
+    /// The Hopper expert GEMMs (kernels/moe_gemm_sm90.cu) and the grouped cuBLAS path against
+    /// the CPU reference: empty experts, an expert longer than one 128-row chunk, counts that
+    /// are not multiples of 16, k and n_out that are not multiples of the tiles (k % 64 != 0,
+    /// n_out % 128 != 0), a DeepSeek-like spread at H 1024; bf16 and f16.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_experts_match_reference() {
+        let Some(gpu) = crate::kernels::testing::cuda_device() else {
+            return;
+        };
+        let Device::Cuda(dev) = &gpu else {
+            unreachable!("cuda_device is a CUDA device")
+        };
+        let hopper = crate::kernels::cuda::hopper_experts(dev);
+        if !hopper {
+            eprintln!("skipped the Hopper expert kernel: not an sm_90 device");
+        }
+        let spread: Vec<u32> = (0..16u32).map(|i| (i * 37 + 11) % 97).collect();
+        let cases: [(&[u32], usize, usize); 4] = [
+            (&[0, 1, 130, 17, 0, 64], 200, 72),
+            (&[16, 48, 81, 3], 256, 128),
+            (&[300], 72, 136),
+            (&spread, 1024, 256),
+        ];
+        for (counts, h, inter) in cases {
+            for dtype in [DType::BF16, DType::F16] {
+                let (x, offsets, w) = experts_case(counts, h, inter, dtype, &Device::Cpu);
+                let want = moe_experts_ref(&x, &offsets, &w).unwrap();
+                let gw = StackedExperts {
+                    experts: w.experts,
+                    gate_up: w.gate_up.to_device(&gpu).unwrap(),
+                    down: w.down.to_device(&gpu).unwrap(),
+                };
+                let gx = x.to_device(&gpu).unwrap();
+                let goff = Tensor::new(offsets.as_slice(), &gpu).unwrap();
+                let what = format!("counts {counts:?} H {h} I {inter} {dtype:?}");
+                // Each projection rounds once; an f32 sum in another order may round a gate or
+                // up value the other way, which moves the down projection by a few of its ulps.
+                let scale = values(&want).iter().fold(1f32, |m, v| m.max(v.abs()));
+                let (atol, rtol) = (1e-2 * scale, 1.0 / 128.0);
+                let (got, path) = moe_experts(&gx, &goff, &gw).unwrap();
+                let want_path = if hopper {
+                    ExpertsPath::Hopper
+                } else {
+                    ExpertsPath::Grouped
+                };
+                assert_eq!(path, want_path, "{what}");
+                assert_close(&values(&got), &values(&want), atol, rtol, &what);
+                let grouped = grouped_experts(&gx, &goff, &gw).unwrap();
+                assert_close(&values(&grouped), &values(&want), atol, rtol, &what);
             }
         }
     }

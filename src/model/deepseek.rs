@@ -5,7 +5,7 @@
 
 use crate::config::{MlaConfig, ModelConfig, MoeConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
-use crate::kernels::{self, AttnParams, RopeParams, RouteParams};
+use crate::kernels::{self, AttnParams, MoePlan, RopeParams, RouteParams, StackedExperts};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
 use crate::model::{ComputePath, Decoder, LayerStep, phases};
@@ -418,7 +418,11 @@ impl Router {
 struct Moe {
     cfg: MoeConfig,
     router: Router,
+    /// On a CUDA device, views of `stacked`.
     experts: Vec<Mlp>,
+    /// On a CUDA device: the experts' weights as one matrix per projection, what
+    /// [`kernels::moe_experts`] reads.
+    stacked: Option<StackedExperts>,
     shared: Option<Mlp>,
 }
 
@@ -456,7 +460,7 @@ impl Moe {
             bias,
             bias_t,
         };
-        let experts = load_experts(vb, e, h, inter)?;
+        let (experts, stacked) = load_experts(vb, e, h, inter)?;
         let shared = if moe.n_shared_experts > 0 {
             Some(Mlp::load(
                 &vb.pp("shared_experts"),
@@ -470,14 +474,16 @@ impl Moe {
             cfg: moe.clone(),
             router,
             experts,
+            stacked,
             shared,
         })
     }
 
     /// The kernel path: routing, dispatch plan, gather and combine as kernels
-    /// (kernels/moe.cu, kernels/gather.cu), the experts as one grouped GEMM per projection on
-    /// the GPU (each touched expert's weights read once; no per-expert host loop) or a matmul
-    /// per expert on the CPU. `xs`: [T, H] -> ([T, H], topk_idx [T, K] u32, topk_w [T, K] f32).
+    /// (kernels/moe.cu, kernels/gather.cu), the experts by [`kernels::moe_experts`] on the GPU
+    /// (each touched expert's weights read once; no per-expert host loop; on an sm_90 device no
+    /// host synchronisation either) or a matmul per expert on the CPU. `xs`: [T, H] -> ([T, H],
+    /// topk_idx [T, K] u32, topk_w [T, K] f32).
     fn forward_kernels(&self, xs: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let logits = xs.to_dtype(DType::F32)?.matmul(&self.router.weight.t()?)?;
         let routing =
@@ -485,14 +491,9 @@ impl Moe {
         let e = self.experts.len();
         let plan = kernels::moe_plan(&routing.topk_idx, e)?;
         let sorted = kernels::gather_rows(xs, &plan.perm_token)?; // [T*K, H]
-        let counts: Vec<usize> = plan
-            .counts
-            .to_vec1::<u32>()?
-            .into_iter()
-            .map(|c| c as usize)
-            .collect();
         phases::mark("moe routing, plan, gather", xs.device());
-        let ys = self.experts_forward(&sorted, &counts)?;
+        let ys = self.experts_forward(&sorted, &plan)?;
+        phases::mark("moe experts", xs.device());
         let shared = match &self.shared {
             Some(s) => Some(s.forward(xs)?),
             None => None,
@@ -503,44 +504,18 @@ impl Moe {
         Ok((out, routing.topk_idx, routing.topk_w))
     }
 
-    /// The experts on rows sorted by expert (`counts[e]` rows each): `[R, H]` -> `[R, H]`.
-    fn experts_forward(&self, sorted: &Tensor, counts: &[usize]) -> candle_core::Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let candle_core::Device::Cuda(cuda_dev) = sorted.device() {
-            let (rows, h) = sorted.dims2()?;
-            let inter = self.cfg.moe_intermediate_size;
-            let grouped = |a: &Tensor, ws: Vec<&Tensor>, n: usize| -> candle_core::Result<Tensor> {
-                // Uninitialised: the groups' rows (counts sum to `rows`) cover every row.
-                let out = kernels::cuda::tensor(
-                    kernels::cuda::alloc(cuda_dev, a.dtype(), rows * n)?,
-                    (rows, n),
-                );
-                kernels::gemm::grouped_gemm_into(&out, a, &ws, counts)?;
-                Ok(out)
-            };
-            let gate = grouped(
-                sorted,
-                self.experts.iter().map(|m| &m.gate.weight).collect(),
-                inter,
-            )?;
-            let up = grouped(
-                sorted,
-                self.experts.iter().map(|m| &m.up.weight).collect(),
-                inter,
-            )?;
-            let act = kernels::silu_mul(&gate, &up)?;
-            phases::mark("moe experts gate, up, silu", sorted.device());
-            let down = grouped(
-                &act,
-                self.experts.iter().map(|m| &m.down.weight).collect(),
-                h,
-            );
-            phases::mark("moe experts down", sorted.device());
-            return down;
+    /// The experts on rows sorted by expert (`plan.offsets`): `[R, H]` -> `[R, H]`.
+    fn experts_forward(&self, sorted: &Tensor, plan: &MoePlan) -> candle_core::Result<Tensor> {
+        if let Some(stacked) = &self.stacked
+            && !sorted.device().is_cpu()
+        {
+            return Ok(kernels::moe_experts(sorted, &plan.offsets, stacked)?.0);
         }
+        let counts = plan.counts.to_vec1::<u32>()?;
         let mut parts = Vec::with_capacity(self.experts.len());
         let mut start = 0;
-        for (expert, &n) in self.experts.iter().zip(counts) {
+        for (expert, &n) in self.experts.iter().zip(&counts) {
+            let n = n as usize;
             if n > 0 {
                 parts.push(expert.forward(&sorted.narrow(0, start, n)?)?);
             }
@@ -585,31 +560,69 @@ impl Moe {
 
 /// Routed experts, either one module per expert (`experts.{e}.gate_proj.weight`: the original
 /// DeepSeek / Kimi layout and what `save_pretrained` writes) or transformers 5's fused tensors
-/// (`experts.gate_up_proj` [E, 2I, H], gate rows first; `experts.down_proj` [E, H, I]).
-fn load_experts(vb: &Vb, e: usize, h: usize, inter: usize) -> Result<Vec<Mlp>> {
+/// (`experts.gate_up_proj` [E, 2I, H], gate rows first; `experts.down_proj` [E, H, I]). On a
+/// CUDA device also stacked as [`StackedExperts`]: the fused tensors as they are, the
+/// per-expert ones copied together once (the copies' sources are dropped, so a layer's experts
+/// are held twice only while they load); each expert's [`Mlp`] is then views of the stack.
+fn load_experts(
+    vb: &Vb,
+    e: usize,
+    h: usize,
+    inter: usize,
+) -> Result<(Vec<Mlp>, Option<StackedExperts>)> {
     let ex = vb.pp("experts");
-    if ex.contains("gate_up_proj") {
-        let gate_up = ex.get("gate_up_proj", &[e, 2 * inter, h])?;
-        let down = ex.get("down_proj", &[e, h, inter])?;
-        let fused = |i: usize| -> candle_core::Result<Mlp> {
-            let gu = gate_up.get(i)?;
+    let views =
+        |stacked: StackedExperts, what: &str| -> Result<(Vec<Mlp>, Option<StackedExperts>)> {
             let lin = |w: Tensor| Linear {
                 weight: w,
                 bias: None,
             };
-            Ok(Mlp {
-                gate: lin(gu.narrow(0, 0, inter)?.contiguous()?),
-                up: lin(gu.narrow(0, inter, inter)?.contiguous()?),
-                down: lin(down.get(i)?.contiguous()?),
-            })
+            let mlps = (0..e)
+                .map(|i| {
+                    let [gate, up, down] = stacked.expert(i)?;
+                    Ok(Mlp {
+                        gate: lin(gate),
+                        up: lin(up),
+                        down: lin(down),
+                    })
+                })
+                .collect::<candle_core::Result<Vec<_>>>()
+                .ctx(|| what.to_string())?;
+            let keep = (!vb.device.is_cpu()).then_some(stacked);
+            Ok((mlps, keep))
         };
-        return (0..e)
-            .map(|i| fused(i).ctx(|| format!("{}: expert {i}", ex.path("gate_up_proj"))))
-            .collect();
+    if ex.contains("gate_up_proj") {
+        let what = ex.path("gate_up_proj");
+        let gate_up = ex.get("gate_up_proj", &[e, 2 * inter, h])?;
+        let down = ex.get("down_proj", &[e, h, inter])?;
+        let stacked = StackedExperts {
+            experts: e,
+            gate_up: gate_up.reshape((e * 2 * inter, h)).ctx(|| what.clone())?,
+            down: down.reshape((e * h, inter)).ctx(|| ex.path("down_proj"))?,
+        };
+        return views(stacked, &what);
     }
-    (0..e)
+    let mlps = (0..e)
         .map(|i| Mlp::load(&ex.pp(i.to_string()), h, inter))
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    if vb.device.is_cpu() {
+        return Ok((mlps, None));
+    }
+    let what = ex.path("*");
+    let gate_up: Vec<&Tensor> = mlps
+        .iter()
+        .flat_map(|m| [&m.gate.weight, &m.up.weight])
+        .collect();
+    let gate_up = Tensor::cat(&gate_up, 0).ctx(|| format!("stacking {what} gate and up"))?;
+    let down: Vec<&Tensor> = mlps.iter().map(|m| &m.down.weight).collect();
+    let down = Tensor::cat(&down, 0).ctx(|| format!("stacking {what} down"))?;
+    drop(mlps);
+    let stacked = StackedExperts {
+        experts: e,
+        gate_up,
+        down,
+    };
+    views(stacked, &what)
 }
 
 enum Ffn {
