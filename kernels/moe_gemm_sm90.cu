@@ -16,24 +16,27 @@
 // Products in f32 over k; k a multiple of 8 (16-byte TMA rows), experts <= MAX_EXPERTS.
 //
 // The weight is the stationary operand ("swap AB"): wgmma's M side (64 rows a warpgroup) is
-// weight rows and its N side (16 to 128, in steps of 16) is the expert's token rows, so an
+// weight rows and its N side (16 to 96, in steps of 16) is the expert's token rows, so an
 // expert with 48 tokens costs an N = 48 MMA, not a 128-row tile, and each weight byte is read
-// once however the tokens spread. A tile is (expert e, chunk of at most CHUNK = 128 of its
-// rows, block of weight rows): gate_up takes ROWS = 128 gate rows and the 128 up rows at the
-// same output columns (two A boxes, SiLU-mul in the epilogue); down takes 2 x 128 consecutive
-// rows. Tiles are numbered expert by expert (a token chunk is reused by the tiles that run next
-// to each other, from L2), and a persistent grid of one block per SM walks them with a stride of
-// gridDim.x. Each block first scans the experts' tile counts into shared memory (one warp) and
-// finds a tile's expert by binary search.
+// once however the tokens spread. A tile is (expert e, block of weight rows, chunk of at most
+// CHUNK = 96 of its rows): gate_up takes ROWS = 128 gate rows and the 128 up rows at the same
+// output columns (two A boxes, SiLU-mul in the epilogue); down takes 2 x 128 consecutive rows.
+// Tiles are numbered expert by expert, an expert's chunks of one weight block next to each
+// other (they run side by side, so the second chunk reads the weights from L2, and the tiles
+// that follow reuse the token chunks from L2), and a persistent grid of one block per SM walks
+// them with a stride of gridDim.x. Each block first scans the experts' tile counts into shared
+// memory (one warp) and finds a tile's expert by binary search.
 //
 // A block has three warpgroups: warpgroup 0 is the producer (one thread issues every TMA copy
 // into an ST-stage ring: per stage two A boxes of 128 rows x 64 columns and the token chunk in
 // boxes of 16 rows x 64 columns, zero-filled past the end; the ring runs on across tiles, so
 // the next tile's loads start while the consumers store), warpgroups 1 and 2 consume 64 of the
-// 128 rows of each A box. setmaxnreg moves registers from the producer (24) to the consumers
-// (240). Shared memory per stage: A0, A1 (16 KiB each, [128 rows][64], 128-byte swizzle) and B
-// ([128 rows][64]); wgmma descriptors as attention_sm90.cu's K-major operands (start + 32 bytes
-// per 16 columns, stride byte offset 1024).
+// 128 rows of each A box and give a stage back as soon as their MMAs on it complete (one
+// arrival per warp): the weight stream bounds the kernel, so every stage of the ring should be
+// loading (BENCHMARKS.md runs 17-18). setmaxnreg moves registers from the producer (24) to the
+// consumers (240). Shared memory per stage: A0, A1 (16 KiB each, [128 rows][64], 128-byte
+// swizzle) and B ([96 rows][64]); wgmma descriptors as attention_sm90.cu's K-major operands
+// (start + 32 bytes per 16 columns, stride byte offset 1024).
 //
 // Checked by: src/kernels/moe.rs, `tests::device_experts_match_reference` (GPU vs the CPU
 // reference `moe_experts_ref`: ragged expert sizes with empty experts, an expert past one
