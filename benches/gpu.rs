@@ -164,16 +164,7 @@ mod gpu {
             let (dst, src) = (tensor_ptr(&t).unwrap(), tensor_ptr(&block).unwrap());
             for start in (0..n).step_by(1 << 26) {
                 let len = (n - start).min(1 << 26);
-                // SAFETY: both ranges lie inside live allocations of 2-byte elements.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(
-                        dst + 2 * start as u64,
-                        src,
-                        2 * len,
-                        dev.cuda_stream().cu_stream(),
-                    )
-                    .unwrap();
-                }
+                cuda::copy_raw(&dev, dst + 2 * start as u64, src, 2 * len).unwrap();
             }
             t
         };

@@ -138,6 +138,16 @@ fn allow_shared_memory(func: &CudaFunction, bytes: usize, name: &str) -> Result<
     .map_err(|e| candle_core::Error::Msg(format!("{name}: {bytes} bytes of shared memory: {e:?}")))
 }
 
+/// Copies `bytes` from `src` to `dst` on the device's stream (ordered with the kernels).
+pub fn copy_raw(dev: &CudaDevice, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()> {
+    // SAFETY: the caller passes two device ranges of `bytes` each, live until the copy is done
+    // (frees are ordered after it on the same stream).
+    unsafe {
+        cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, dev.cuda_stream().cu_stream())
+    }
+    .map_err(|e| candle_core::Error::Msg(format!("device copy of {bytes} bytes: {e:?}")))
+}
+
 /// The device address of element `offset` of a storage (its start plus `offset` elements).
 pub fn storage_ptr(s: &CudaStorage, offset: usize) -> Result<DevPtr> {
     let stream = s.device.cuda_stream();

@@ -602,27 +602,65 @@ fn load_experts(
         };
         return views(stacked, &what);
     }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = &vb.device {
+        let stacked = load_stacked(&ex, dev, e, h, inter)?;
+        return views(stacked, &ex.path("*"));
+    }
     let mlps = (0..e)
         .map(|i| Mlp::load(&ex.pp(i.to_string()), h, inter))
         .collect::<Result<Vec<_>>>()?;
-    if vb.device.is_cpu() {
-        return Ok((mlps, None));
+    Ok((mlps, None))
+}
+
+/// Per-expert weights (`experts.{e}.{gate,up,down}_proj.weight`) copied into their slots of
+/// the stacked matrices as each expert loads, so a layer's experts are held once plus one
+/// expert.
+#[cfg(feature = "cuda")]
+fn load_stacked(
+    ex: &Vb,
+    dev: &candle_core::cuda_backend::CudaDevice,
+    e: usize,
+    h: usize,
+    inter: usize,
+) -> Result<StackedExperts> {
+    use kernels::cuda;
+    let mut stacked: Option<StackedExperts> = None;
+    for i in 0..e {
+        let m = Mlp::load(&ex.pp(i.to_string()), h, inter)?;
+        let mut copy = || -> candle_core::Result<()> {
+            let dtype = m.gate.weight.dtype();
+            let st = match &stacked {
+                Some(st) => st.clone(),
+                None => {
+                    let gu = cuda::alloc(dev, dtype, e * 2 * inter * h)?;
+                    let d = cuda::alloc(dev, dtype, e * h * inter)?;
+                    StackedExperts {
+                        experts: e,
+                        gate_up: cuda::tensor(gu, (e * 2 * inter, h)),
+                        down: cuda::tensor(d, (e * h, inter)),
+                    }
+                }
+            };
+            let (gu_p, d_p) = (cuda::tensor_ptr(&st.gate_up)?, cuda::tensor_ptr(&st.down)?);
+            let block = (inter * h * dtype.size_in_bytes()) as u64;
+            for (w, dst) in [
+                (&m.gate.weight, gu_p + 2 * i as u64 * block),
+                (&m.up.weight, gu_p + (2 * i as u64 + 1) * block),
+                (&m.down.weight, d_p + i as u64 * block),
+            ] {
+                if w.dtype() != st.gate_up.dtype() {
+                    candle_core::bail!("{:?} after {:?}", w.dtype(), st.gate_up.dtype());
+                }
+                let w = w.contiguous()?;
+                cuda::copy_raw(dev, dst, cuda::tensor_ptr(&w)?, block as usize)?;
+            }
+            stacked = Some(st);
+            Ok(())
+        };
+        copy().ctx(|| format!("{}: stacking expert {i}", ex.path("*")))?;
     }
-    let what = ex.path("*");
-    let gate_up: Vec<&Tensor> = mlps
-        .iter()
-        .flat_map(|m| [&m.gate.weight, &m.up.weight])
-        .collect();
-    let gate_up = Tensor::cat(&gate_up, 0).ctx(|| format!("stacking {what} gate and up"))?;
-    let down: Vec<&Tensor> = mlps.iter().map(|m| &m.down.weight).collect();
-    let down = Tensor::cat(&down, 0).ctx(|| format!("stacking {what} down"))?;
-    drop(mlps);
-    let stacked = StackedExperts {
-        experts: e,
-        gate_up,
-        down,
-    };
-    views(stacked, &what)
+    stacked.ok_or_else(|| Error::config(ex.path("*"), "a MoE layer without routed experts"))
 }
 
 enum Ffn {
