@@ -507,7 +507,7 @@ impl<'a> Vb<'a> {
             Some((scale, block)) => self.dequantize(&full, &raw, &scale, block)?,
             None => raw,
         };
-        t.to_dtype(self.dtype).ctx(|| format!("converting {full}"))
+        self.converted(&full, t)
     }
 
     /// Rows `ids` of the matrix `name` (exactly `shape`, [rows, cols]) in the compute dtype,
@@ -529,7 +529,7 @@ impl<'a> Vb<'a> {
             }
             None => raw,
         };
-        t.to_dtype(self.dtype).ctx(|| format!("converting {full}"))
+        self.converted(&full, t)
     }
 
     /// Rows `start..start + len` of the matrix `name` (exactly `shape`) in the compute dtype:
@@ -562,6 +562,26 @@ impl<'a> Vb<'a> {
             }
             None => raw,
         };
+        self.converted(&full, t)
+    }
+
+    /// `t` in the compute dtype. candle's CUDA cast kernels count elements in `unsigned int`
+    /// (candle-kernels 0.11.1 src/cast.cu), so a cast of more than 2^32 elements on the GPU
+    /// never ends: such a tensor is refused with its name instead.
+    fn converted(&self, full: &str, t: Tensor) -> Result<Tensor> {
+        if t.dtype() != self.dtype && cast_hangs(!t.device().is_cpu(), t.elem_count()) {
+            return Err(Error::weights(
+                self.src.origin(),
+                format!(
+                    "tensor {full}: {} elements of {:?} to convert to {:?} on the GPU, more than \
+                     candle's CUDA cast indexes (2^32); store it as {:?}",
+                    t.elem_count(),
+                    t.dtype(),
+                    self.dtype,
+                    self.dtype
+                ),
+            ));
+        }
         t.to_dtype(self.dtype).ctx(|| format!("converting {full}"))
     }
 
@@ -592,9 +612,23 @@ impl<'a> Vb<'a> {
     }
 }
 
+/// Whether a cast of `elements` would overrun candle's 32-bit element index: on a GPU, past
+/// u32::MAX elements (the loop variable wraps before reaching the count).
+fn cast_hangs(on_gpu: bool, elements: usize) -> bool {
+    on_gpu && elements > u32::MAX as usize
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn casts_past_a_32_bit_index_are_refused_on_the_gpu_only() {
+        let last = u32::MAX as usize; // the largest count the kernel's index reaches
+        assert!(cast_hangs(true, last + 1));
+        assert!(!cast_hangs(true, last));
+        assert!(!cast_hangs(false, last + 1));
+    }
 
     /// Every bf16 bit pattern (NaNs, infinities, subnormals) widens to the bits candle's
     /// `to_dtype` (half) gives.
