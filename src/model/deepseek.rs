@@ -562,8 +562,8 @@ impl Moe {
 /// DeepSeek / Kimi layout and what `save_pretrained` writes) or transformers 5's fused tensors
 /// (`experts.gate_up_proj` [E, 2I, H], gate rows first; `experts.down_proj` [E, H, I]). On a
 /// CUDA device also stacked as [`StackedExperts`]: the fused tensors as they are, the
-/// per-expert ones copied together once (the copies' sources are dropped, so a layer's experts
-/// are held twice only while they load); each expert's [`Mlp`] is then views of the stack.
+/// per-expert ones copied into their slots as each expert loads (`load_stacked`); each
+/// expert's [`Mlp`] is then views of the stack.
 fn load_experts(
     vb: &Vb,
     e: usize,
