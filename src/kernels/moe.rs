@@ -463,8 +463,7 @@ pub fn moe_experts_ref(sorted: &Tensor, offsets: &[u32], w: &StackedExperts) -> 
         parts.push(proj(&f32s(&act)?, &d)?);
     }
     if parts.is_empty() {
-        let h = w.down.dims2()?.0 / w.experts.max(1);
-        return Tensor::zeros((0, h), dtype, &Device::Cpu);
+        return Tensor::zeros((0, w.dims()?.0), dtype, &Device::Cpu);
     }
     Tensor::cat(&parts, 0)
 }
@@ -529,13 +528,13 @@ pub fn moe_experts(
                     n_out,
                 })
             };
-            let act = cuda::alloc(dev, sorted.dtype(), rows * inter)?;
-            let first = args(MoeGemmKind::GateUp, &sorted, h, &act, inter)?;
-            if cuda::hopper_experts(dev) && first.unsupported(dtype).is_none() {
+            if cuda::hopper_experts(dev) {
+                let act = cuda::alloc(dev, sorted.dtype(), rows * inter)?;
+                let first = args(MoeGemmKind::GateUp, &sorted, h, &act, inter)?;
                 let act = cuda::tensor(act, (rows, inter));
                 let out = cuda::alloc(dev, sorted.dtype(), rows * h)?;
                 let down = args(MoeGemmKind::Down, &act, inter, &out, h)?;
-                if down.unsupported(dtype).is_none() {
+                if first.unsupported(dtype).is_none() && down.unsupported(dtype).is_none() {
                     cuda::moe_gemm_wg(dev, dtype, &first)?;
                     cuda::moe_gemm_wg(dev, dtype, &down)?;
                     return Ok((cuda::tensor(out, (rows, h)), ExpertsPath::Hopper));
@@ -828,6 +827,16 @@ mod tests {
         }
     }
 
+    /// `[0, c0, c0 + c1, ...]`: where each expert's rows start, and the end.
+    fn offsets_of(counts: &[u32]) -> Vec<u32> {
+        std::iter::once(0)
+            .chain(counts.iter().scan(0u32, |end, &c| {
+                *end += c;
+                Some(*end)
+            }))
+            .collect()
+    }
+
     /// Random experts and rows sorted by expert with these counts, on `device`.
     #[cfg(feature = "cuda")]
     fn experts_case(
@@ -838,10 +847,7 @@ mod tests {
         device: &Device,
     ) -> (Tensor, Vec<u32>, StackedExperts) {
         let e = counts.len();
-        let mut offsets = vec![0u32];
-        for &c in counts {
-            offsets.push(offsets.last().unwrap() + c);
-        }
+        let offsets = offsets_of(counts);
         let rows = *offsets.last().unwrap() as usize;
         let w = StackedExperts {
             experts: e,
@@ -881,10 +887,7 @@ mod tests {
         };
         let rows: usize = counts.iter().sum();
         let x = random(&[rows, h], DType::F32, 60, &cpu);
-        let mut offsets = vec![0u32];
-        for c in counts {
-            offsets.push(offsets.last().unwrap() + c as u32);
-        }
+        let offsets = offsets_of(&counts.map(|c| c as u32));
         let got = moe_experts_ref(&x, &offsets, &w).unwrap();
         for (e, mlp) in mlps.iter().enumerate() {
             let (lo, n) = (offsets[e] as usize, counts[e]);

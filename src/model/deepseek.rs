@@ -615,7 +615,7 @@ fn load_experts(
 
 /// Per-expert weights (`experts.{e}.{gate,up,down}_proj.weight`) copied into their slots of
 /// the stacked matrices as each expert loads, so a layer's experts are held once plus one
-/// expert.
+/// expert. Every weight arrives in the builder's compute dtype (`Vb::get` converts to it).
 #[cfg(feature = "cuda")]
 fn load_stacked(
     ex: &Vb,
@@ -625,42 +625,43 @@ fn load_stacked(
     inter: usize,
 ) -> Result<StackedExperts> {
     use kernels::cuda;
-    let mut stacked: Option<StackedExperts> = None;
+    let what = ex.path("*");
+    let alloc = |rows: usize, cols: usize| -> Result<Tensor> {
+        let s = cuda::alloc(dev, ex.dtype, rows * cols).ctx(|| format!("stacking {what}"))?;
+        Ok(cuda::tensor(s, (rows, cols)))
+    };
+    let stacked = StackedExperts {
+        experts: e,
+        gate_up: alloc(e * 2 * inter, h)?,
+        down: alloc(e * h, inter)?,
+    };
+    let ptrs = || -> candle_core::Result<_> {
+        Ok((
+            cuda::tensor_ptr(&stacked.gate_up)?,
+            cuda::tensor_ptr(&stacked.down)?,
+        ))
+    };
+    let (gu_p, d_p) = ptrs().ctx(|| format!("stacking {what}"))?;
+    let block = (inter * h * ex.dtype.size_in_bytes()) as u64;
     for i in 0..e {
         let m = Mlp::load(&ex.pp(i.to_string()), h, inter)?;
-        let mut copy = || -> candle_core::Result<()> {
-            let dtype = m.gate.weight.dtype();
-            let st = match &stacked {
-                Some(st) => st.clone(),
-                None => {
-                    let gu = cuda::alloc(dev, dtype, e * 2 * inter * h)?;
-                    let d = cuda::alloc(dev, dtype, e * h * inter)?;
-                    StackedExperts {
-                        experts: e,
-                        gate_up: cuda::tensor(gu, (e * 2 * inter, h)),
-                        down: cuda::tensor(d, (e * h, inter)),
-                    }
-                }
-            };
-            let (gu_p, d_p) = (cuda::tensor_ptr(&st.gate_up)?, cuda::tensor_ptr(&st.down)?);
-            let block = (inter * h * dtype.size_in_bytes()) as u64;
+        let copy = || -> candle_core::Result<()> {
             for (w, dst) in [
                 (&m.gate.weight, gu_p + 2 * i as u64 * block),
                 (&m.up.weight, gu_p + (2 * i as u64 + 1) * block),
                 (&m.down.weight, d_p + i as u64 * block),
             ] {
-                if w.dtype() != st.gate_up.dtype() {
-                    candle_core::bail!("{:?} after {:?}", w.dtype(), st.gate_up.dtype());
+                if w.dtype() != ex.dtype {
+                    candle_core::bail!("{:?}, expected {:?}", w.dtype(), ex.dtype);
                 }
                 let w = w.contiguous()?;
                 cuda::copy_raw(dev, dst, cuda::tensor_ptr(&w)?, block as usize)?;
             }
-            stacked = Some(st);
             Ok(())
         };
-        copy().ctx(|| format!("{}: stacking expert {i}", ex.path("*")))?;
+        copy().ctx(|| format!("{what}: stacking expert {i}"))?;
     }
-    stacked.ok_or_else(|| Error::config(ex.path("*"), "a MoE layer without routed experts"))
+    Ok(stacked)
 }
 
 enum Ffn {
