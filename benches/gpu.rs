@@ -5,7 +5,7 @@
 //! the peer's boundaries and greedy tokens. Prints one JSON object per length.
 //!
 //!     gpu MODEL_DIR HF_STATES.safetensors T,T,... REPS
-//!     gpu moe-gemm T,T,... REPS        (the MoE experts alone, both paths; see `moe_gemm`)
+//!     gpu moe-gemm T,T,... REPS [E]    (the MoE experts alone, both paths; see `moe_gemm`)
 //!     gpu score REPS                   (the diff's scoring kernels alone; see `score`)
 //!     gpu gemm T,T,... REPS            (the Llama projections: cuBLAS against cublasLt's
 //!                                       algorithms; see `gemm`)
@@ -135,19 +135,19 @@ mod gpu {
         (d.to_scalar::<f64>().unwrap() / n.to_scalar::<f64>().unwrap()).sqrt()
     }
 
-    /// `gpu moe-gemm T,T,... REPS`: the routed experts of one DeepSeek-V3 MoE layer (256
-    /// experts, 8 per token, H 7168, I 2048, bf16) on T x 8 sorted rows, spread evenly and as
+    /// `gpu moe-gemm T,T,... REPS [EXPERTS]`: the routed experts of one DeepSeek-V3 MoE layer
+    /// (256 experts, or Kimi-K2's 384 with EXPERTS = 384; 8 per token, H 7168, I 2048, bf16) on T x 8 sorted rows, spread evenly and as
     /// random routing spreads them (8 distinct experts a token, uniform, seeded), both ways
     /// `eagle_check::kernels::moe_experts` runs them: kernels/moe_gemm_sm90.cu (two launches,
     /// the offsets read on the device) and cuBLAS grouped GEMMs (the host reads the counts;
     /// gate and up, SiLU-mul, down). Prints ms and the touched experts' weight bytes over the
     /// time, for the whole experts step and for each Hopper launch.
-    fn moe_gemm(ts: &[usize], reps: usize) {
+    fn moe_gemm(ts: &[usize], reps: usize, e: usize) {
         use eagle_check::kernels::cuda::{MoeGemmArgs, MoeGemmKind, moe_gemm_wg, tensor_ptr};
         use eagle_check::kernels::{KernelDType, StackedExperts, moe_experts};
         let dev = cuda::open_device(0).unwrap();
         let device = Device::Cuda(dev.clone());
-        let (e, k_per_tok, h, inter) = (256usize, 8usize, 7168usize, 2048usize);
+        let (k_per_tok, h, inter) = (8usize, 7168usize, 2048usize);
         let randn = |shape: &[usize]| {
             Tensor::randn(0f32, 0.02, shape, &device)
                 .unwrap()
@@ -256,7 +256,7 @@ mod gpu {
                 println!(
                     "{}",
                     serde_json::json!({
-                        "moe_experts": spread, "T": t, "rows": rows, "experts_touched": touched,
+                        "moe_experts": spread, "experts": e, "T": t, "rows": rows, "experts_touched": touched,
                         "max_rows": max_rows, "weight_gb": (bytes_gu + bytes_d) / 1e9,
                         "grouped_ms": grouped_ms,
                         "grouped_tb_s": (bytes_gu + bytes_d) / grouped_ms / 1e9,
@@ -531,7 +531,8 @@ mod gpu {
         }
         if args.get(1).map(String::as_str) == Some("moe-gemm") && args.len() >= 4 {
             let ts: Vec<usize> = args[2].split(',').map(|t| t.parse().unwrap()).collect();
-            moe_gemm(&ts, args[3].parse().unwrap());
+            let experts = args.get(4).map_or(256, |e| e.parse().unwrap());
+            moe_gemm(&ts, args[3].parse().unwrap(), experts);
             return;
         }
         if args.len() < 5 {
@@ -637,6 +638,35 @@ mod gpu {
                     .count() as f64
                     / t as f64
             });
+            // MoE targets: how the routing spread each layer's rows over the experts, against
+            // an even spread of as many rows (the Hopper expert kernel takes an expert's rows
+            // in chunks of MOE_GEMM_CHUNK, each chunk one more pass over its weight tiles).
+            let routing = cfg.moe.as_ref().map(|m| {
+                let chunk = cuda::MOE_GEMM_CHUNK;
+                let e = m.n_routed_experts;
+                let chunks =
+                    |counts: &[usize]| counts.iter().map(|c| c.div_ceil(chunk)).sum::<usize>();
+                cap.extras
+                    .iter()
+                    .filter(|(k, _)| k.ends_with(".topk_idx"))
+                    .map(|(k, idx)| {
+                        let mut counts = vec![0usize; e];
+                        for x in idx.flatten_all().unwrap().to_vec1::<u32>().unwrap() {
+                            counts[x as usize] += 1;
+                        }
+                        let rows: usize = counts.iter().sum();
+                        let even: Vec<usize> = (0..e)
+                            .map(|x| rows / e + usize::from(x < rows % e))
+                            .collect();
+                        serde_json::json!({
+                            "layer": k, "rows": rows,
+                            "max_rows": counts.iter().max(),
+                            "experts_touched": counts.iter().filter(|&&c| c > 0).count(),
+                            "chunks": chunks(&counts), "chunks_even": chunks(&even),
+                        })
+                    })
+                    .collect::<Vec<_>>()
+            });
             // One more forward with every phase closed by a synchronisation: where the time
             // goes (not part of the timings above).
             let phases = std::env::var_os("EAGLE_CHECK_PHASES").map(|_| {
@@ -682,6 +712,7 @@ mod gpu {
                 "within_tolerance": worst <= BF16_NORMWISE_TOL,
                 "greedy_agreement": greedy_agree,
                 "phases": phases,
+                "routing": routing,
             });
             println!("{line}");
         }

@@ -5,7 +5,8 @@
 # $OUT (default: a temp dir) and printing a summary last.
 #   CUDA_LIB: the CUDA 13 runtime libraries (libcublas, libcudart, ...), default /usr/local/cuda/lib64
 #   STEPS: which steps to run (default: kernels gpu throughput bench; also bench-deepseek,
-#     moe-gemm, score, stream, diff); EAGLE_CHECK_PHASES=1 adds a phase-by-phase forward to each bench length
+#     moe-gemm (MOE_EXPERTS=384 for Kimi-K2), score, stream, diff); EAGLE_CHECK_PHASES=1 adds a
+#     phase-by-phase forward to each bench length
 #   CLOCKS=1: samples the SM clock, power, temperature and throttle reasons every 200 ms into
 #     $OUT/clocks.csv while the steps run (is a long forward slower than its phases because the
 #     clock drops?)
@@ -45,7 +46,7 @@ for s in ${STEPS:-kernels gpu throughput bench}; do
     stream) step stream bash benches/gpu/stream.sh "$out/stream" ;;
     score) step score bins/gpu-bench score ${REPS:-5} ;;
     gemm) step gemm bins/gpu-bench gemm ${GEMM_TOKENS:-2048,8192} ${REPS:-5} ;;
-    moe-gemm) step moe-gemm bins/gpu-bench moe-gemm ${MOE_TOKENS:-128,512,2048} ${REPS:-5} ;;
+    moe-gemm) step moe-gemm bins/gpu-bench moe-gemm ${MOE_TOKENS:-128,512,2048} ${REPS:-5} ${MOE_EXPERTS:-256} ;;
     diff) step diff env EAGLE_CHECK_BENCH_DEVICES=cpu,cuda EAGLE_CHECK_BENCH_SAMPLES=${DIFF_SAMPLES:-200} EAGLE_CHECK_BENCH_DIR="${TMPDIR:-/tmp}/eagle-check-diff-bench" bins/diff-bench ;;
     esac
 done

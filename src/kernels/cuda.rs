@@ -148,6 +148,39 @@ pub fn copy_raw(dev: &CudaDevice, dst: DevPtr, src: DevPtr, bytes: usize) -> Res
     .map_err(|e| candle_core::Error::Msg(format!("device copy of {bytes} bytes: {e:?}")))
 }
 
+/// `t` converted to `dtype` by candle's cast, `chunk` elements a launch, into one buffer of
+/// `t`'s shape ([`super::to_dtype`] says why). `t` must be contiguous, as loaded weights are.
+pub fn to_dtype_in_chunks(
+    t: &candle_core::Tensor,
+    dtype: DType,
+    chunk: usize,
+) -> Result<candle_core::Tensor> {
+    let candle_core::Device::Cuda(dev) = t.device() else {
+        candle_core::bail!(
+            "a chunked cast takes a CUDA tensor, not one on {:?}",
+            t.device()
+        );
+    };
+    if !t.is_contiguous() || chunk == 0 {
+        candle_core::bail!("a chunked cast takes a contiguous tensor and chunks of at least one");
+    }
+    let n = t.elem_count();
+    let flat = t.flatten_all()?;
+    let out = tensor(alloc(dev, dtype, n)?, n);
+    let (dst, size) = (tensor_ptr(&out)?, dtype.size_in_bytes());
+    for start in (0..n).step_by(chunk) {
+        let len = chunk.min(n - start);
+        let part = flat.narrow(0, start, len)?.to_dtype(dtype)?;
+        copy_raw(
+            dev,
+            dst + (start * size) as u64,
+            tensor_ptr(&part)?,
+            len * size,
+        )?;
+    }
+    out.reshape(t.shape())
+}
+
 /// The device address of element `offset` of a storage (its start plus `offset` elements).
 pub fn storage_ptr(s: &CudaStorage, offset: usize) -> Result<DevPtr> {
     let stream = s.device.cuda_stream();
@@ -944,7 +977,7 @@ pub struct MoeGemmArgs {
 /// The most experts the kernel's shared-memory tile index holds (`MAX_EXPERTS` in the .cu).
 pub const MOE_GEMM_MAX_EXPERTS: usize = 512;
 /// Token rows per tile at most (`CHUNK` in the .cu).
-const MOE_GEMM_CHUNK: usize = 96;
+pub const MOE_GEMM_CHUNK: usize = 96;
 /// Its ring: 5 stages of two 128 x 64 weight boxes and a 96 x 64 token chunk, 2-byte
 /// elements, and 1 KiB of alignment slack (`SMEM_BYTES` in the .cu).
 const MOE_GEMM_SMEM: usize = 5 * (2 * 128 * 64 + MOE_GEMM_CHUNK * 64) * 2 + 1024;

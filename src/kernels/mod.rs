@@ -42,8 +42,31 @@ pub use rope::{RopeParams, rope, rope_in_place};
 pub use score::{PairSums, score_slots};
 pub use silu_mul::silu_mul;
 
-use candle_core::{DType, Layout, Result};
+use candle_core::{DType, Layout, Result, Tensor};
 use half::{bf16, f16};
+
+/// Elements one candle cast launch converts when [`to_dtype`] splits a cast on the GPU.
+pub const CAST_CHUNK: usize = 1 << 30;
+
+/// `t` in `dtype`, converted as `Tensor::to_dtype` converts it. candle's CUDA cast kernels
+/// count elements in `unsigned int` and its launch takes the count as a `u32`
+/// (candle-kernels 0.11.1 src/cast.cu, candle-core 0.11.1 cuda_backend `to_dtype`), so on a
+/// GPU one cast of more than `u32::MAX` elements never ends: such a tensor is converted
+/// [`CAST_CHUNK`] elements at a time into one buffer.
+pub fn to_dtype(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if t.dtype() != dtype && cast_needs_chunks(t.device().is_cuda(), t.elem_count()) {
+        return cuda::to_dtype_in_chunks(t, dtype, CAST_CHUNK);
+    }
+    t.to_dtype(dtype)
+}
+
+/// Whether one cast of `elements` would overrun candle's 32-bit element count: on a GPU, past
+/// `u32::MAX` elements.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn cast_needs_chunks(on_gpu: bool, elements: usize) -> bool {
+    on_gpu && elements > u32::MAX as usize
+}
 
 /// The storage types every kernel is instantiated for; the entry point's suffix names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -242,7 +265,124 @@ pub(crate) fn to_i64(n: usize, what: &str) -> Result<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Tensor};
+    use candle_core::Device;
+
+    #[test]
+    fn casts_past_a_32_bit_count_are_chunked_on_the_gpu_only() {
+        let last = u32::MAX as usize; // the largest count candle's cast loop reaches
+        assert!(cast_needs_chunks(true, last + 1));
+        assert!(!cast_needs_chunks(true, last));
+        assert!(!cast_needs_chunks(false, last + 1));
+    }
+
+    /// The chunked cast gives candle's cast bit for bit: ragged tails, one chunk, chunks of a
+    /// few elements, every dtype pair the loader converts.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_chunked_casts_match_candle() {
+        let Some(gpu) = testing::cuda_device() else {
+            return;
+        };
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let t = t
+                .to_device(&Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.into_iter().map(f32::to_bits).collect()
+        };
+        let cases: [(&[usize], usize); 4] = [
+            (&[7, 129], 64),
+            (&[3, 5, 1001], 1000),
+            (&[4096], 4096),
+            (&[10], 3),
+        ];
+        for (shape, chunk) in cases {
+            for (from, to) in [
+                (DType::F32, DType::BF16),
+                (DType::BF16, DType::F32),
+                (DType::F16, DType::BF16),
+                (DType::F32, DType::F16),
+            ] {
+                let t = Tensor::randn(0f32, 3.0, shape, &gpu)
+                    .unwrap()
+                    .to_dtype(from)
+                    .unwrap();
+                let got = cuda::to_dtype_in_chunks(&t, to, chunk).unwrap();
+                assert_eq!((got.dims(), got.dtype()), (shape, to));
+                let want = t.to_dtype(to).unwrap();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{shape:?} {from:?} -> {to:?} in chunks of {chunk}"
+                );
+            }
+        }
+    }
+
+    /// A tensor of more than 2^32 elements converts (one candle cast of it never ends), and
+    /// every chunk's first and last elements, and the tail, land where they belong.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_casts_past_a_32_bit_count() {
+        let Some(gpu) = testing::cuda_device() else {
+            return;
+        };
+        let Device::Cuda(dev) = &gpu else {
+            unreachable!("cuda_device gives a CUDA device")
+        };
+        let n = u32::MAX as usize + 1 + 77;
+        // The source: one random block repeated (filling it through candle would itself run
+        // elementwise kernels over n elements); its length shares no factor with the chunk's.
+        let period = (1 << 20) + 7;
+        let block = Tensor::randn(0f32, 1.0, period, &gpu).unwrap();
+        let src = cuda::tensor(cuda::alloc(dev, DType::F32, n).unwrap(), n);
+        let (dst, from) = (
+            cuda::tensor_ptr(&src).unwrap(),
+            cuda::tensor_ptr(&block).unwrap(),
+        );
+        for start in (0..n).step_by(period) {
+            let len = period.min(n - start);
+            cuda::copy_raw(dev, dst + 4 * start as u64, from, 4 * len).unwrap();
+        }
+        let got = to_dtype(&src, DType::BF16).unwrap();
+        assert_eq!((got.elem_count(), got.dtype()), (n, DType::BF16));
+        let want = block
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_vec1::<bf16>()
+            .unwrap();
+        let mut at: Vec<usize> = (0..=n / CAST_CHUNK)
+            .flat_map(|c| {
+                [
+                    c * CAST_CHUNK,
+                    c * CAST_CHUNK + 1,
+                    (c * CAST_CHUNK).max(2) - 2,
+                ]
+            })
+            .chain([n - 2, n - 1, period * 1000 + 3])
+            .filter(|&i| i < n)
+            .collect();
+        at.sort_unstable();
+        at.dedup();
+        for i in at {
+            let v = got
+                .narrow(0, i, 2.min(n - i))
+                .unwrap()
+                .to_vec1::<bf16>()
+                .unwrap();
+            for (j, g) in v.iter().enumerate() {
+                let w = want[(i + j) % period];
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "element {}: got {g} want {w}",
+                    i + j
+                );
+            }
+        }
+    }
 
     #[test]
     fn matrix_of_column_window() {

@@ -565,24 +565,10 @@ impl<'a> Vb<'a> {
         self.converted(&full, t)
     }
 
-    /// `t` in the compute dtype. candle's CUDA cast kernels count elements in `unsigned int`
-    /// (candle-kernels 0.11.1 src/cast.cu), so a cast of more than 2^32 elements on the GPU
-    /// never ends: such a tensor is refused with its name instead.
+    /// `t` in the compute dtype ([`crate::kernels::to_dtype`]: on the GPU a tensor of more than 2^32
+    /// elements is cast in chunks).
     fn converted(&self, full: &str, t: Tensor) -> Result<Tensor> {
-        if t.dtype() != self.dtype && cast_hangs(!t.device().is_cpu(), t.elem_count()) {
-            return Err(Error::weights(
-                self.src.origin(),
-                format!(
-                    "tensor {full}: {} elements of {:?} to convert to {:?} on the GPU, more than \
-                     candle's CUDA cast indexes (2^32); store it as {:?}",
-                    t.elem_count(),
-                    t.dtype(),
-                    self.dtype,
-                    self.dtype
-                ),
-            ));
-        }
-        t.to_dtype(self.dtype).ctx(|| format!("converting {full}"))
+        crate::kernels::to_dtype(&t, self.dtype).ctx(|| format!("converting {full}"))
     }
 
     /// Every full name read through this builder (or its children) so far.
@@ -612,23 +598,9 @@ impl<'a> Vb<'a> {
     }
 }
 
-/// Whether a cast of `elements` would overrun candle's 32-bit element index: on a GPU, past
-/// u32::MAX elements (the loop variable wraps before reaching the count).
-fn cast_hangs(on_gpu: bool, elements: usize) -> bool {
-    on_gpu && elements > u32::MAX as usize
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn casts_past_a_32_bit_index_are_refused_on_the_gpu_only() {
-        let last = u32::MAX as usize; // the largest count the kernel's index reaches
-        assert!(cast_hangs(true, last + 1));
-        assert!(!cast_hangs(true, last));
-        assert!(!cast_hangs(false, last + 1));
-    }
 
     /// Every bf16 bit pattern (NaNs, infinities, subnormals) widens to the bits candle's
     /// `to_dtype` (half) gives.
