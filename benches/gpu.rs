@@ -651,7 +651,8 @@ mod gpu {
                     .filter(|(k, _)| k.ends_with(".topk_idx"))
                     .map(|(k, idx)| {
                         let mut counts = vec![0usize; e];
-                        for x in idx.flatten_all().unwrap().to_vec1::<u32>().unwrap() {
+                        // i64 expert ids (the capture keeps HF's dtype).
+                        for x in idx.flatten_all().unwrap().to_vec1::<i64>().unwrap() {
                             counts[x as usize] += 1;
                         }
                         let rows: usize = counts.iter().sum();

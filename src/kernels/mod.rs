@@ -311,12 +311,15 @@ mod tests {
                     .unwrap();
                 let got = cuda::to_dtype_in_chunks(&t, to, chunk).unwrap();
                 assert_eq!((got.dims(), got.dtype()), (shape, to));
-                let want = t.to_dtype(to).unwrap();
-                assert_eq!(
-                    bits(&got),
-                    bits(&want),
-                    "{shape:?} {from:?} -> {to:?} in chunks of {chunk}"
-                );
+                let (got, want) = (bits(&got), bits(&t.to_dtype(to).unwrap()));
+                if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+                    panic!(
+                        "{shape:?} {from:?} -> {to:?} in chunks of {chunk}: element {i}: got {} \
+                         want {}",
+                        f32::from_bits(got[i]),
+                        f32::from_bits(want[i])
+                    );
+                }
             }
         }
     }
