@@ -136,12 +136,13 @@ mod gpu {
     }
 
     /// `gpu moe-gemm T,T,... REPS [EXPERTS]`: the routed experts of one DeepSeek-V3 MoE layer
-    /// (256 experts, or Kimi-K2's 384 with EXPERTS = 384; 8 per token, H 7168, I 2048, bf16) on T x 8 sorted rows, spread evenly and as
-    /// random routing spreads them (8 distinct experts a token, uniform, seeded), both ways
-    /// `eagle_check::kernels::moe_experts` runs them: kernels/moe_gemm_sm90.cu (two launches,
-    /// the offsets read on the device) and cuBLAS grouped GEMMs (the host reads the counts;
-    /// gate and up, SiLU-mul, down). Prints ms and the touched experts' weight bytes over the
-    /// time, for the whole experts step and for each Hopper launch.
+    /// (256 experts, or Kimi-K2's 384 with EXPERTS = 384; 8 per token, H 7168, I 2048, bf16)
+    /// on T x 8 sorted rows, spread evenly and as random routing spreads them (8 distinct
+    /// experts a token, uniform, seeded), both ways `eagle_check::kernels::moe_experts` runs
+    /// them: kernels/moe_gemm_sm90.cu (two launches, the offsets read on the device) and cuBLAS
+    /// grouped GEMMs (the host reads the counts; gate and up, SiLU-mul, down). Prints ms and the
+    /// touched experts' weight bytes over the time, for the whole experts step and for each
+    /// Hopper launch.
     fn moe_gemm(ts: &[usize], reps: usize, e: usize) {
         use eagle_check::kernels::cuda::{MoeGemmArgs, MoeGemmKind, moe_gemm_wg, tensor_ptr};
         use eagle_check::kernels::{KernelDType, StackedExperts, moe_experts};
@@ -256,7 +257,8 @@ mod gpu {
                 println!(
                     "{}",
                     serde_json::json!({
-                        "moe_experts": spread, "experts": e, "T": t, "rows": rows, "experts_touched": touched,
+                        "moe_experts": spread, "experts": e, "T": t, "rows": rows,
+                        "experts_touched": touched,
                         "max_rows": max_rows, "weight_gb": (bytes_gu + bytes_d) / 1e9,
                         "grouped_ms": grouped_ms,
                         "grouped_tb_s": (bytes_gu + bytes_d) / grouped_ms / 1e9,

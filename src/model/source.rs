@@ -565,8 +565,8 @@ impl<'a> Vb<'a> {
         self.converted(&full, t)
     }
 
-    /// `t` in the compute dtype ([`crate::kernels::to_dtype`]: on the GPU a tensor of more than 2^32
-    /// elements is cast in chunks).
+    /// `t` in the compute dtype ([`crate::kernels::to_dtype`]: on the GPU a tensor of more
+    /// than 2^32 elements is cast in chunks).
     fn converted(&self, full: &str, t: Tensor) -> Result<Tensor> {
         crate::kernels::to_dtype(&t, self.dtype).ctx(|| format!("converting {full}"))
     }
