@@ -904,7 +904,7 @@ mod tests {
     }
 
     /// The Hopper expert GEMMs (kernels/moe_gemm_sm90.cu) and the grouped cuBLAS path against
-    /// the CPU reference: empty experts, an expert longer than one 128-row chunk, counts that
+    /// the CPU reference: empty experts, an expert longer than one 96-row chunk, counts that
     /// are not multiples of 16, k and n_out that are not multiples of the tiles (k % 64 != 0,
     /// n_out % 128 != 0), a DeepSeek-like spread at H 1024; bf16 and f16.
     #[cfg(feature = "cuda")]
