@@ -42,9 +42,21 @@ impl fmt::Display for Boundary {
 #[serde(rename_all = "kebab-case")]
 pub enum FinalNorm {
     /// Before `model.norm`: what vLLM, sglang and TorchSpec capture.
+    #[serde(alias = "pre-norm")]
     Pre,
     /// After `model.norm`: what HF `output_hidden_states[-1]` returns (SpecForge, ModelOpt).
+    #[serde(alias = "post-norm")]
     Post,
+}
+
+impl FinalNorm {
+    /// The word a capture spec's `final_norm` takes (`pre`, `post`); reports say `pre-norm`.
+    pub fn spec_word(self) -> &'static str {
+        match self {
+            FinalNorm::Pre => "pre",
+            FinalNorm::Post => "post",
+        }
+    }
 }
 
 impl fmt::Display for FinalNorm {

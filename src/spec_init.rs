@@ -70,7 +70,9 @@ pub fn init(input: &InitInput) -> Result<String> {
             .problems
             .iter()
             .filter_map(|p| match p {
-                IdProblem::Refused { reason } => Some(reason.clone()),
+                IdProblem::Refused { reason } | IdProblem::Unsupported { reason } => {
+                    Some(reason.clone())
+                }
                 _ => None,
             })
             .collect();
@@ -131,7 +133,7 @@ pub fn init(input: &InitInput) -> Result<String> {
             IdProblem::NotRead { read, .. } => {
                 format!("assumed: the trainer reads {read}")
             }
-            IdProblem::Refused { reason } => reason.clone(),
+            IdProblem::Refused { reason } | IdProblem::Unsupported { reason } => reason.clone(),
         };
         let _ = writeln!(out, "# {line}");
     }
@@ -162,7 +164,7 @@ pub fn init(input: &InitInput) -> Result<String> {
         .filter_map(|s| s.norm)
         .collect();
     if let Some(side) = sides.first() {
-        let _ = writeln!(out, "  final_norm: {side}");
+        let _ = writeln!(out, "  final_norm: {}", side.spec_word());
     }
     let _ = writeln!(out, "fc: {{ in_features: {} }}", boundaries.len() * hidden);
 

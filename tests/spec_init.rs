@@ -223,3 +223,43 @@ fn a_config_the_trainer_refuses_writes_no_spec() {
     ])
     .assert_could_not_check(&["vllm serves drafters"]);
 }
+
+/// A trainer whose layout takes b = L (Model-Optimizer's HF dump: id L-1 is HF's post-norm
+/// last state) once got `final_norm: post-norm` written, which the spec reader refused: the
+/// command could not read its own file. The spec's own word is written and reads back.
+#[test]
+fn a_trainer_layout_taking_b_l_writes_a_spec_that_reads_back() {
+    let dir = scratch("spec-init-final-norm");
+    let src = fixture("real-configs/draft_eagle3_llama3.1-8b__SpecForge.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src).unwrap()).unwrap();
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([1, 15, 31]);
+    let draft = dir.join("draft-last-layer.json");
+    std::fs::write(&draft, cfg.to_string()).unwrap();
+    let out_path = dir.join("modelopt.yaml");
+    let out = eagle_check([
+        "spec",
+        "init",
+        "--draft",
+        &p(&draft),
+        "--trainer",
+        "modelopt",
+        "--out",
+        &p(&out_path),
+        "--num-layers",
+        "32",
+        "--hidden-size",
+        "4096",
+        "--model-type",
+        "llama",
+    ]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let text = std::fs::read_to_string(&out_path).unwrap();
+    assert!(text.contains("  final_norm: post\n"), "{text}");
+    let spec = Spec::load(&out_path).unwrap();
+    assert_eq!(
+        spec.final_norm,
+        Some(eagle_check::boundary::FinalNorm::Post)
+    );
+    assert_eq!(spec.boundaries.last().map(|b| b.0), Some(32));
+}

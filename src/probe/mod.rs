@@ -306,7 +306,7 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
             let dims = Dims {
                 num_layers: l,
                 target_hidden: cfg.hidden_size,
-                arch: Some(cfg.model_type.clone()),
+                arch: Some(cfg.family.name.clone()),
             };
             let feeds = judge::feeds(Some(&draft_cfg), &dims, &input.engines);
             for feed in &feeds {
@@ -573,7 +573,7 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
         report.findings.push(finding);
         return Ok(report.finish());
     }
-    let arch = Some(cfg.model_type.as_str());
+    let arch = Some(cfg.family.name.as_str());
     let compare_to_best = |i: usize| {
         (
             resampler.diff(&best_series.accepted, &scored[i].series.accepted),
@@ -713,7 +713,7 @@ fn spec_text(
         list.join(", ")
     );
     if let Some(side) = layout.final_norm() {
-        out.push_str(&format!("  final_norm: {side}\n"));
+        out.push_str(&format!("  final_norm: {}\n", side.spec_word()));
     }
     out.push_str(&format!(
         "fc: {{ in_features: {} }}\n",
@@ -771,5 +771,34 @@ fn summarise_origins(sets: &[TokenSet]) -> String {
         [one] => one.origin.clone(),
         [first, .., last] => format!("{} .. {}", first.origin, last.origin),
         [] => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::boundary::FinalNorm;
+
+    /// `probe --search --write-spec` once wrote `final_norm: pre-norm` (the report's word) for a
+    /// layout taking b = L, a value the spec reader did not take: the command refused its own
+    /// file. The spec's own word is written, and the text reads back as the layout.
+    #[test]
+    fn a_searched_layout_with_b_l_writes_a_spec_that_reads_back() {
+        for side in [Side::Pre, Side::Post] {
+            let layout = Layout(vec![
+                Tap::new(2, 8, None),
+                Tap::new(4, 8, None),
+                Tap::new(8, 8, Some(side)),
+            ]);
+            let text = spec_text(&layout, 8, 16, "llama", Path::new("draft/config.json")).unwrap();
+            let want = FinalNorm::from(side);
+            assert!(
+                text.contains(&format!("  final_norm: {}\n", want.spec_word())),
+                "{text}"
+            );
+            let spec = Spec::parse(&text, Path::new("probed.yaml")).unwrap();
+            assert_eq!(spec.final_norm, Some(want));
+            assert_eq!(spec.boundaries.len(), 3);
+        }
     }
 }
