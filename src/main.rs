@@ -559,7 +559,7 @@ fn run(cli: Cli) -> Result<u8> {
                     (
                         info.num_layers,
                         Some(info.hidden_size),
-                        Some(info.model_type),
+                        Some(info.family.name),
                         format!("target {}", t.display()),
                     )
                 }
@@ -728,7 +728,7 @@ fn run(cli: Cli) -> Result<u8> {
                 (None, None) => bail!("diff needs --target or --reference"),
             };
             let arch = target_shape
-                .map(|t| t.model_type)
+                .map(|t| t.family.name)
                 .or_else(|| spec.target.as_ref().and_then(|t| t.model_type.clone()));
             let feed = match &draft {
                 Some(d) => {

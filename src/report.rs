@@ -39,6 +39,11 @@ pub enum FindingName {
     NoSignal,
     /// The run's peak memory passed `--max-memory` (the captures are still valid).
     MemoryBudget,
+    /// The engine version cannot serve EAGLE-3 on the target's architecture at all: it fails at
+    /// start-up (no capture in the model file, no model file) or captures nothing.
+    UnsupportedArchitecture,
+    /// The engine version cannot load the draft's architecture or config format.
+    UnsupportedDraft,
 }
 
 impl FindingName {
@@ -65,6 +70,8 @@ impl FindingName {
             FindingName::Acceptance => "acceptance",
             FindingName::NoSignal => "no-signal",
             FindingName::MemoryBudget => "memory-budget",
+            FindingName::UnsupportedArchitecture => "unsupported-architecture",
+            FindingName::UnsupportedDraft => "unsupported-draft",
         }
     }
 }

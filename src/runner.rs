@@ -84,7 +84,7 @@ pub fn run(input: &RunInput) -> Result<Report> {
             let dims = Dims {
                 num_layers: cfg.num_layers,
                 target_hidden: cfg.hidden_size,
-                arch: Some(cfg.model_type.clone()),
+                arch: Some(cfg.family.name.clone()),
             };
             let feed = judge::feeds(draft_cfg.as_ref(), &dims, &[input.engine]).remove(0);
             r.fact(&format!("rule {}", feed.engine_label()), feed.describe());

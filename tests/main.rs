@@ -6,6 +6,7 @@ mod deepseek;
 mod deepseek_cli;
 mod diff;
 mod engine_dumps;
+mod engine_support;
 mod fuzz_corpus;
 mod gate;
 mod gguf;

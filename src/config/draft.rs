@@ -30,6 +30,8 @@ pub struct DraftConfigFile {
     pub norm_before_fc: Option<bool>,
     pub norm_before_residual: Option<bool>,
     pub bias: Option<bool>,
+    /// The target's `model_type`, as SpecForge's draft configs record it.
+    pub target_model_type: Option<String>,
     // speculators format
     pub speculators_model_type: Option<String>,
     pub transformer_layer_config: Option<ConfigFile>,
@@ -41,7 +43,8 @@ pub struct DraftConfigFile {
 pub enum DraftKind {
     /// `LlamaForCausalLMEagle3` (SpecForge, sglang, vLLM).
     Eagle3Llama,
-    /// The EAGLE reference's `LlamaForCausalLM` draft config (sglang rewrites it to the above).
+    /// The EAGLE reference's `LlamaForCausalLM` draft config (vLLM loads it as
+    /// `Eagle3LlamaForCausalLM`; sglang, which does not rename it, as a plain target).
     EagleReference,
     /// speculators `eagle3` format (`transformer_layer_config` nested).
     Speculators,
@@ -85,7 +88,9 @@ pub struct DraftConfig {
     pub vocab_size: usize,
     pub draft_vocab_size: usize,
     pub rms_norm_eps: f64,
-    pub rope: Rope,
+    /// The draft layer's rope, or why the runner cannot build it: the static checks never need
+    /// it, so a rope type the runner does not know is refused only when the draft is run.
+    pub rope: std::result::Result<Rope, String>,
     /// The target's hidden size as the draft declares it; `None` means "same as the draft's".
     pub target_hidden_size: Option<usize>,
     /// The layer ids as written: top level and under `eagle_config` (engines read different
@@ -95,6 +100,10 @@ pub struct DraftConfig {
     pub norm_before_fc: bool,
     pub norm_before_residual: bool,
     pub mla: Option<MlaConfig>,
+    /// The target's `model_type` the draft config says it was trained for, if it says.
+    pub target_model_type: Option<String>,
+    /// The draft layer's own `model_type` (a speculators config's `transformer_layer_config`).
+    pub model_type: Option<String>,
 }
 
 impl DraftConfig {
@@ -230,13 +239,27 @@ impl DraftConfig {
                 "draft_vocab_size",
             )?,
             rms_norm_eps: model.rms_norm_eps.unwrap_or(1e-6),
-            rope: resolve_rope(model, path)?,
+            rope: resolve_rope(model, path).map_err(|e| e.to_string()),
             target_hidden_size: raw.target_hidden_size,
             ids,
             num_aux_hidden_states: raw.num_aux_hidden_states,
             norm_before_fc: raw.norm_before_fc.unwrap_or(false),
             norm_before_residual: raw.norm_before_residual.unwrap_or(false),
             mla,
+            target_model_type: raw.target_model_type.clone(),
+            model_type: model.model_type.clone(),
+        })
+    }
+
+    /// The draft layer's rope; a rope type the runner does not know is refused here, naming the
+    /// config.
+    pub fn rope(&self) -> Result<&Rope> {
+        self.rope.as_ref().map_err(|message| Error::Config {
+            path: self.path.clone(),
+            message: message
+                .strip_prefix(&format!("{}: ", self.path.display()))
+                .unwrap_or(message)
+                .to_string(),
         })
     }
 

@@ -6,8 +6,10 @@
 //! (with `rope_theta` inside); older files use `rope_theta` + `rope_scaling`. Both resolve here.
 
 pub mod draft;
+pub mod family;
 
 pub use draft::{DraftConfig, DraftIds, DraftKind};
+pub use family::Family;
 
 use crate::error::{Error, Result};
 use serde::Deserialize;
@@ -17,7 +19,8 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct ConfigFile {
     pub model_type: Option<String>,
-    #[serde(default)]
+    /// transformers writes `"architectures": null` for a config built in code; it reads as none.
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub architectures: Vec<String>,
     pub text_config: Option<Box<ConfigFile>>,
     pub hidden_size: Option<usize>,
@@ -58,6 +61,15 @@ pub struct ConfigFile {
     pub scoring_func: Option<String>,
     pub topk_method: Option<String>,
     pub quantization_config: Option<serde_json::Value>,
+}
+
+/// A list that may be written as `null`: read as empty.
+fn null_as_empty<'de, D, T>(de: D) -> std::result::Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Ok(Option::<Vec<T>>::deserialize(de)?.unwrap_or_default())
 }
 
 /// The architectures the runner knows.
@@ -158,6 +170,8 @@ pub struct ModelConfig {
     pub path: PathBuf,
     pub arch: Arch,
     pub model_type: String,
+    /// The family the engines' rules are keyed on ([`Family::of`]).
+    pub family: Family,
     pub hidden_size: usize,
     pub num_layers: usize,
     pub vocab_size: usize,
@@ -189,7 +203,10 @@ pub struct ModelConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TargetInfo {
     pub path: PathBuf,
+    /// The text model's `model_type` (a wrapper's `text_config` wins), for reports.
     pub model_type: String,
+    /// The family the engines' rules are keyed on ([`Family::of`]).
+    pub family: Family,
     pub num_layers: usize,
     pub hidden_size: usize,
     pub vocab_size: Option<usize>,
@@ -204,13 +221,19 @@ impl TargetInfo {
 
     pub fn resolve(raw: &ConfigFile, path: &Path) -> Result<TargetInfo> {
         raw.check_sizes(path)?;
+        let family = Family::of(raw);
         let raw = match &raw.text_config {
             Some(text) => merged_text_config(raw, text),
             None => raw.clone(),
         };
+        let model_type = need(raw.model_type.clone(), path, "model_type")?;
         Ok(TargetInfo {
             path: path.to_path_buf(),
-            model_type: need(raw.model_type.clone(), path, "model_type")?,
+            family: family.unwrap_or_else(|| Family {
+                name: family::family_name(&model_type),
+                class: None,
+            }),
+            model_type,
             num_layers: positive(
                 need(raw.num_hidden_layers, path, "num_hidden_layers")?,
                 path,
@@ -231,6 +254,7 @@ impl From<&ModelConfig> for TargetInfo {
         TargetInfo {
             path: cfg.path.clone(),
             model_type: cfg.model_type.clone(),
+            family: cfg.family.clone(),
             num_layers: cfg.num_layers,
             hidden_size: cfg.hidden_size,
             vocab_size: Some(cfg.vocab_size),
@@ -340,11 +364,16 @@ impl ModelConfig {
     /// Resolves a mirror; a nested `text_config` (multimodal wrappers) wins over the top level.
     pub fn resolve(raw: &ConfigFile, path: &Path) -> Result<ModelConfig> {
         raw.check_sizes(path)?;
+        let family = Family::of(raw);
         let raw = match &raw.text_config {
             Some(text) => merged_text_config(raw, text),
             None => raw.clone(),
         };
         let model_type = need(raw.model_type.clone(), path, "model_type")?;
+        let family = family.unwrap_or_else(|| Family {
+            name: family::family_name(&model_type),
+            class: None,
+        });
         let arch = Arch::from_model_type(&model_type).ok_or_else(|| {
             Error::config(
                 path,
@@ -409,6 +438,7 @@ impl ModelConfig {
             path: path.to_path_buf(),
             arch,
             model_type,
+            family,
             hidden_size,
             num_layers,
             vocab_size: positive(
@@ -486,7 +516,12 @@ pub(crate) fn resolve_rope(raw: &ConfigFile, path: &Path) -> Result<Rope> {
     let factor = json_f64(p, "factor").unwrap_or(1.0);
     let orig = json_f64(p, "original_max_position_embeddings");
     let scaling = match kind {
-        "default" => RopeScaling::None,
+        // M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: `mrope_section`, transformers 5 writes
+        // `rope_type: default` beside it) rotates three sections of the frequencies by the
+        // temporal, height and width positions. For text, the three positions are the token's
+        // position (`Qwen2_5_VLModel.get_rope_index` without image or video grids), so it is the
+        // default rope over the same frequencies.
+        "default" | "mrope" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor },
         "llama3" => RopeScaling::Llama3 {
             factor,
@@ -583,4 +618,31 @@ fn resolve_deepseek(raw: &ConfigFile, path: &Path) -> Result<DeepseekParts> {
         _ => None,
     };
     Ok((Some(mla), moe, fp8_block))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// M-RoPE on a text-only prompt is the default rope (the three position rows coincide):
+    /// SpecForge's Qwen2.5-VL draft writes `type: mrope`, transformers 5 `rope_type: default`
+    /// with `mrope_section`; both resolve, with the same theta. A rope type nobody defined is
+    /// still refused, by name.
+    #[test]
+    fn mrope_resolves_as_the_default_rope_for_text() {
+        let path = Path::new("config.json");
+        for json in [
+            r#"{"rope_theta": 1000000, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}"#,
+            r#"{"rope_parameters": {"rope_type": "default", "rope_theta": 1000000, "mrope_section": [16, 24, 24]}}"#,
+        ] {
+            let raw: ConfigFile = serde_json::from_str(json).unwrap();
+            let rope = resolve_rope(&raw, path).unwrap();
+            assert_eq!(rope.scaling, RopeScaling::None, "{json}");
+            assert_eq!(rope.theta, 1_000_000.0, "{json}");
+        }
+        let raw: ConfigFile =
+            serde_json::from_str(r#"{"rope_scaling": {"type": "spiral"}}"#).unwrap();
+        let err = resolve_rope(&raw, path).unwrap_err().to_string();
+        assert!(err.contains("`spiral`"), "{err}");
+    }
 }

@@ -6,13 +6,16 @@
 //! a draft's ids, [`ids_for`] inverts it into a fix. Everything leaves this module as canonical
 //! boundaries ([`Boundary`]); no other module knows about "+1".
 
+pub mod drafts;
 pub mod rules;
 #[cfg(test)]
 mod tests;
 
 use crate::boundary::{Boundary, FinalNorm, default_boundaries};
 pub use crate::config::DraftIds;
-use rules::{DefaultList, IdCheck, IdsFrom, MinusOne, Offset, Order, RULES, Reach, Rule, When};
+use rules::{
+    Capture, DefaultList, IdCheck, IdsFrom, MinusOne, Offset, Order, RULES, Reach, Rule, When,
+};
 use serde::{Serialize, Serializer};
 use std::fmt;
 
@@ -238,6 +241,8 @@ pub struct Selected {
 /// assumed: the newest version when none is named, the band a version between audited ones
 /// falls in, the generic rule when the architecture is unknown.
 pub fn select(sel: &EngineSel, arch: Option<&str>) -> Selected {
+    let family = arch.map(crate::config::family::family_name);
+    let arch = family.as_deref();
     let engine = sel.engine;
     let path = sel.path.unwrap_or_else(|| engine.paths()[0]);
     let mut notes = Vec::new();
@@ -340,6 +345,9 @@ pub enum IdProblem {
     Unsorted { ids: Vec<i64> },
     /// The engine raises on these ids or this target.
     Refused { reason: String },
+    /// This engine version cannot serve EAGLE-3 on the target's architecture at all (its model
+    /// file has no capture, or the engine cannot load the target).
+    Unsupported { reason: String },
     /// The ids in the draft config are not where this engine reads them.
     NotRead {
         /// Where the config has them.
@@ -654,7 +662,20 @@ pub fn resolve(sel: &EngineSel, arch: Option<&str>, ids: &DraftIds, num_layers: 
         }
     };
     if let Some(why) = rule.refuses {
-        return refused(read, problems, why.to_string(), notes);
+        problems.push(IdProblem::Unsupported {
+            reason: why.to_string(),
+        });
+        return Feed {
+            engine: *sel,
+            rule,
+            how: How::Refused,
+            ids: read,
+            slots: Vec::new(),
+            target: None,
+            problems,
+            notes,
+            if_patched: None,
+        };
     }
 
     // The positions to capture: explicit ids through the offset, or the default list.
@@ -793,6 +814,7 @@ pub fn resolve(sel: &EngineSel, arch: Option<&str>, ids: &DraftIds, num_layers: 
         let applies = match when {
             When::ExplicitIds => how == How::Explicit,
             When::MinusOne => read.as_ref().is_some_and(|ids| ids.contains(&-1)),
+            When::Always => true,
         };
         if applies {
             notes.push(caveat.to_string());
@@ -823,6 +845,48 @@ fn order_slots(order: Order, slots: &mut Vec<FedSlot>) {
             }
         }
     }
+}
+
+/// The serving engines that can feed the residual stream on `arch` targets, for a fix: of
+/// `sel`'s engine and path, the oldest newer audited version that serves it, else the newest
+/// older one; then, of each other serving engine audited per architecture, the newest version
+/// that serves it. Empty when none is known.
+pub fn serving_alternatives(sel: &EngineSel, arch: Option<&str>) -> Vec<String> {
+    let serves = |s: &EngineSel| {
+        let rule = select(s, arch).rule;
+        rule.refuses.is_none() && rule.captures == Capture::Residual
+    };
+    let at = |base: &EngineSel, v: Version| EngineSel {
+        version: Some(v),
+        ..*base
+    };
+    let band = select(sel, arch).rule.since;
+    // Newest first.
+    let versions = sel.engine.versions();
+    let newer = versions.iter().rev().filter(|&&v| v > band);
+    let older = versions.iter().filter(|&&v| v < band);
+    let mut out: Vec<String> = newer
+        .chain(older)
+        .map(|&v| at(sel, v))
+        .find(|s| serves(s))
+        .map(|s| s.to_string())
+        .into_iter()
+        .collect();
+    for engine in [Engine::Sglang, Engine::Vllm] {
+        if engine == sel.engine {
+            continue;
+        }
+        let other = EngineSel::newest(engine);
+        if let Some(s) = engine
+            .versions()
+            .into_iter()
+            .map(|v| at(&other, v))
+            .find(|s| serves(s))
+        {
+            out.push(s.to_string());
+        }
+    }
+    out
 }
 
 /// A slot as a fix must produce it: a boundary, and at b = L its side of the norm.
@@ -897,8 +961,8 @@ pub fn ids_for(
 /// generated, so the README cannot drift from the code.
 pub fn markdown_table() -> String {
     let mut out = String::from(
-        "| engine | targets | explicit ids | no ids | b = 0 | b = L | -1, or past L | order | ids read from |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+        "| engine | targets | explicit ids | no ids | b = 0 | b = L | -1, or past L | order | ids read from | slots past b = 0 |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in RULES {
         let mut name = r.engine.name().to_string();
@@ -922,7 +986,7 @@ pub fn markdown_table() -> String {
         };
         if let Some(why) = r.refuses {
             out.push_str(&format!(
-                "| `{name}` | {archs} | refused: {why} | | | | | | |\n"
+                "| `{name}` | {archs} | refused: {why} | | | | | | | |\n"
             ));
             continue;
         }
@@ -979,8 +1043,12 @@ pub fn markdown_table() -> String {
             IdsFrom::Setting(s) => format!("`{s}`"),
             IdsFrom::Nowhere => "nowhere".to_string(),
         };
+        let captures = match r.captures {
+            Capture::Residual => "the residual stream".to_string(),
+            Capture::Branch(why) => format!("**no residual**: {why}"),
+        };
         out.push_str(&format!(
-            "| `{name}` | {archs} | {explicit} | {no_ids} | {} | {} | {minus_one} | {order} | {ids_from} |\n",
+            "| `{name}` | {archs} | {explicit} | {no_ids} | {} | {} | {minus_one} | {order} | {ids_from} | {captures} |\n",
             reach_words(r.embedding),
             reach_words(r.last),
         ));

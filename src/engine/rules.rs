@@ -106,6 +106,17 @@ pub enum DefaultList {
     Refused(&'static str),
 }
 
+/// What the capture loop of a row's model file appends for a slot past b = 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capture {
+    /// The full residual stream (`hidden_states + residual`, or a layer that returns the sum):
+    /// what HF's `output_hidden_states` holds and what every trainer captured.
+    Residual,
+    /// A layer's branch output without the residual it should be added to (an engine bug: the
+    /// fused add-norm keeps the residual apart and the capture reads the other half).
+    Branch(&'static str),
+}
+
 /// When a caveat applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum When {
@@ -113,6 +124,8 @@ pub enum When {
     ExplicitIds,
     /// When an id is -1.
     MinusOne,
+    /// Whatever the ids (a deployment setting the rule cannot see, such as the parallelism).
+    Always,
 }
 
 /// One audited rule.
@@ -130,8 +143,11 @@ pub struct Rule {
     pub archs: &'static [&'static str],
     /// Upstream file and function the row was read from.
     pub source: &'static str,
-    /// The engine does not run EAGLE-3 on these targets at all.
+    /// The engine does not run EAGLE-3 on these targets at all: how it fails, in its own terms
+    /// (the missing method or interface, the exception, where it is raised).
     pub refuses: Option<&'static str>,
+    /// What a slot past b = 0 holds.
+    pub captures: Capture,
     pub offset: Offset,
     pub minus_one: MinusOne,
     /// A slot that maps to b = 0.
@@ -166,6 +182,7 @@ impl Rule {
     /// ids are read or in their sources).
     pub fn same_mapping(&self, other: &Rule) -> bool {
         self.refuses == other.refuses
+            && self.captures == other.captures
             && self.offset == other.offset
             && self.minus_one == other.minus_one
             && self.embedding == other.embedding
@@ -200,6 +217,67 @@ const LLAMA_FAMILY: &[&str] = &[
     "minimax_m2",
     "qwen3_next",
 ];
+/// The llama family less gemma3, which has rows of its own in 0.5.10 (no setter) and 0.5.23
+/// (its capture moved: [`SG_GEMMA3_BRANCH`]).
+const LLAMA_FAMILY_LESS_GEMMA3: &[&str] = &[
+    "llama",
+    "mistral",
+    "llama4",
+    "phi3",
+    "internlm3",
+    "glm4_moe",
+    "minimax_m2",
+    "qwen3_next",
+];
+
+/// sglang 0.5.23 `gemma3_causal.py` (FACTS.md section 1.5).
+const SG_GEMMA3_BRANCH: Capture = Capture::Branch(
+    "Gemma3TextModel.forward appends hidden_states at the top of each layer, but \
+     Gemma3DecoderLayer.forward now returns (hidden_states, residual) apart (the add fused into \
+     the next norm): every slot past b = 0 holds the previous layer's post-feed-forward branch, \
+     not the residual stream (sglang 0.5.14's layer returned the sum)",
+);
+
+// Targets an sglang version cannot serve EAGLE-3 on (FACTS.md section 1.5). The target class
+// has no `set_eagle3_layers_to_capture`, which every version calls when the server starts:
+// 0.5.10 `model_runner.py` `ModelRunner.initialize` (l. 667-670) and 0.5.14
+// `ModelRunner.init_aux_hidden_state_capture` (l. 1008-1011) call it unguarded
+// (AttributeError); 0.5.23 `attention_backend_setup.py` `configure_aux_hidden_state_capture`
+// (l. 54-61) checks and raises ValueError.
+const SG_NO_SETTER_0_5_10: &str = "the target class has no set_eagle3_layers_to_capture, and \
+     model_runner.py ModelRunner.initialize calls it unguarded: AttributeError at start-up";
+const SG_NO_SETTER_0_5_14: &str = "the target class has no set_eagle3_layers_to_capture, and \
+     model_runner.py ModelRunner.init_aux_hidden_state_capture calls it unguarded: AttributeError \
+     at start-up";
+const SG_NO_SETTER_0_5_23: &str = "the target class has no set_eagle3_layers_to_capture: \
+     attention_backend_setup.py configure_aux_hidden_state_capture raises ValueError at start-up";
+/// Families without a setter in every audited sglang version: `mistral3.py`
+/// (`Mistral3ForConditionalGeneration` forwards to a Llava class without one), `exaone.py`,
+/// `exaone4.py`, `mimo.py`, `minicpmv.py`, `glm4.py` (dense GLM-4).
+const SG_NEVER: &[&str] = &["mistral3", "exaone", "exaone4", "mimo", "minicpmv", "glm4"];
+/// 0.5.10 adds Gemma-3 (`gemma3_causal.py`, `gemma3_mm.py`), Qwen3-VL (`qwen3_vl.py`,
+/// `qwen3_vl_moe.py`) and Qwen3.5 (`qwen3_5.py`): none has a setter yet.
+const SG_0_5_10_NONE: &[&str] = &[
+    "mistral3",
+    "exaone",
+    "exaone4",
+    "mimo",
+    "minicpmv",
+    "glm4",
+    "gemma3",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+];
+/// sglang 0.5.14's Qwen3.5 (FACTS.md section 1.5): the classes inherit the Qwen3-VL setter,
+/// which only records a layer list, while `Qwen3_5ForCausalLM.forward` captures only layers
+/// flagged by the DFlash setter; nothing is captured and `Qwen3VLForConditionalGeneration.forward`
+/// splits a bare tensor.
+const SG_QWEN3_5_0_5_14: &str = "qwen3_5.py Qwen3_5ForCausalLM.forward captures only layers the \
+     DFlash setter flags, so the inherited Qwen3-VL setter captures nothing and qwen3_vl.py \
+     Qwen3VLForConditionalGeneration.forward fails splitting the bare output (ValueError; with \
+     exactly two tokens, silently wrong data); fixed in 0.5.23";
 /// qwen2/qwen3 guard a `None` residual at layer 0, so b = 0 works in every version.
 const QWEN_DENSE: &[&str] = &["qwen2", "qwen3"];
 /// `Qwen2MoeModel.set_eagle3_layers_to_capture` tags `self.layers[b]`.
@@ -230,6 +308,7 @@ const SGLANG_0_5_23: Rule = Rule {
     archs: &[],
     source: "sglang/srt/models/llama.py LlamaForCausalLM.set_eagle3_layers_to_capture",
     refuses: None,
+    captures: Capture::Residual,
     offset: Offset::PlusOne,
     minus_one: MinusOne::ByOffset,
     embedding: Reach::Captured(None),
@@ -283,6 +362,7 @@ const VLLM: Rule = Rule {
     archs: &[],
     source: "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config; models/llama.py LlamaModel.forward",
     refuses: None,
+    captures: Capture::Residual,
     offset: Offset::Raw,
     minus_one: MinusOne::ByOffset,
     embedding: Reach::Captured(None),
@@ -300,15 +380,48 @@ const VLLM: Rule = Rule {
     caveats: &[],
 };
 
-const VLLM_DEEPSEEK: &[&str] = &[
-    "deepseek_v2",
-    "deepseek_v3",
-    "deepseek_v32",
-    "kimi_k2",
-    "kimi_k25",
-];
+const VLLM_DEEPSEEK: &[&str] = &["deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25"];
 const VLLM_DEEPSEEK_EMBED: Reach =
     Reach::Crash("id 0 on vLLM's deepseek backbone: the residual is None before layer 0");
+
+/// Target classes of vLLM 0.33.0 that do not implement `SupportsEagle3` (FACTS.md section 2.1):
+/// `gemma.py`, `gemma2.py`, `gemma3.py`, `gemma3_mm.py`, `gemma3n.py`, `gemma3n_mm.py`,
+/// `glm4.py`, `glm4_moe.py`, `glm4_moe_lite.py`, `glm4_1v.py`, `glm4v_moe` (Glm4vMoe),
+/// `qwen2_moe.py`, `qwen2_vl.py`, `bailing_moe.py` (V1 and V2), `longcat_flash.py`,
+/// `exaone.py`, `exaone4.py`, `exaone_moe.py`.
+const VLLM_NO_EAGLE3: &[&str] = &[
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gemma3n",
+    "glm4",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "glm4v",
+    "glm4v_moe",
+    "qwen2_moe",
+    "qwen2_vl",
+    "bailing_moe",
+    "bailing_moe_v2",
+    "longcat_flash",
+    "exaone",
+    "exaone4",
+    "exaone_moe",
+];
+const VLLM_NO_EAGLE3_WHY: &str = "the target class does not implement SupportsEagle3: \
+     eagle3_utils.py set_eagle3_aux_hidden_state_layers (V2 runner) and gpu_model_runner.py \
+     _setup_eagle3_aux_hidden_state_outputs (V1) raise RuntimeError when the model loads";
+/// `mimo.py` `MiMoForCausalLM` declares `SupportsEagle3` but its forward returns a bare tensor.
+const VLLM_MIMO_WHY: &str = "mimo.py MiMoForCausalLM declares SupportsEagle3 but its forward \
+     never captures: the first forward fails where the runner unpacks (hidden, aux) \
+     (gpu/model_runner.py AssertionError on V2, a tuple-unpack error on V1)";
+/// DeepSeek-V3.2 and GLM-5 (`GlmMoeDsaForCausalLM` maps to it on CUDA) run
+/// `models/deepseek_v32/nvidia/model.py` `DeepseekV32Model.forward`.
+const VLLM_DSV32: &[&str] = &["deepseek_v32", "glm_moe_dsa"];
+const VLLM_DSV32_TP: &str = "vLLM's deepseek_v32 backbone leaves each layer's MLP output \
+     un-reduced and folds the all-reduce into the next norm: at tensor parallelism above 1 each \
+     rank captures its own partial branch plus the residual, not the residual stream \
+     (models/deepseek_v32/nvidia/model.py DeepseekV32Model.forward; static reading, not run)";
 
 const VLLM_V1: Rule = Rule {
     path: "v1",
@@ -337,6 +450,7 @@ const TRTLLM: Rule = Rule {
     archs: &[],
     source: "tensorrt_llm/_torch/speculative/eagle3.py Eagle3OneModelSpecMetadata.__post_init__",
     refuses: None,
+    captures: Capture::Residual,
     offset: Offset::PlusOne,
     minus_one: MinusOne::FinalPostNorm,
     embedding: Reach::Captured(None),
@@ -387,6 +501,7 @@ const MODELOPT: Rule = Rule {
     archs: &[],
     source: "examples/speculative_decoding/collect_hidden_states/compute_hidden_states_hf.py (common.py resolve_aux_layers)",
     refuses: None,
+    captures: Capture::Residual,
     offset: Offset::PlusOne,
     minus_one: MinusOne::ByOffset,
     embedding: Reach::Captured(None),
@@ -408,7 +523,19 @@ const MODELOPT: Rule = Rule {
 pub const RULES: &[Rule] = &[
     // sglang 0.5.23 (the newest on PyPI).
     Rule {
-        archs: LLAMA_FAMILY,
+        archs: LLAMA_FAMILY_LESS_GEMMA3,
+        ..SGLANG_0_5_23
+    },
+    Rule {
+        archs: &["gemma3"],
+        source: "sglang/srt/models/gemma3_causal.py Gemma3TextModel.forward; Gemma3DecoderLayer.forward",
+        captures: SG_GEMMA3_BRANCH,
+        ..SGLANG_0_5_23
+    },
+    Rule {
+        archs: SG_NEVER,
+        source: "sglang/srt/model_executor/model_runner_components/attention_backend_setup.py configure_aux_hidden_state_capture",
+        refuses: Some(SG_NO_SETTER_0_5_23),
         ..SGLANG_0_5_23
     },
     Rule {
@@ -498,6 +625,18 @@ pub const RULES: &[Rule] = &[
         ..SGLANG_0_5_14
     },
     Rule {
+        archs: SG_NEVER,
+        source: "sglang/srt/model_executor/model_runner.py ModelRunner.init_aux_hidden_state_capture",
+        refuses: Some(SG_NO_SETTER_0_5_14),
+        ..SGLANG_0_5_14
+    },
+    Rule {
+        archs: &["qwen3_5", "qwen3_5_moe"],
+        source: "sglang/srt/models/qwen3_5.py Qwen3_5ForCausalLM.forward; qwen3_vl.py Qwen3VLForConditionalGeneration.set_eagle3_layers_to_capture",
+        refuses: Some(SG_QWEN3_5_0_5_14),
+        ..SGLANG_0_5_14
+    },
+    Rule {
         archs: &["gpt_oss"],
         source: "sglang/srt/models/gpt_oss.py GptOssForCausalLM.set_eagle3_layers_to_capture",
         ..SGLANG_0_5_14
@@ -505,7 +644,7 @@ pub const RULES: &[Rule] = &[
     SGLANG_0_5_14,
     // sglang 0.5.10: +1 on every id, every model (before PR 25454).
     Rule {
-        archs: LLAMA_FAMILY,
+        archs: LLAMA_FAMILY_LESS_GEMMA3,
         source: "sglang/srt/models/llama.py LlamaForCausalLM.set_eagle3_layers_to_capture",
         ..SGLANG_0_5_10
     },
@@ -541,8 +680,41 @@ pub const RULES: &[Rule] = &[
         source: "sglang/srt/models/gpt_oss.py GptOssForCausalLM.set_eagle3_layers_to_capture",
         ..SGLANG_0_5_10
     },
+    Rule {
+        archs: SG_0_5_10_NONE,
+        source: "sglang/srt/model_executor/model_runner.py ModelRunner.initialize",
+        refuses: Some(SG_NO_SETTER_0_5_10),
+        ..SGLANG_0_5_10
+    },
+    Rule {
+        archs: &["gemma4"],
+        source: "sglang/srt/models/ (0.5.10 has no gemma4*.py)",
+        refuses: Some("sglang 0.5.10 has no Gemma-4 model file: the target does not load"),
+        ..SGLANG_0_5_10
+    },
     SGLANG_0_5_10,
     // vLLM 0.33.0: V2 runner (default), V1 runner, extract_hidden_states.
+    Rule {
+        archs: VLLM_NO_EAGLE3,
+        source: "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py set_eagle3_aux_hidden_state_layers; model_executor/models/interfaces.py SupportsEagle3",
+        refuses: Some(VLLM_NO_EAGLE3_WHY),
+        ..VLLM
+    },
+    Rule {
+        archs: &["mimo"],
+        source: "vllm/model_executor/models/mimo.py MiMoModel.forward",
+        refuses: Some(VLLM_MIMO_WHY),
+        ..VLLM
+    },
+    Rule {
+        archs: VLLM_DSV32,
+        source: "vllm/models/deepseek_v32/nvidia/model.py DeepseekV32Model.forward",
+        last: Reach::Dropped(
+            "DeepseekV32Model.forward has no end_layer capture: b = L is never captured",
+        ),
+        caveats: &[(When::Always, VLLM_DSV32_TP)],
+        ..VLLM
+    },
     Rule {
         archs: VLLM_DEEPSEEK,
         source: "vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward (end_layer capture)",
@@ -551,12 +723,54 @@ pub const RULES: &[Rule] = &[
     },
     VLLM,
     Rule {
+        archs: VLLM_NO_EAGLE3,
+        source: "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py set_eagle3_aux_hidden_state_layers; model_executor/models/interfaces.py SupportsEagle3",
+        refuses: Some(VLLM_NO_EAGLE3_WHY),
+        ..VLLM_V1
+    },
+    Rule {
+        archs: &["mimo"],
+        source: "vllm/model_executor/models/mimo.py MiMoModel.forward",
+        refuses: Some(VLLM_MIMO_WHY),
+        ..VLLM_V1
+    },
+    Rule {
+        archs: VLLM_DSV32,
+        source: "vllm/models/deepseek_v32/nvidia/model.py DeepseekV32Model.forward",
+        last: Reach::Dropped(
+            "DeepseekV32Model.forward has no end_layer capture: b = L is never captured",
+        ),
+        caveats: &[(When::Always, VLLM_DSV32_TP)],
+        ..VLLM_V1
+    },
+    Rule {
         archs: VLLM_DEEPSEEK,
         source: "vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward (end_layer capture)",
         embedding: VLLM_DEEPSEEK_EMBED,
         ..VLLM_V1
     },
     VLLM_V1,
+    Rule {
+        archs: VLLM_NO_EAGLE3,
+        source: "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py set_eagle3_aux_hidden_state_layers; model_executor/models/interfaces.py SupportsEagle3",
+        refuses: Some(VLLM_NO_EAGLE3_WHY),
+        ..VLLM_EXTRACT
+    },
+    Rule {
+        archs: &["mimo"],
+        source: "vllm/model_executor/models/mimo.py MiMoModel.forward",
+        refuses: Some(VLLM_MIMO_WHY),
+        ..VLLM_EXTRACT
+    },
+    Rule {
+        archs: VLLM_DSV32,
+        source: "vllm/models/deepseek_v32/nvidia/model.py DeepseekV32Model.forward",
+        last: Reach::Dropped(
+            "DeepseekV32Model.forward has no end_layer capture: b = L is never captured",
+        ),
+        caveats: &[(When::Always, VLLM_DSV32_TP)],
+        ..VLLM_EXTRACT
+    },
     Rule {
         archs: VLLM_DEEPSEEK,
         source: "vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward (end_layer capture)",
@@ -611,6 +825,7 @@ pub const RULES: &[Rule] = &[
         archs: &[],
         source: "eagle/traineagle3/modeling_llama_kv.py LlamaModel.forward; traineagle3/cnets.py Model.dataprepare",
         refuses: None,
+        captures: Capture::Residual,
         offset: Offset::Ignored,
         minus_one: MinusOne::ByOffset,
         embedding: Reach::Captured(None),

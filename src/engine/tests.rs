@@ -20,6 +20,14 @@ fn refused(f: &Feed) -> bool {
             .any(|p| matches!(p, IdProblem::Refused { .. }))
 }
 
+/// The engine version cannot serve the architecture at all.
+fn unsupported(f: &Feed) -> bool {
+    f.how == How::Refused
+        && f.problems
+            .iter()
+            .any(|p| matches!(p, IdProblem::Unsupported { .. }))
+}
+
 fn dropped(f: &Feed) -> Vec<i64> {
     f.problems
         .iter()
@@ -199,13 +207,157 @@ fn sglang_qwen_moe_indexes_its_layer_list() {
 /// has no EAGLE-3 setter and sglang raises.
 #[test]
 fn sglang_refuses_eagle3_on_deepseek_v4() {
-    assert!(refused(&feed(
+    assert!(unsupported(&feed(
         "sglang",
         Some("deepseek_v4"),
         Some(&[1, 2, 3]),
         61
     )));
-    assert!(refused(&feed("sglang", Some("deepseek_v4"), None, 61)));
+    assert!(unsupported(&feed("sglang", Some("deepseek_v4"), None, 61)));
+    assert!(!refused(&feed("sglang", Some("deepseek_v4"), None, 61)));
+}
+
+/// sglang 0.5.10 `gemma3_causal.py`, `qwen3_vl.py`, `qwen3_5.py` have no
+/// `set_eagle3_layers_to_capture` (`model_runner.py` `ModelRunner.initialize` calls it
+/// unguarded); 0.5.10 has no gemma4 model file. 0.5.14 adds the gemma3 and Qwen3-VL setters;
+/// 0.5.14's Qwen3.5 captures nothing (`qwen3_5.py` `Qwen3_5ForCausalLM.forward`), 0.5.23's does.
+/// Every `*_text` spelling is its family.
+#[test]
+fn sglang_versions_that_cannot_serve_an_architecture() {
+    for arch in [
+        "gemma3",
+        "gemma3_text",
+        "gemma4_text",
+        "qwen3_vl",
+        "qwen3_5_moe_text",
+    ] {
+        assert!(
+            unsupported(&feed("sglang@0.5.10", Some(arch), Some(&[1, 5, 9]), 12)),
+            "{arch}"
+        );
+        assert!(
+            !unsupported(&feed("sglang@0.5.23", Some(arch), Some(&[1, 5, 9]), 12)),
+            "{arch}"
+        );
+    }
+    assert!(!unsupported(&feed(
+        "sglang@0.5.14",
+        Some("gemma3_text"),
+        None,
+        12
+    )));
+    assert!(unsupported(&feed(
+        "sglang@0.5.14",
+        Some("qwen3_5"),
+        None,
+        12
+    )));
+    for arch in ["mistral3", "exaone4", "minicpmv"] {
+        for v in ["0.5.10", "0.5.14", "0.5.23"] {
+            assert!(
+                unsupported(&feed(&format!("sglang@{v}"), Some(arch), None, 12)),
+                "{arch} {v}"
+            );
+        }
+    }
+}
+
+/// sglang 0.5.23 `gemma3_causal.py`: `Gemma3TextModel.forward` appends `hidden_states` while
+/// `Gemma3DecoderLayer.forward` keeps the residual apart. The ids map as for llama; what the
+/// slots hold is the branch. 0.5.14 captured the stream.
+#[test]
+fn sglang_0_5_23_gemma3_captures_the_branch() {
+    let f = feed("sglang@0.5.23", Some("gemma3_text"), Some(&[1, 12, 22]), 26);
+    assert_eq!(fed(&f), [2, 13, 23]);
+    assert!(matches!(f.rule.captures, rules::Capture::Branch(_)));
+    let f = feed("sglang@0.5.14", Some("gemma3_text"), Some(&[1, 12, 22]), 26);
+    assert_eq!(f.rule.captures, rules::Capture::Residual);
+    let f = feed("sglang@0.5.23", Some("llama"), Some(&[1, 12, 22]), 26);
+    assert_eq!(f.rule.captures, rules::Capture::Residual);
+}
+
+/// vLLM 0.33.0: `Gemma3ForCausalLM`, `Glm4MoeForCausalLM`, `BailingMoeV2ForCausalLM`,
+/// `LongcatFlashForCausalLM`, `Qwen2MoeForCausalLM` do not implement `SupportsEagle3`
+/// (`eagle3_utils.py` `set_eagle3_aux_hidden_state_layers` raises RuntimeError), on every
+/// capture path; `mimo.py` declares it and never captures. Llama-4, Gemma-4, Qwen3-MoE serve.
+#[test]
+fn vllm_targets_without_supports_eagle3() {
+    for arch in [
+        "gemma3_text",
+        "glm4_moe",
+        "bailing_moe_v2",
+        "longcat_flash",
+        "qwen2_moe",
+        "mimo",
+    ] {
+        for engine in ["vllm", "vllm:v1", "vllm:extract"] {
+            assert!(
+                unsupported(&feed(engine, Some(arch), Some(&[2, 5, 9]), 12)),
+                "{engine} {arch}"
+            );
+        }
+    }
+    for arch in [
+        "llama4_text",
+        "gemma4",
+        "qwen3_moe",
+        "gpt_oss",
+        "minimax_m2",
+    ] {
+        assert!(
+            !unsupported(&feed("vllm", Some(arch), Some(&[2, 5, 9]), 12)),
+            "{arch}"
+        );
+    }
+}
+
+/// vLLM 0.33.0 `models/deepseek_v32/nvidia/model.py` `DeepseekV32Model.forward`: id 0 is the
+/// embedding (it works, unlike `deepseek_v2.py`), id L is never captured, and a note says what
+/// the capture holds at tensor parallelism above 1.
+#[test]
+fn vllm_deepseek_v32_captures_b_0_and_drops_b_l() {
+    // The V1 runner reads the nested ids `feed` writes.
+    let f = feed("vllm:v1", Some("deepseek_v32"), Some(&[0, 30, 61]), 61);
+    assert_eq!(fed(&f), [0, 30]);
+    assert_eq!(dropped(&f), [61]);
+    assert!(
+        f.notes.iter().any(|n| n.contains("tensor parallelism")),
+        "{:?}",
+        f.notes
+    );
+    let f = feed("vllm:v1", Some("deepseek_v3"), Some(&[0, 30, 61]), 61);
+    assert!(refused(&f));
+}
+
+/// A fix for an unsupported deployment names the first version of the same engine that serves
+/// it, then the other serving engines that do.
+#[test]
+fn alternatives_name_the_first_version_that_serves() {
+    let sel = EngineSel::parse("sglang@0.5.10").unwrap();
+    assert_eq!(
+        serving_alternatives(&sel, Some("gemma3_text")),
+        ["sglang@0.5.14"]
+    );
+    let sel = EngineSel::parse("vllm").unwrap();
+    assert_eq!(
+        serving_alternatives(&sel, Some("gemma3")),
+        ["sglang@0.5.14"]
+    );
+    let sel = EngineSel::parse("sglang").unwrap();
+    assert_eq!(
+        serving_alternatives(&sel, Some("gemma3")),
+        ["sglang@0.5.14"]
+    );
+    let sel = EngineSel::parse("vllm").unwrap();
+    assert_eq!(
+        serving_alternatives(&sel, Some("glm4_moe")),
+        ["sglang@0.5.23"]
+    );
+    let sel = EngineSel::parse("sglang@0.5.10").unwrap();
+    assert_eq!(
+        serving_alternatives(&sel, Some("qwen3_5_moe")),
+        ["sglang@0.5.23", "vllm@0.33.0"]
+    );
 }
 
 /// sglang (every version) reads only `eagle_config.eagle_aux_hidden_state_layer_ids`

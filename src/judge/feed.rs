@@ -4,7 +4,8 @@
 
 use super::layout::{classify, differing_slots};
 use crate::boundary::{Boundary, FinalNorm, format_list};
-use crate::engine::{Feed, How, IdProblem, Want, ids_for};
+use crate::engine::rules::Capture;
+use crate::engine::{Feed, How, IdProblem, Want, ids_for, serving_alternatives};
 use crate::report::{Finding, FindingName, SlotRow};
 use crate::spec::Spec;
 
@@ -39,6 +40,52 @@ pub fn fix_for(feed: &Feed, spec: &Spec, arch: Option<&str>, num_layers: usize) 
             format_list(&spec.boundaries)
         ),
     }
+}
+
+fn arch_words(arch: Option<&str>) -> String {
+    arch.map_or("these".to_string(), |a| format!("`{a}`"))
+}
+
+/// The file a rule was read from, for messages.
+fn short_file(feed: &Feed) -> &'static str {
+    let source = feed.rule.source;
+    source.split_whitespace().next().unwrap_or(source)
+}
+
+/// Where else a target this engine cannot serve (or serves without its residual) is served.
+fn serve_elsewhere(feed: &Feed, arch: Option<&str>) -> String {
+    let others = serving_alternatives(&feed.engine, arch);
+    if others.is_empty() {
+        format!(
+            "no audited engine version serves EAGLE-3 with the residual stream on {} targets",
+            arch_words(arch)
+        )
+    } else {
+        format!("serve it with {}", others.join(" or "))
+    }
+}
+
+/// The finding for an engine whose capture point holds something other than the residual
+/// stream, when it feeds a slot past the embedding.
+fn capture_finding(feed: &Feed, arch: Option<&str>) -> Option<Finding> {
+    let Capture::Branch(why) = feed.rule.captures else {
+        return None;
+    };
+    let slot = feed.slots.iter().position(|s| s.boundary.0 > 0)?;
+    let engine = feed.engine_label();
+    Some(
+        Finding::error(
+            FindingName::MissingResidual,
+            format!(
+                "{engine} feeds fc no residual stream on {} targets ({}): {why}",
+                arch_words(arch),
+                short_file(feed)
+            ),
+        )
+        .with_fix(serve_elsewhere(feed, arch))
+        .with_engine(&engine)
+        .with_slot(slot),
+    )
 }
 
 /// Compares one engine's feed with the spec.
@@ -102,6 +149,15 @@ pub fn check_feed(feed: &Feed, spec: &Spec, arch: Option<&str>, num_layers: usiz
                 format!("{engine} ({}) will not run: {reason}", feed.describe()),
             )
             .with_fix(fix_for(feed, spec, arch, num_layers)),
+            IdProblem::Unsupported { reason } => Finding::error(
+                FindingName::UnsupportedArchitecture,
+                format!(
+                    "{engine} cannot serve EAGLE-3 on {} targets ({}): {reason}",
+                    arch_words(arch),
+                    short_file(feed)
+                ),
+            )
+            .with_fix(serve_elsewhere(feed, arch)),
             IdProblem::NotRead {
                 written,
                 read,
@@ -171,6 +227,7 @@ pub fn check_feed(feed: &Feed, spec: &Spec, arch: Option<&str>, num_layers: usiz
             );
         }
     }
+    out.extend(capture_finding(feed, arch));
     out.extend(check_final_norm(feed, spec, num_layers, &engine));
     FeedCheck {
         rows,

@@ -20,7 +20,11 @@ pub use statics::{Dims, StaticInput};
 /// Findings that make a forward pointless: the checkpoint or the engine cannot run as
 /// configured. Layout faults do not: running shows what they cost.
 pub fn blocks_forward(f: &Finding) -> bool {
-    f.severity == Severity::Error && matches!(f.name, FindingName::Shape | FindingName::Refused)
+    f.severity == Severity::Error
+        && matches!(
+            f.name,
+            FindingName::Shape | FindingName::Refused | FindingName::UnsupportedArchitecture
+        )
 }
 
 /// The ids a draft config holds, in words for the report.
@@ -84,10 +88,20 @@ pub fn static_report(
     if let Some(w) = input.target_weights {
         report.fact("target_tensors", w.tensors.len().to_string());
     }
-    report.findings.extend(statics::check(input, &dims));
+    report.findings.extend(statics::check(input, &dims)?);
     let feeds = feeds(input.draft, &dims, engines);
     for feed in &feeds {
         report.fact(&format!("rule {}", feed.engine_label()), feed.describe());
+        if let Some((why, fix)) = input
+            .draft
+            .and_then(|d| crate::engine::drafts::draft_unsupported(&feed.engine, d))
+        {
+            report.findings.push(
+                Finding::error(FindingName::UnsupportedDraft, why)
+                    .with_fix(fix)
+                    .with_engine(&feed.engine_label()),
+            );
+        }
         let checked = check_feed(feed, spec, dims.arch.as_deref(), dims.num_layers);
         for note in checked.notes {
             report.fact(&format!("note {}", feed.engine_label()), note);

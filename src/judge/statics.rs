@@ -3,6 +3,7 @@
 //! so a run that will be refused takes milliseconds.
 
 use crate::boundary::format_list;
+use crate::config::family::family_name;
 use crate::config::{DraftConfig, DraftKind, TargetInfo};
 use crate::error::{Error, Result};
 use crate::naming::{self, DraftTensor};
@@ -57,9 +58,12 @@ impl Dims {
                           target.hidden_size in the spec"
                     .into(),
             })?;
+        // The family picks the rule: a target config's, else the spec's, else the one the
+        // draft config says it was trained for (SpecForge writes `target_model_type`).
         let arch = target
-            .map(|t| t.model_type.clone())
-            .or(expect.and_then(|t| t.model_type.clone()));
+            .map(|t| t.family.name.clone())
+            .or(expect.and_then(|t| t.model_type.as_deref().map(family_name)))
+            .or(draft.and_then(|d| d.target_model_type.as_deref().map(family_name)));
         Ok(Dims {
             num_layers,
             target_hidden,
@@ -68,8 +72,9 @@ impl Dims {
     }
 }
 
-/// Runs every static check that does not depend on an engine.
-pub fn check(input: &StaticInput, dims: &Dims) -> Vec<Finding> {
+/// Runs every static check that does not depend on an engine. A target checkpoint that
+/// contradicts its own config is refused (bad input, not a layout finding).
+pub fn check(input: &StaticInput, dims: &Dims) -> Result<Vec<Finding>> {
     let mut out = check_spec_against_target(input.spec, input.target, dims);
     if let Some(draft) = input.draft {
         out.extend(check_draft_config(input.spec, draft, input.target, dims));
@@ -78,9 +83,9 @@ pub fn check(input: &StaticInput, dims: &Dims) -> Vec<Finding> {
         }
     }
     if let (Some(weights), Some(t)) = (input.target_weights, input.target) {
-        out.extend(check_target_weights(t, weights));
+        check_target_weights(t, weights)?;
     }
-    out
+    Ok(out)
 }
 
 fn check_spec_against_target(
@@ -110,7 +115,11 @@ fn check_spec_against_target(
                 ),
             ));
         }
-        if let Some(m) = expect.model_type.as_deref().filter(|&m| m != t.model_type) {
+        if let Some(m) = expect
+            .model_type
+            .as_deref()
+            .filter(|&m| family_name(m) != t.family.name)
+        {
             out.push(Finding::error(
                 FindingName::Shape,
                 format!(
@@ -208,36 +217,32 @@ fn check_draft_config(
 }
 
 /// The target checkpoint must hold every decoder layer the config declares, at its hidden size.
-/// (Extra layers are fine: DeepSeek-V3 ships its MTP layer as `model.layers.61`.)
-fn check_target_weights(target: &TargetInfo, weights: &WeightIndex) -> Vec<Finding> {
-    let mut out = Vec::new();
+/// (Extra layers are fine: DeepSeek-V3 ships its MTP layer as `model.layers.61`.) A checkpoint
+/// that fails this cannot be run or matched against anything: it is bad input (exit 2), not a
+/// layout mismatch (exit 1), and the error names the checkpoint and the contradiction.
+fn check_target_weights(target: &TargetInfo, weights: &WeightIndex) -> Result<()> {
     let h = target.hidden_size;
     let has = |n: &str| weights.get(n).is_some();
+    let refuse = |message: String| Err(Error::weights(&weights.dir, message));
     let Some(prefix) = naming::decoder_prefix(&has) else {
-        out.push(Finding::error(
-            FindingName::Shape,
-            format!(
-                "no embed_tokens.weight under {} in {}: not a supported checkpoint layout",
-                naming::DECODER_PREFIXES.join(", "),
-                weights.dir.display()
-            ),
+        return refuse(format!(
+            "no embed_tokens.weight under any known prefix ({}): not a checkpoint layout \
+             eagle-check can read",
+            naming::DECODER_PREFIXES.join(", "),
         ));
-        return out;
     };
     if let Some(info) = weights.get(&format!("{prefix}.embed_tokens.weight")) {
         let vocab_ok = target
             .vocab_size
             .is_none_or(|v| info.shape.first() == Some(&v));
         if info.shape.len() != 2 || info.shape[1] != h || !vocab_ok {
-            out.push(Finding::error(
-                FindingName::Shape,
-                format!(
-                    "{prefix}.embed_tokens.weight is {:?}, the config says [{}, {h}]",
-                    info.shape,
-                    target
-                        .vocab_size
-                        .map_or("vocab_size".to_string(), |v| v.to_string())
-                ),
+            return refuse(format!(
+                "{prefix}.embed_tokens.weight is {:?}, but {} says [{}, {h}]",
+                info.shape,
+                target.path.display(),
+                target
+                    .vocab_size
+                    .map_or("vocab_size".to_string(), |v| v.to_string())
             ));
         }
     }
@@ -248,18 +253,16 @@ fn check_target_weights(target: &TargetInfo, weights: &WeightIndex) -> Vec<Findi
                 .is_none_or(|info| info.shape != [h])
         })
         .collect();
-    if !missing.is_empty() {
-        out.push(Finding::error(
-            FindingName::Shape,
-            format!(
-                "the config declares {} layers, but {} of them have no [{h}] input_layernorm in the checkpoint (first: layer {})",
-                target.num_layers,
-                missing.len(),
-                missing[0]
-            ),
+    if let Some(first) = missing.first() {
+        return refuse(format!(
+            "{} declares {} layers, but {} of them have no [{h}] input_layernorm in the checkpoint \
+             (first: layer {first})",
+            target.path.display(),
+            target.num_layers,
+            missing.len(),
         ));
     }
-    out
+    Ok(())
 }
 
 fn check_draft_weights(

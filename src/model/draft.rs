@@ -6,7 +6,7 @@
 //! `python/sglang/srt/models/deepseek_eagle3.py`). Layout in docs/eagle3-capture.md section 4;
 //! the MLA draft's weights in fixtures/gen_mla_draft.py.
 
-use crate::config::DraftConfig;
+use crate::config::{DraftConfig, Rope};
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams};
 use crate::model::deepseek::{Mla, MlaDims, softmax_scale_for};
@@ -64,7 +64,7 @@ impl DraftAttention {
             heads: nh,
             eps: cfg.rms_norm_eps,
             bias: false,
-            scale: softmax_scale_for(&cfg.rope, mla),
+            scale: softmax_scale_for(cfg.rope()?, mla),
         };
         Ok(DraftAttention::Mla(Mla::load(&dims, mla, sa)?))
     }
@@ -206,6 +206,8 @@ pub struct Eagle3Draft {
     /// draft id -> target id offset: `target = draft + d2t[draft]`.
     d2t: Vec<i64>,
     embed: Option<Tensor>,
+    /// The draft layer's rope, resolved at load (a config's unknown rope type is refused there).
+    rope: Rope,
     dtype: DType,
     path: ComputePath,
 }
@@ -345,6 +347,7 @@ impl Eagle3Draft {
                 "norm_before_fc drafts cannot be run yet",
             ));
         }
+        let rope = cfg.rope()?.clone();
         let has = |n: &str| vb.contains(n);
         let root = vb.pp(naming::draft_root(&has).unwrap_or(""));
         let layer = root.pp(naming::draft_layer(&root.path(""), &has).unwrap_or("midlayer"));
@@ -395,6 +398,7 @@ impl Eagle3Draft {
             lm_head: Linear::load(&root.pp("lm_head"), dv, h, false)?,
             embed: root.get_opt("embed_tokens.weight", &[cfg.vocab_size, h])?,
             d2t,
+            rope,
             cfg: cfg.clone(),
             dtype: vb.dtype,
             path: ComputePath::for_device(&vb.device),
@@ -480,7 +484,7 @@ impl Eagle3Draft {
         let t = ids.len();
         let offset = chain.as_ref().map_or(0, |c| c.kv.len());
         let rope_dim = DraftAttention::rope_dim(&self.cfg);
-        let rope = RopeTables::new(&self.cfg.rope, rope_dim, t + offset, self.dtype, device)?
+        let rope = RopeTables::new(&self.rope, rope_dim, t + offset, self.dtype, device)?
             .rows(offset, t)?;
         let path = if chain.is_some() {
             ComputePath::Candle
