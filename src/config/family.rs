@@ -6,9 +6,9 @@
 //! `architectures[0]` (the class an engine instantiates: `Gemma3ForCausalLM`,
 //! `Gemma3ForConditionalGeneration`) and a nested `text_config.model_type`. The engines serve
 //! both spellings from one model file (sglang `gemma3_causal.py` / `gemma3_mm.py` share the text
-//! model; vLLM `gemma3.py` / `gemma3_mm.py` likewise), so the rules are keyed on the family, and
-//! where an engine treats the wrapper's class apart, on the class as well
-//! ([`crate::engine::rules::Rule::classes`]).
+//! model; vLLM `gemma3.py` / `gemma3_mm.py` likewise), and every audited verdict is the same for
+//! a family's text class and its wrapper (`fixtures/engines/FACTS.md` round 2), so the rules are
+//! keyed on the family. The class is kept for reports and for a rule that one day differs.
 
 use super::ConfigFile;
 

@@ -647,35 +647,27 @@ pub fn resolve(sel: &EngineSel, arch: Option<&str>, ids: &DraftIds, num_layers: 
     let mut problems = Vec::new();
     let (read, location) = read_ids(rule, ids);
     problems.extend(location);
+    // A feed the engine never runs: what it read, why not, and no slots.
+    let stopped = |ids: Option<Vec<i64>>, problems: Vec<IdProblem>, notes, patched| Feed {
+        engine: *sel,
+        rule,
+        how: How::Refused,
+        ids,
+        slots: Vec::new(),
+        target: None,
+        problems,
+        notes,
+        if_patched: patched,
+    };
     let refused = |ids: Option<Vec<i64>>, mut problems: Vec<IdProblem>, reason: String, notes| {
         problems.push(IdProblem::Refused { reason });
-        Feed {
-            engine: *sel,
-            rule,
-            how: How::Refused,
-            ids,
-            slots: Vec::new(),
-            target: None,
-            problems,
-            notes,
-            if_patched: None,
-        }
+        stopped(ids, problems, notes, None)
     };
     if let Some(why) = rule.refuses {
         problems.push(IdProblem::Unsupported {
             reason: why.to_string(),
         });
-        return Feed {
-            engine: *sel,
-            rule,
-            how: How::Refused,
-            ids: read,
-            slots: Vec::new(),
-            target: None,
-            problems,
-            notes,
-            if_patched: None,
-        };
+        return stopped(read, problems, notes, None);
     }
 
     // The positions to capture: explicit ids through the offset, or the default list.
@@ -797,17 +789,7 @@ pub fn resolve(sel: &EngineSel, arch: Option<&str>, ids: &DraftIds, num_layers: 
     if !crashes.is_empty() {
         problems.extend(crashes);
         let patched = embedding_crash_only && lost == 0;
-        return Feed {
-            engine: *sel,
-            rule,
-            how: How::Refused,
-            ids: read,
-            slots: Vec::new(),
-            target: None,
-            problems,
-            notes,
-            if_patched: patched.then_some(slots),
-        };
+        return stopped(read, problems, notes, patched.then_some(slots));
     }
     let target = if rule.final_target { slots.pop() } else { None };
     for &(when, caveat) in rule.caveats {

@@ -439,6 +439,47 @@ const VLLM_EXTRACT: Rule = Rule {
     ..VLLM
 };
 
+// The target class decides these rows, not the runner: every capture path has them.
+
+const fn vllm_no_eagle3(path: Rule) -> Rule {
+    Rule {
+        archs: VLLM_NO_EAGLE3,
+        source: "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py set_eagle3_aux_hidden_state_layers; model_executor/models/interfaces.py SupportsEagle3",
+        refuses: Some(VLLM_NO_EAGLE3_WHY),
+        ..path
+    }
+}
+
+const fn vllm_mimo(path: Rule) -> Rule {
+    Rule {
+        archs: &["mimo"],
+        source: "vllm/model_executor/models/mimo.py MiMoModel.forward",
+        refuses: Some(VLLM_MIMO_WHY),
+        ..path
+    }
+}
+
+const fn vllm_deepseek_v32(path: Rule) -> Rule {
+    Rule {
+        archs: VLLM_DSV32,
+        source: "vllm/models/deepseek_v32/nvidia/model.py DeepseekV32Model.forward",
+        last: Reach::Dropped(
+            "DeepseekV32Model.forward has no end_layer capture: b = L is never captured",
+        ),
+        caveats: &[(When::Always, VLLM_DSV32_TP)],
+        ..path
+    }
+}
+
+const fn vllm_deepseek(path: Rule) -> Rule {
+    Rule {
+        archs: VLLM_DEEPSEEK,
+        source: "vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward (end_layer capture)",
+        embedding: VLLM_DEEPSEEK_EMBED,
+        ..path
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // TensorRT-LLM at f933a608 (FACTS.md section 3).
 
@@ -694,89 +735,20 @@ pub const RULES: &[Rule] = &[
     },
     SGLANG_0_5_10,
     // vLLM 0.33.0: V2 runner (default), V1 runner, extract_hidden_states.
-    Rule {
-        archs: VLLM_NO_EAGLE3,
-        source: "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py set_eagle3_aux_hidden_state_layers; model_executor/models/interfaces.py SupportsEagle3",
-        refuses: Some(VLLM_NO_EAGLE3_WHY),
-        ..VLLM
-    },
-    Rule {
-        archs: &["mimo"],
-        source: "vllm/model_executor/models/mimo.py MiMoModel.forward",
-        refuses: Some(VLLM_MIMO_WHY),
-        ..VLLM
-    },
-    Rule {
-        archs: VLLM_DSV32,
-        source: "vllm/models/deepseek_v32/nvidia/model.py DeepseekV32Model.forward",
-        last: Reach::Dropped(
-            "DeepseekV32Model.forward has no end_layer capture: b = L is never captured",
-        ),
-        caveats: &[(When::Always, VLLM_DSV32_TP)],
-        ..VLLM
-    },
-    Rule {
-        archs: VLLM_DEEPSEEK,
-        source: "vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward (end_layer capture)",
-        embedding: VLLM_DEEPSEEK_EMBED,
-        ..VLLM
-    },
+    vllm_no_eagle3(VLLM),
+    vllm_mimo(VLLM),
+    vllm_deepseek_v32(VLLM),
+    vllm_deepseek(VLLM),
     VLLM,
-    Rule {
-        archs: VLLM_NO_EAGLE3,
-        source: "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py set_eagle3_aux_hidden_state_layers; model_executor/models/interfaces.py SupportsEagle3",
-        refuses: Some(VLLM_NO_EAGLE3_WHY),
-        ..VLLM_V1
-    },
-    Rule {
-        archs: &["mimo"],
-        source: "vllm/model_executor/models/mimo.py MiMoModel.forward",
-        refuses: Some(VLLM_MIMO_WHY),
-        ..VLLM_V1
-    },
-    Rule {
-        archs: VLLM_DSV32,
-        source: "vllm/models/deepseek_v32/nvidia/model.py DeepseekV32Model.forward",
-        last: Reach::Dropped(
-            "DeepseekV32Model.forward has no end_layer capture: b = L is never captured",
-        ),
-        caveats: &[(When::Always, VLLM_DSV32_TP)],
-        ..VLLM_V1
-    },
-    Rule {
-        archs: VLLM_DEEPSEEK,
-        source: "vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward (end_layer capture)",
-        embedding: VLLM_DEEPSEEK_EMBED,
-        ..VLLM_V1
-    },
+    vllm_no_eagle3(VLLM_V1),
+    vllm_mimo(VLLM_V1),
+    vllm_deepseek_v32(VLLM_V1),
+    vllm_deepseek(VLLM_V1),
     VLLM_V1,
-    Rule {
-        archs: VLLM_NO_EAGLE3,
-        source: "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py set_eagle3_aux_hidden_state_layers; model_executor/models/interfaces.py SupportsEagle3",
-        refuses: Some(VLLM_NO_EAGLE3_WHY),
-        ..VLLM_EXTRACT
-    },
-    Rule {
-        archs: &["mimo"],
-        source: "vllm/model_executor/models/mimo.py MiMoModel.forward",
-        refuses: Some(VLLM_MIMO_WHY),
-        ..VLLM_EXTRACT
-    },
-    Rule {
-        archs: VLLM_DSV32,
-        source: "vllm/models/deepseek_v32/nvidia/model.py DeepseekV32Model.forward",
-        last: Reach::Dropped(
-            "DeepseekV32Model.forward has no end_layer capture: b = L is never captured",
-        ),
-        caveats: &[(When::Always, VLLM_DSV32_TP)],
-        ..VLLM_EXTRACT
-    },
-    Rule {
-        archs: VLLM_DEEPSEEK,
-        source: "vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward (end_layer capture)",
-        embedding: VLLM_DEEPSEEK_EMBED,
-        ..VLLM_EXTRACT
-    },
+    vllm_no_eagle3(VLLM_EXTRACT),
+    vllm_mimo(VLLM_EXTRACT),
+    vllm_deepseek_v32(VLLM_EXTRACT),
+    vllm_deepseek(VLLM_EXTRACT),
     VLLM_EXTRACT,
     // TensorRT-LLM: one-model (default) sorts; two-model sorts and moves -1 last.
     TRTLLM,
