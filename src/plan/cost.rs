@@ -171,8 +171,9 @@ impl Cost {
     /// The cost as comment lines of the script.
     pub fn lines(&self, hidden: usize, tp: usize, prompts: Option<&PromptStats>) -> Vec<String> {
         let mut out = vec![format!(
-            "{} states of {hidden} x {STATE_BYTES} bytes, and the integer ids: {} per token{}",
+            "{} state{} of {hidden} x {STATE_BYTES} bytes, and the integer ids: {} per token{}",
             self.states,
+            if self.states == 1 { "" } else { "s" },
             human(self.bytes_per_token),
             if self.copies > 1 {
                 format!(", written by each of the {} TP ranks", self.copies)
@@ -303,6 +304,23 @@ mod tests {
             held: Held::PerForward,
         };
         assert!(Cost::of(&stored, None).is_err());
+    }
+
+    /// Text is counted without a tokenizer: at most one token per UTF-8 byte, plus 2.
+    #[test]
+    fn plan_prompts_count_ids_exactly_and_text_as_a_bound() {
+        let dir = std::env::temp_dir().join(format!("eagle-check-prompts-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.jsonl");
+        std::fs::write(
+            &path,
+            "{\"input_ids\": [1, 2, 3]}\n\n{\"text\": \"Paris\"}\n",
+        )
+        .unwrap();
+        let stats = check_prompts(&path).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!((stats.count, stats.longest, stats.total), (2, 7, 10));
+        assert!(!stats.exact);
     }
 
     #[test]
