@@ -9,6 +9,10 @@
 //! raw. Every flag, environment variable and JSON key printed here was read from the engines'
 //! sources (sglang 0.5.23 and vLLM 0.33.0 wheels, the versions of the rule table); each carries
 //! the file it was read from, and `fixtures/engines/plan_flags.py` re-extracts them for the test.
+//!
+//! The script runs unedited under POSIX `sh` (`script`: start, wait for and stop each server by
+//! its PID) and says what it will cost before it runs (`cost`: bytes per token, the dumps, the
+//! device memory, vLLM's `--max-model-len`).
 
 mod cost;
 mod script;
@@ -21,6 +25,7 @@ use crate::engine::rules::Reach;
 use crate::engine::{Engine, EngineSel, Version, ids_for, resolve, rule_words, select};
 use crate::error::{Error, Result};
 use cost::Stored;
+use script::sh;
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -232,19 +237,6 @@ fn join_ids(ids: &[i64], sep: &str) -> String {
     ids.iter().map(i64::to_string).collect::<Vec<_>>().join(sep)
 }
 
-/// A value for a shell command line, single-quoted when it needs to be.
-fn sh(value: &str) -> String {
-    if !value.is_empty()
-        && value
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "/._-=:@+,".contains(c))
-    {
-        value.to_string()
-    } else {
-        format!("'{}'", value.replace('\'', r"'\''"))
-    }
-}
-
 /// The script's first lines: `set -eu`; the user's target, draft and prompts as variables (one
 /// plan could not know stops the script at once with what to set); the port and time-outs; the
 /// dump folder, made before anything is written into it; the helpers.
@@ -419,6 +411,10 @@ fn launch(env: &[String], args: &[String]) -> String {
     out
 }
 
+fn sglang_patch_path(input: &PlanInput) -> String {
+    format!("{}/sglang-patch.yaml", input.out)
+}
+
 fn sglang_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan> {
     let t = input.target;
     let l = t.num_layers;
@@ -430,7 +426,7 @@ fn sglang_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan>
     let cov = coverage(&sel, &t.model_type, l, true)?;
     let par = sglang_parallel(input)?;
     let patch = PlanFile {
-        path: format!("{}/sglang-patch.yaml", input.out),
+        path: sglang_patch_path(input),
         content: SGLANG_PATCH.to_string(),
     };
     let reference_dir = format!("{}/sglang-reference", input.out);
@@ -499,7 +495,10 @@ fn sglang_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan>
         ),
         files: vec![
             patch.clone(),
-            script::sender(Engine::Sglang, sender_path(input)),
+            PlanFile {
+                path: sender_path(input),
+                content: script::sender(Engine::Sglang),
+            },
         ],
         commands,
         runs_here: true,
@@ -528,97 +527,7 @@ fn sglang_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan>
     };
 
     let junctions = match &input.draft {
-        Some(draft) => {
-            let feed = resolve(&sel, Some(&t.model_type), &draft.config.ids, l);
-            let mut args = serve.to_vec();
-            // srt/arg_groups/fields/spec.py speculative_algorithm, speculative_draft_model_path.
-            args.push("--speculative-algorithm EAGLE3".into());
-            args.push("--speculative-draft-model-path \"$DRAFT\"".into());
-            args.extend(par.flags.iter().cloned());
-            args.push(SGLANG_WHOLE.into());
-            let names = [
-                "input_ids",
-                "positions",
-                "eagle_aux_capture",
-                "eagle_aux_hidden_states",
-                "non_intrusive__model.fc.inputs.0",
-            ];
-            let mut notes = vec![format!(
-                "sglang {SGLANG} feeds this draft b = {} ({})",
-                feed.fed_words(),
-                feed.describe()
-            )];
-            if draft.config.norm_before_fc {
-                notes.push(
-                    "the draft sets norm_before_fc: fc's input is RMSNorm(junction 2) \
-                     (models/llama_eagle3.py LlamaModel.forward), so diff reads junction 3 as rescaled \
-                     states; junction 2 is the one to judge"
-                        .into(),
-                );
-            }
-            notes.push(
-                "the patch file applies once per process: sglang applies it for the target's and \
-                 again for the draft's ModelRunner, and its first patch makes the second a no-op \
-                 (see the file's first comment)"
-                    .into(),
-            );
-            let configure = serde_json::json!({
-                "enable": true,
-                "dir": junction_dir,
-                "exp_name": "junctions",
-                "filter": format!(
-                    "name in ({})",
-                    names.iter().map(|n| format!("\"{n}\"")).collect::<Vec<_>>().join(", ")
-                ),
-            });
-            notes.push(format!(
-                "on the running server instead: start it with DUMPER_SERVER_PORT=reuse, \
-                 DUMPER_NON_INTRUSIVE_MODE=all and DUMPER_SOURCE_PATCHER_CONFIG (patches apply at load), then \
-                 `curl -X POST http://127.0.0.1:30000/dumper/configure -d {}` before the prompts and \
-                 `-d '{{\"enable\": false}}'` after (entrypoints/http_server.py /dumper/{{method}}; \
-                 dumper.py _DumperHttpManager, DumperConfig fields)",
-                sh(&configure.to_string())
-            ));
-            // Per token: each fed aux capture, their concatenation, and fc's input (the same
-            // width); the draft's own passes add a few rows per request.
-            let fed = feed.fed_slots().len();
-            let cost = Cost::of(
-                &Stored {
-                    states: 3 * fed,
-                    hidden: t.hidden_size,
-                    side_bytes: 16,
-                    copies: input.tp,
-                    held: Held::PerForward,
-                },
-                prompts,
-            )?;
-            let mut commands = vec![format!("fresh_dir {}", sh(&junction_dir))];
-            commands.extend(script::start(
-                launch(
-                    &dumper_env(&junction_dir, "junctions", &names, &patch.path),
-                    &args,
-                ),
-                &format!("{}/sglang-junctions.log", input.out),
-                "/health",
-            ));
-            commands.push(send(input, Engine::Sglang, "/generate"));
-            commands.push("stop_server".into());
-            Step {
-                title: format!(
-                    "Junctions: what the serving engine captures, stores and feeds fc (sglang {SGLANG}, the draft served)"
-                ),
-                files: Vec::new(),
-                commands,
-                runs_here: true,
-                output: format!(
-                    "{junction_dir}/junctions/: eagle_aux_capture (junction 1, one per capture, tagged \
-                     layer_id), eagle_aux_hidden_states (junction 2), non_intrusive__model.fc.inputs.0 \
-                     (junction 3, the draft's pass)"
-                ),
-                cost: Some(cost),
-                notes,
-            }
-        }
+        Some(draft) => sglang_junctions(input, draft, &sel, &serve, &par, prompts)?,
         None => no_draft_step(),
     };
     Ok(Plan {
@@ -644,6 +553,115 @@ fn sglang_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan>
                 "sglang",
             ),
         ],
+    })
+}
+
+/// The junction dumps of the draft sglang serves: the same dumper and patch on the serving
+/// command line, with the draft loaded.
+fn sglang_junctions(
+    input: &PlanInput,
+    draft: &DraftInput,
+    sel: &EngineSel,
+    serve: &[String],
+    par: &Parallel,
+    prompts: Option<&PromptStats>,
+) -> Result<Step> {
+    let t = input.target;
+    let l = t.num_layers;
+    let junction_dir = format!("{}/sglang-junctions", input.out);
+    let feed = resolve(sel, Some(&t.model_type), &draft.config.ids, l);
+    let mut args = serve.to_vec();
+    // srt/arg_groups/fields/spec.py speculative_algorithm, speculative_draft_model_path.
+    args.push("--speculative-algorithm EAGLE3".into());
+    args.push("--speculative-draft-model-path \"$DRAFT\"".into());
+    args.extend(par.flags.iter().cloned());
+    args.push(SGLANG_WHOLE.into());
+    let names = [
+        "input_ids",
+        "positions",
+        "eagle_aux_capture",
+        "eagle_aux_hidden_states",
+        "non_intrusive__model.fc.inputs.0",
+    ];
+    let mut notes = vec![format!(
+        "sglang {SGLANG} feeds this draft b = {} ({})",
+        feed.fed_words(),
+        feed.describe()
+    )];
+    if draft.config.norm_before_fc {
+        notes.push(
+            "the draft sets norm_before_fc: fc's input is RMSNorm(junction 2) \
+             (models/llama_eagle3.py LlamaModel.forward), so diff reads junction 3 as rescaled \
+             states; junction 2 is the one to judge"
+                .into(),
+        );
+    }
+    notes.push(
+        "the patch file applies once per process: sglang applies it for the target's and \
+         again for the draft's ModelRunner, and its first patch makes the second a no-op \
+         (see the file's first comment)"
+            .into(),
+    );
+    let configure = serde_json::json!({
+        "enable": true,
+        "dir": junction_dir,
+        "exp_name": "junctions",
+        "filter": format!(
+            "name in ({})",
+            names.iter().map(|n| format!("\"{n}\"")).collect::<Vec<_>>().join(", ")
+        ),
+    });
+    notes.push(format!(
+        "on the running server instead: start it with DUMPER_SERVER_PORT=reuse, \
+         DUMPER_NON_INTRUSIVE_MODE=all and DUMPER_SOURCE_PATCHER_CONFIG (patches apply at load), then \
+         `curl -X POST http://127.0.0.1:30000/dumper/configure -d {}` before the prompts and \
+         `-d '{{\"enable\": false}}'` after (entrypoints/http_server.py /dumper/{{method}}; \
+         dumper.py _DumperHttpManager, DumperConfig fields)",
+        sh(&configure.to_string())
+    ));
+    // Per token: each fed aux capture, their concatenation, and fc's input (the same
+    // width); the draft's own passes add a few rows per request.
+    let fed = feed.fed_slots().len();
+    let cost = Cost::of(
+        &Stored {
+            states: 3 * fed,
+            hidden: t.hidden_size,
+            side_bytes: 16,
+            copies: input.tp,
+            held: Held::PerForward,
+        },
+        prompts,
+    )?;
+    let mut commands = vec![format!("fresh_dir {}", sh(&junction_dir))];
+    commands.extend(script::start(
+        launch(
+            &dumper_env(
+                &junction_dir,
+                "junctions",
+                &names,
+                &sglang_patch_path(input),
+            ),
+            &args,
+        ),
+        &format!("{}/sglang-junctions.log", input.out),
+        "/health",
+    ));
+    commands.push(send(input, Engine::Sglang, "/generate"));
+    commands.push("stop_server".into());
+    Ok(Step {
+        title: format!(
+            "Junctions: what the serving engine captures, stores and feeds fc (sglang {SGLANG}, the draft served)"
+        ),
+        files: Vec::new(),
+        commands,
+        runs_here: true,
+        output: format!(
+            "{junction_dir}/junctions/: eagle_aux_capture (junction 1, one per capture, tagged \
+             layer_id), eagle_aux_hidden_states (junction 2), non_intrusive__model.fc.inputs.0 \
+             (junction 3, the draft's pass)"
+        ),
+        cost: Some(cost),
+        notes,
     })
 }
 
@@ -843,7 +861,10 @@ fn vllm_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan> {
         title: format!(
             "Reference: every boundary of the prompts, from vLLM {VLLM} at this parallelism"
         ),
-        files: vec![script::sender(Engine::Vllm, sender_path(input))],
+        files: vec![PlanFile {
+            path: sender_path(input),
+            content: script::sender(Engine::Vllm),
+        }],
         commands: vllm_commands(
             input,
             serve(&cov.ids, &reference_dir),

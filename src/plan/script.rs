@@ -5,7 +5,18 @@
 
 use crate::engine::Engine;
 
-use super::{PlanFile, sh};
+/// A value for a shell command line, single-quoted when it needs to be.
+pub fn sh(value: &str) -> String {
+    if !value.is_empty()
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._-=:@+,".contains(c))
+    {
+        value.to_string()
+    } else {
+        format!("'{}'", value.replace('\'', r"'\''"))
+    }
+}
 
 /// The engine's HTTP port, and the time-outs, as the script's first lines (each can be set in
 /// the environment, which is how the test points the script at its stub server).
@@ -120,7 +131,7 @@ pub fn start(launch: String, log: &str, health: &str) -> Vec<String> {
 /// The prompt sender: stdlib Python, one request at a time, one new token each (the dumps are
 /// of the prefill; a decode step is not a whole sequence). `python3 send_prompts.py URL PROMPTS
 /// [MODEL]`; exits with the engine's answer when a request is refused.
-pub fn sender(engine: Engine, path: String) -> PlanFile {
+pub fn sender(engine: Engine) -> String {
     // sglang: POST /generate (srt/entrypoints/http_server.py) with `text` or `input_ids` and
     // `sampling_params` (srt/managers/io_struct.py GenerateReqInput; max_new_tokens,
     // temperature: srt/sampling/sampling_params.py). vLLM: POST /v1/completions
@@ -145,10 +156,8 @@ pub fn sender(engine: Engine, path: String) -> PlanFile {
              \x20           fcntl.flock(lock, fcntl.LOCK_SH)\n",
         ),
     };
-    PlanFile {
-        path,
-        content: format!(
-            "# Posts each line of a prompts JSONL ({{\"text\": ...}} or {{\"input_ids\": [...]}}) to the engine, one at a time.\n\
+    format!(
+        "# Posts each line of a prompts JSONL ({{\"text\": ...}} or {{\"input_ids\": [...]}}) to the engine, one at a time.\n\
              # python3 send_prompts.py URL PROMPTS [MODEL]\n\
              import fcntl, json, os, sys, urllib.error, urllib.request\n\
              for n, line in enumerate(open(sys.argv[2]), 1):\n\
@@ -162,6 +171,5 @@ pub fn sender(engine: Engine, path: String) -> PlanFile {
              \x20   except urllib.error.HTTPError as e:\n\
              \x20       sys.exit(f\"eagle-check plan: {{sys.argv[2]}}:{{n}}: the engine answered {{e.code}}: {{e.read().decode(errors='replace')}}\")\n\
              {after}"
-        ),
-    }
+    )
 }
