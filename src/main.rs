@@ -229,6 +229,10 @@ enum Command {
         /// its config is read).
         #[arg(long)]
         target: PathBuf,
+        /// The target's weights as the engine loads them (a folder or an HF id on the engine's
+        /// host; default: --target when it names a folder or an id).
+        #[arg(long)]
+        target_path: Option<String>,
         /// The serving engine: vllm or sglang (the versions whose sources the flags were read
         /// from: vllm@0.33.0, sglang@0.5.23; vllm:v1 picks the runner the junctions are for).
         #[arg(long)]
@@ -246,6 +250,10 @@ enum Command {
         /// dumps for it.
         #[arg(long)]
         draft: Option<PathBuf>,
+        /// The draft's weights as the engine loads them (default: --draft when it names a folder
+        /// or an id).
+        #[arg(long)]
+        draft_path: Option<String>,
         /// Folder for the dumps on the engine's host.
         #[arg(long, default_value = "eagle-check-dumps")]
         out: String,
@@ -436,6 +444,13 @@ fn compute_dtype(arg: Option<DtypeArg>, device: &Device) -> DType {
 }
 
 /// Parses `--engine` (or the spec's `engine:`) into a selection.
+/// What an engine can load of a `plan --target`/`--draft`: a folder or an HF id as given; a
+/// config file is neither its weights nor (its folder) surely where they are, so None.
+fn engine_path(given: &Path) -> Option<String> {
+    let is_file = given.is_file() || given.extension().is_some_and(|e| e == "json");
+    (!is_file).then(|| given.display().to_string())
+}
+
 fn engine_sel(name: &str) -> Result<EngineSel> {
     EngineSel::parse(name)
         .map_err(|e| eagle_check::error::Error::Usage(format!("--engine: {e}")).into())
@@ -594,11 +609,13 @@ fn run(cli: Cli) -> Result<u8> {
         }
         Command::Plan {
             target,
+            target_path,
             engine,
             tp,
             ep,
             prompts,
             draft,
+            draft_path,
             out,
             revision,
             format,
@@ -609,32 +626,25 @@ fn run(cli: Cli) -> Result<u8> {
             let draft_cfg = match &draft {
                 Some(d) => {
                     let dir = locate::locate_model(d, revision.as_deref())?;
-                    Some((DraftConfig::load(&dir)?, d.display().to_string()))
+                    Some((DraftConfig::load(&dir)?, d))
                 }
                 None => None,
             };
             let plan = eagle_check::plan::plan(&eagle_check::plan::PlanInput {
                 target: &info,
-                // Engines load a model directory (or a Hub id), never its config.json.
-                model: match target.file_name() {
-                    Some(n)
-                        if n == "config.json"
-                            || target.extension().is_some_and(|e| e == "json") =>
-                    {
-                        target
-                            .parent()
-                            .filter(|p| !p.as_os_str().is_empty())
-                            .unwrap_or(Path::new("."))
-                            .display()
-                            .to_string()
-                    }
-                    _ => target.display().to_string(),
-                },
+                target_arg: target.display().to_string(),
+                model: target_path.or_else(|| engine_path(&target)),
                 engine: sel,
                 tp,
                 ep,
                 prompts,
-                draft: draft_cfg.as_ref().map(|(c, a)| (c, a.clone())),
+                draft: draft_cfg
+                    .as_ref()
+                    .map(|(config, arg)| eagle_check::plan::DraftInput {
+                        config,
+                        arg: arg.display().to_string(),
+                        path: draft_path.clone().or_else(|| engine_path(arg)),
+                    }),
                 out,
             })?;
             match format {

@@ -9,15 +9,26 @@
 //! raw. Every flag, environment variable and JSON key printed here was read from the engines'
 //! sources (sglang 0.5.23 and vLLM 0.33.0 wheels, the versions of the rule table); each carries
 //! the file it was read from, and `fixtures/engines/plan_flags.py` re-extracts them for the test.
+//!
+//! The script runs unedited under POSIX `sh` (`script`: start, wait for and stop each server by
+//! its PID) and says what it will cost before it runs (`cost`: bytes per token, the dumps, the
+//! device memory, vLLM's `--max-model-len`).
+
+mod cost;
+mod script;
+
+pub use cost::{Cost, Held, PromptStats, check_prompts, human, max_model_len};
 
 use crate::boundary::{Boundary, FinalNorm};
 use crate::config::{DraftConfig, TargetInfo};
 use crate::engine::rules::Reach;
 use crate::engine::{Engine, EngineSel, Version, ids_for, resolve, rule_words, select};
 use crate::error::{Error, Result};
+use cost::Stored;
+use script::sh;
 use serde::Serialize;
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// The engine versions whose sources the printed flags were read from.
 pub const SGLANG: Version = Version([0, 5, 23]);
@@ -26,16 +37,30 @@ pub const VLLM: Version = Version([0, 33, 0]);
 /// What `plan` needs.
 pub struct PlanInput<'a> {
     pub target: &'a TargetInfo,
-    /// The target as the engine should be told (the user's path or HF id).
-    pub model: String,
+    /// `--target` as given: where `diff` reads the target's config.
+    pub target_arg: String,
+    /// The weights the engine loads (a folder or an HF id): `--target-path`, or `--target` when
+    /// it names a folder or an id. None when only a config file was given: the script then
+    /// asks for `EAGLE_CHECK_TARGET`.
+    pub model: Option<String>,
     pub engine: EngineSel,
     pub tp: usize,
     pub ep: Option<usize>,
     /// A JSONL of prompts (`{"text": ...}` or `{"input_ids": [...]}` per line), checked.
     pub prompts: Option<PathBuf>,
-    pub draft: Option<(&'a DraftConfig, String)>,
+    pub draft: Option<DraftInput<'a>>,
     /// Where the dumps go (a folder on the engine's host).
     pub out: String,
+}
+
+/// The draft the engine serves.
+pub struct DraftInput<'a> {
+    pub config: &'a DraftConfig,
+    /// `--draft` as given: where `diff` reads the draft's config.
+    pub arg: String,
+    /// The draft's weights as the engine loads them (`--draft-path`, or `--draft` when it names
+    /// a folder or an id); None: the script asks for `EAGLE_CHECK_DRAFT`.
+    pub path: Option<String>,
 }
 
 /// A file the plan asks the user to write (the printed script writes it with a heredoc).
@@ -45,14 +70,17 @@ pub struct PlanFile {
     pub content: String,
 }
 
-/// One step: files, shell commands, where its dumps land, and what to know.
+/// One step: files, shell commands, where its dumps land, what it costs, and what to know.
 #[derive(Debug, Clone, Serialize)]
 pub struct Step {
     pub title: String,
     pub files: Vec<PlanFile>,
     pub commands: Vec<String>,
+    /// false: the commands run elsewhere, later (the script prints them as comments).
+    pub runs_here: bool,
     /// The folder the step's dumps land in, and their layout.
     pub output: String,
+    pub cost: Option<Cost>,
     pub notes: Vec<String>,
 }
 
@@ -73,14 +101,20 @@ pub struct Coverage {
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
     pub engine: String,
-    pub model: String,
+    /// The target's weights as the engine loads them (None: the script asks for them).
+    pub model: Option<String>,
     pub model_type: String,
     pub num_layers: usize,
     pub hidden_size: usize,
     pub tensor_parallel: usize,
     pub expert_parallel: Option<usize>,
     pub prompts: Option<String>,
+    pub prompt_stats: Option<PromptStats>,
+    /// vLLM's `--max-model-len` (the longest prompt and one generated token, rounded up).
+    pub max_model_len: Option<u64>,
     pub coverage: Coverage,
+    /// The script's first lines: `set -eu`, its variables, the dump folder, the helpers.
+    pub prelude: Vec<String>,
     pub steps: Vec<Step>,
 }
 
@@ -92,42 +126,6 @@ struct Parallel {
 
 fn usage(message: String) -> Error {
     Error::Usage(message)
-}
-
-/// Checks a prompts file: every line `{"text": "..."}` or `{"input_ids": [ints]}`.
-pub fn check_prompts(path: &Path) -> Result<usize> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let mut n = 0;
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let bad = |what: &str| Error::Tokens {
-            origin: format!("{}:{}", path.display(), i + 1),
-            message: format!(
-                "{what}; each line must be {{\"text\": \"...\"}} or {{\"input_ids\": [1, 2, ...]}}"
-            ),
-        };
-        let v: serde_json::Value = serde_json::from_str(line).map_err(|_| bad("not JSON"))?;
-        let ok = match (v.get("text"), v.get("input_ids")) {
-            (Some(t), None) => t.is_string(),
-            (None, Some(ids)) => ids
-                .as_array()
-                .is_some_and(|a| !a.is_empty() && a.iter().all(|x| x.as_u64().is_some())),
-            _ => false,
-        };
-        if !ok {
-            return Err(bad("neither a text nor a non-empty list of token ids"));
-        }
-        n += 1;
-    }
-    if n == 0 {
-        return Err(Error::Tokens {
-            origin: path.display().to_string(),
-            message: "no prompts".into(),
-        });
-    }
-    Ok(n)
 }
 
 /// The plan for `input`.
@@ -151,15 +149,18 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     if input.tp == 0 {
         return Err(usage("plan --tp: must be at least 1".into()));
     }
-    let prompts_count = input.prompts.as_deref().map(check_prompts).transpose()?;
+    let stats = input.prompts.as_deref().map(check_prompts).transpose()?;
     let mut plan = match sel.engine {
-        Engine::Sglang => sglang_plan(input)?,
-        _ => vllm_plan(input)?,
+        Engine::Sglang => sglang_plan(input, stats.as_ref())?,
+        _ => vllm_plan(input, stats.as_ref())?,
     };
     plan.prompts = input
         .prompts
         .as_ref()
-        .map(|p| format!("{} ({} prompts)", p.display(), prompts_count.unwrap_or(0)));
+        .zip(stats.as_ref())
+        .map(|(p, s)| format!("{} ({} prompts)", p.display(), s.count));
+    plan.prompt_stats = stats;
+    plan.prelude = prelude(input, sel.engine);
     Ok(plan)
 }
 
@@ -236,79 +237,91 @@ fn join_ids(ids: &[i64], sep: &str) -> String {
     ids.iter().map(i64::to_string).collect::<Vec<_>>().join(sep)
 }
 
-/// A value for a shell command line, single-quoted when it needs to be.
-fn sh(value: &str) -> String {
-    if !value.is_empty()
-        && value
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "/._-=:@+,".contains(c))
-    {
-        value.to_string()
+/// The script's first lines: `set -eu`; the user's target, draft and prompts as variables (one
+/// plan could not know stops the script at once with what to set); the port and time-outs; the
+/// dump folder, made before anything is written into it; the helpers.
+fn prelude(input: &PlanInput, engine: Engine) -> Vec<String> {
+    let mut lines = vec!["set -eu".to_string()];
+    lines.push(script::variable(
+        "TARGET",
+        input.model.as_deref(),
+        "set EAGLE_CHECK_TARGET to the target weights the engine loads, a folder or an HF id, \
+         or re-run eagle-check plan with --target-path",
+    ));
+    if let Some(d) = &input.draft {
+        lines.push(script::variable(
+            "DRAFT",
+            d.path.as_deref(),
+            "set EAGLE_CHECK_DRAFT to the draft weights the engine loads, a folder or an HF id, \
+             or re-run eagle-check plan with --draft-path",
+        ));
+    }
+    let prompts = input.prompts.as_ref().map(|p| p.display().to_string());
+    lines.push(script::variable(
+        "PROMPTS",
+        prompts.as_deref(),
+        "set EAGLE_CHECK_PROMPTS to a JSONL of prompts, or re-run eagle-check plan with --prompts",
+    ));
+    lines.extend(script::settings(engine));
+    lines.push(format!("mkdir -p {}", sh(&input.out)));
+    lines.push(script::HELPERS.trim_end().to_string());
+    if engine == Engine::Vllm {
+        lines.push(script::WAIT_FILES.trim_end().to_string());
+    }
+    lines
+}
+
+/// The line that posts the prompts to `route` (vLLM's requests also name the model).
+fn send(input: &PlanInput, engine: Engine, route: &str) -> String {
+    let model = if engine == Engine::Vllm {
+        " \"$TARGET\""
     } else {
-        format!("'{}'", value.replace('\'', r"'\''"))
-    }
-}
-
-/// The prompt sender: stdlib Python, one request at a time, one new token each (the dumps are
-/// of the prefill; a decode step is not a whole sequence).
-fn sender(engine: Engine, model: &str) -> PlanFile {
-    // sglang: POST /generate (srt/entrypoints/http_server.py) with `text` or `input_ids` and
-    // `sampling_params` (srt/managers/io_struct.py GenerateReqInput; max_new_tokens,
-    // temperature: srt/sampling/sampling_params.py), default port 30000
-    // (srt/arg_groups/fields/serving.py). vLLM: POST /v1/completions
-    // (entrypoints/openai/completion/api_router.py), `model`, `prompt` (text or token ids),
-    // `max_tokens`, `temperature` (entrypoints/openai/completion/protocol.py
-    // CompletionRequest), default port 8000 (entrypoints/common/cli_args.py).
-    let (url, body) = match engine {
-        Engine::Sglang => (
-            "http://127.0.0.1:30000/generate",
-            r#"dict(req, sampling_params={"max_new_tokens": 1, "temperature": 0})"#.to_string(),
-        ),
-        _ => (
-            "http://127.0.0.1:8000/v1/completions",
-            format!(
-                r#"{{"model": {model:?}, "prompt": req.get("text", req.get("input_ids")), "max_tokens": 1, "temperature": 0}}"#
-            ),
-        ),
+        ""
     };
-    PlanFile {
-        path: "send_prompts.py".into(),
-        content: format!(
-            "# Posts each line of a prompts JSONL ({{\"text\": ...}} or {{\"input_ids\": [...]}}) to the engine, one at a time.\n\
-             import json, sys, urllib.request\n\
-             for line in open(sys.argv[1]):\n\
-             \x20   if not line.strip():\n\
-             \x20       continue\n\
-             \x20   req = json.loads(line)\n\
-             \x20   body = json.dumps({body}).encode()\n\
-             \x20   r = urllib.request.Request({url:?}, data=body, headers={{\"Content-Type\": \"application/json\"}})\n\
-             \x20   urllib.request.urlopen(r).read()\n"
-        ),
-    }
+    format!(
+        "python3 {} \"http://127.0.0.1:$PORT{route}\" \"$PROMPTS\"{model}",
+        sh(&sender_path(input))
+    )
 }
 
-fn prompts_arg(input: &PlanInput) -> String {
-    input
-        .prompts
-        .as_ref()
-        .map_or("PROMPTS.jsonl".to_string(), |p| {
-            sh(&p.display().to_string())
-        })
+fn sender_path(input: &PlanInput) -> String {
+    format!("{}/send_prompts.py", input.out)
 }
 
 // ------------------------------------------------------------------------------------- sglang
 
 /// The source patch that dumps junctions 1 and 2 through sglang's dumper
 /// (`DUMPER_SOURCE_PATCHER_CONFIG`, srt/debug_utils/source_patcher/types.py PatchConfig:
-/// `patches: [{target, edits: [{match, prepend|append}]}]`; the dumper injects its own import,
-/// dumper.py `apply_source_patches`). The matched lines are sglang 0.5.23's:
+/// `patches: [{target, edits: [{match, prepend|append|replacement}]}]`; the dumper injects its
+/// own import, dumper.py `apply_source_patches`). The matched lines are sglang 0.5.23's:
 /// srt/layers/aux_hidden_states.py (`AuxHiddenStateList.capture`, the list path of Llama-family
 /// models; `AuxHiddenStatePacker.append`, the packed path of DeepSeek-V2/V3 and Kimi) and
 /// srt/layers/logits_processor.py `LogitsProcessor._get_hidden_states_to_store`.
+///
+/// The first patch makes the file apply once per process. sglang applies it after every model
+/// load (srt/model_executor/model_runner.py, `dumper.apply_source_patches()` after
+/// `maybe_register_debug_tensor_dump_hook`), and with a draft that is twice in the same process:
+/// the target's ModelRunner, then the draft's (srt/speculative/eagle_worker_v2.py
+/// `EAGLEWorkerV2.__init__` l. 223 builds a second `TpModelWorker`). The second application
+/// fails: `patch_function` (srt/debug_utils/source_patcher/code_patcher.py l. 83) re-reads
+/// the patched function with `inspect.getsource`, but the first patch compiled it from a string
+/// whose `def` is line 1, so `getsource` returns the first def or class block of the real file
+/// (`class AuxHiddenStateList`), the edit still matches inside it, and `exec` defines the class,
+/// not the function: `temp_namespace[target.__name__]` at l. 99 raises `KeyError: 'capture'`.
+/// Replacing `config_path` in `_Dumper.apply_source_patches` (srt/debug_utils/dumper.py) with
+/// None turns every later call into its `if not config_path: return`; the call that applies it
+/// runs the old code object to the end. fixtures/engines/patch_twice.py applies this file twice
+/// with the wheel's own patcher.
 pub const SGLANG_PATCH: &str = "\
 # eagle-check plan: dump every EAGLE-3 aux capture (junction 1, tagged with the layer it is captured in)
 # and the concatenation the logits processor stores (junction 2). sglang 0.5.23.
 patches:
+  # Apply this file once per process: sglang applies it again for the draft's ModelRunner, and
+  # a second application fails (source_patcher/code_patcher.py patch_function, KeyError).
+  - target: sglang.srt.debug_utils.dumper._Dumper.apply_source_patches
+    edits:
+      - match: \"config_path = self._config.source_patcher_config\"
+        replacement: \"config_path = None\"
   - target: sglang.srt.layers.aux_hidden_states.AuxHiddenStateList.capture
     edits:
       - match: \"self.append(hidden if owned else hidden.clone())\"
@@ -353,7 +366,7 @@ fn sglang_parallel(input: &PlanInput) -> Result<Parallel> {
 /// sglang's dumper settings as environment variables (srt/debug_utils/dumper.py DumperConfig:
 /// prefix `DUMPER_`, one per field: enable, dir, exp_name, filter, non_intrusive_mode,
 /// source_patcher_config, enable_output_console).
-fn dumper_env(dir: &str, exp: &str, names: &[&str]) -> Vec<String> {
+fn dumper_env(dir: &str, exp: &str, names: &[&str], patch: &str) -> Vec<String> {
     // The filter is a Python expression over the dump's tags (dumper.py _evaluate_filter).
     let filter = format!(
         "name in ({})",
@@ -364,6 +377,10 @@ fn dumper_env(dir: &str, exp: &str, names: &[&str]) -> Vec<String> {
             .join(", ")
     );
     vec![
+        // srt/environ.py SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION (default true): /health then
+        // runs a one-token generation of input_ids [0] (srt/entrypoints/http_server.py
+        // health_generate), which the dumper would record as a sequence of its own.
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0".into(),
         "DUMPER_ENABLE=1".into(),
         format!("DUMPER_DIR={}", sh(dir)),
         format!("DUMPER_EXP_NAME={exp}"),
@@ -371,10 +388,7 @@ fn dumper_env(dir: &str, exp: &str, names: &[&str]) -> Vec<String> {
         // the final norm); the layer_id tag comes from the ctx hooks of `*.layers.N` modules
         // (dumper.py _NonIntrusiveDumper).
         "DUMPER_NON_INTRUSIVE_MODE=all".into(),
-        format!(
-            "DUMPER_SOURCE_PATCHER_CONFIG={}",
-            sh(&format!("{dir}/sglang-patch.yaml"))
-        ),
+        format!("DUMPER_SOURCE_PATCHER_CONFIG={}", sh(patch)),
         // Double quotes: the filter holds single-quoted names and nothing the shell expands.
         format!("DUMPER_FILTER=\"{filter}\""),
         "DUMPER_ENABLE_OUTPUT_CONSOLE=0".into(),
@@ -397,7 +411,11 @@ fn launch(env: &[String], args: &[String]) -> String {
     out
 }
 
-fn sglang_plan(input: &PlanInput) -> Result<Plan> {
+fn sglang_patch_path(input: &PlanInput) -> String {
+    format!("{}/sglang-patch.yaml", input.out)
+}
+
+fn sglang_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan> {
     let t = input.target;
     let l = t.num_layers;
     let sel = EngineSel {
@@ -408,12 +426,20 @@ fn sglang_plan(input: &PlanInput) -> Result<Plan> {
     let cov = coverage(&sel, &t.model_type, l, true)?;
     let par = sglang_parallel(input)?;
     let patch = PlanFile {
-        path: format!("{}/sglang-patch.yaml", input.out),
+        path: sglang_patch_path(input),
         content: SGLANG_PATCH.to_string(),
     };
     let reference_dir = format!("{}/sglang-reference", input.out);
     let junction_dir = format!("{}/sglang-junctions", input.out);
-    let model = sh(&input.model);
+    // srt/arg_groups/fields/serving.py `port`, `skip_server_warmup`: without it the server posts
+    // "The capital city of France is" before it answers (srt/entrypoints/http_server.py
+    // _execute_server_warmup, l. 2455), and the dumper records that as a sequence.
+    let serve = [
+        "python3 -m sglang.launch_server".to_string(),
+        "--model-path \"$TARGET\"".into(),
+        "--port \"$PORT\"".into(),
+        "--skip-server-warmup".into(),
+    ];
 
     // Reference: capture-only aux capture of every reachable boundary, without a draft
     // (srt/arg_groups/fields/exec_.py enable_return_aux_hidden_states,
@@ -432,10 +458,7 @@ fn sglang_plan(input: &PlanInput) -> Result<Plan> {
     if !cov.captured.contains(&0) {
         names.push("non_intrusive__model.embed_tokens.output");
     }
-    let mut args = vec![
-        "python -m sglang.launch_server".to_string(),
-        format!("--model-path {model}"),
-    ];
+    let mut args = serve.to_vec();
     args.extend(par.flags.iter().cloned());
     args.push("--enable-return-aux-hidden-states --speculative-algorithm EAGLE3".into());
     args.push(format!(
@@ -443,26 +466,47 @@ fn sglang_plan(input: &PlanInput) -> Result<Plan> {
         join_ids(&cov.ids, " ")
     ));
     args.push(SGLANG_WHOLE.into());
+    // Per token: the aux captures, the norm's two outputs, the embedding when the ids miss it;
+    // input_ids and positions are int64.
+    let reference_cost = Cost::of(
+        &Stored {
+            states: names.len() - 3 + cov.ids.len(),
+            hidden: t.hidden_size,
+            side_bytes: 16,
+            copies: input.tp,
+            held: Held::PerForward,
+        },
+        prompts,
+    )?;
+    let mut commands = vec![format!("fresh_dir {}", sh(&reference_dir))];
+    commands.extend(script::start(
+        launch(
+            &dumper_env(&reference_dir, "reference", &names, &patch.path),
+            &args,
+        ),
+        &format!("{}/sglang-reference.log", input.out),
+        "/health",
+    ));
+    commands.push(send(input, Engine::Sglang, "/generate"));
+    commands.push("stop_server".into());
     let reference = Step {
         title: format!(
             "Reference: every boundary of the prompts, from sglang {SGLANG} at this parallelism"
         ),
-        files: vec![patch.clone(), sender(Engine::Sglang, &input.model)],
-        commands: vec![
-            format!("mkdir -p {}", sh(&reference_dir)),
-            format!("cp {} {}/", sh(&patch.path), sh(&reference_dir)),
-            format!(
-                "{} &",
-                launch(&dumper_env(&reference_dir, "reference", &names), &args)
-            ),
-            "# wait until the server answers, then:".into(),
-            format!("python3 send_prompts.py {}", prompts_arg(input)),
-            "kill %1".into(),
+        files: vec![
+            patch.clone(),
+            PlanFile {
+                path: sender_path(input),
+                content: script::sender(Engine::Sglang),
+            },
         ],
+        commands,
+        runs_here: true,
         output: format!(
             "{reference_dir}/reference/step=S___rank=R___dump_index=I___name=NAME___...pt: one file per \
              tensor and forward pass (srt/debug_utils/dumper.py _Dumper._dump_single)"
         ),
+        cost: Some(reference_cost),
         notes: {
             let mut n = vec![format!(
                 "--return-aux-hidden-state-layer-ids {} -> b = {} through the model's own \
@@ -483,79 +527,7 @@ fn sglang_plan(input: &PlanInput) -> Result<Plan> {
     };
 
     let junctions = match &input.draft {
-        Some((draft, draft_arg)) => {
-            let feed = resolve(&sel, Some(&t.model_type), &draft.ids, l);
-            let mut args = vec![
-                "python -m sglang.launch_server".to_string(),
-                format!("--model-path {model}"),
-                // srt/arg_groups/fields/spec.py speculative_algorithm,
-                // speculative_draft_model_path.
-                "--speculative-algorithm EAGLE3".into(),
-                format!("--speculative-draft-model-path {}", sh(draft_arg)),
-            ];
-            args.extend(par.flags.iter().cloned());
-            args.push(SGLANG_WHOLE.into());
-            let names = [
-                "input_ids",
-                "positions",
-                "eagle_aux_capture",
-                "eagle_aux_hidden_states",
-                "non_intrusive__model.fc.inputs.0",
-            ];
-            let mut notes = vec![format!(
-                "sglang {SGLANG} feeds this draft b = {} ({})",
-                feed.fed_words(),
-                feed.describe()
-            )];
-            if draft.norm_before_fc {
-                notes.push(
-                    "the draft sets norm_before_fc: fc's input is RMSNorm(junction 2) \
-                     (models/llama_eagle3.py LlamaModel.forward), so diff reads junction 3 as rescaled \
-                     states; junction 2 is the one to judge"
-                        .into(),
-                );
-            }
-            let configure = serde_json::json!({
-                "enable": true,
-                "dir": junction_dir,
-                "exp_name": "junctions",
-                "filter": format!(
-                    "name in ({})",
-                    names.iter().map(|n| format!("\"{n}\"")).collect::<Vec<_>>().join(", ")
-                ),
-            });
-            notes.push(format!(
-                "on the running server instead: start it with DUMPER_SERVER_PORT=reuse, \
-                 DUMPER_NON_INTRUSIVE_MODE=all and DUMPER_SOURCE_PATCHER_CONFIG (patches apply at load), then \
-                 `curl -X POST http://127.0.0.1:30000/dumper/configure -d {}` before the prompts and \
-                 `-d '{{\"enable\": false}}'` after (entrypoints/http_server.py /dumper/{{method}}; \
-                 dumper.py _DumperHttpManager, DumperConfig fields)",
-                sh(&configure.to_string())
-            ));
-            Step {
-                title: format!(
-                    "Junctions: what the serving engine captures, stores and feeds fc (sglang {SGLANG}, the draft served)"
-                ),
-                files: Vec::new(),
-                commands: vec![
-                    format!("mkdir -p {}", sh(&junction_dir)),
-                    format!("cp {} {}/", sh(&patch.path), sh(&junction_dir)),
-                    format!(
-                        "{} &",
-                        launch(&dumper_env(&junction_dir, "junctions", &names), &args)
-                    ),
-                    "# wait until the server answers, then:".into(),
-                    format!("python3 send_prompts.py {}", prompts_arg(input)),
-                    "kill %1".into(),
-                ],
-                output: format!(
-                    "{junction_dir}/junctions/: eagle_aux_capture (junction 1, one per capture, tagged \
-                     layer_id), eagle_aux_hidden_states (junction 2), non_intrusive__model.fc.inputs.0 \
-                     (junction 3, the draft's pass)"
-                ),
-                notes,
-            }
-        }
+        Some(draft) => sglang_junctions(input, draft, &sel, &serve, &par, prompts)?,
         None => no_draft_step(),
     };
     Ok(Plan {
@@ -567,17 +539,129 @@ fn sglang_plan(input: &PlanInput) -> Result<Plan> {
         tensor_parallel: input.tp,
         expert_parallel: input.ep,
         prompts: None,
+        prompt_stats: None,
+        max_model_len: None,
         coverage: cov,
+        prelude: Vec::new(),
         steps: vec![
             reference,
             junctions,
             diff_step(
                 input,
-                &reference_dir,
+                &format!("{reference_dir}/reference"),
                 &format!("{junction_dir}/junctions"),
                 "sglang",
             ),
         ],
+    })
+}
+
+/// The junction dumps of the draft sglang serves: the same dumper and patch on the serving
+/// command line, with the draft loaded.
+fn sglang_junctions(
+    input: &PlanInput,
+    draft: &DraftInput,
+    sel: &EngineSel,
+    serve: &[String],
+    par: &Parallel,
+    prompts: Option<&PromptStats>,
+) -> Result<Step> {
+    let t = input.target;
+    let l = t.num_layers;
+    let junction_dir = format!("{}/sglang-junctions", input.out);
+    let feed = resolve(sel, Some(&t.model_type), &draft.config.ids, l);
+    let mut args = serve.to_vec();
+    // srt/arg_groups/fields/spec.py speculative_algorithm, speculative_draft_model_path.
+    args.push("--speculative-algorithm EAGLE3".into());
+    args.push("--speculative-draft-model-path \"$DRAFT\"".into());
+    args.extend(par.flags.iter().cloned());
+    args.push(SGLANG_WHOLE.into());
+    let names = [
+        "input_ids",
+        "positions",
+        "eagle_aux_capture",
+        "eagle_aux_hidden_states",
+        "non_intrusive__model.fc.inputs.0",
+    ];
+    let mut notes = vec![format!(
+        "sglang {SGLANG} feeds this draft b = {} ({})",
+        feed.fed_words(),
+        feed.describe()
+    )];
+    if draft.config.norm_before_fc {
+        notes.push(
+            "the draft sets norm_before_fc: fc's input is RMSNorm(junction 2) \
+             (models/llama_eagle3.py LlamaModel.forward), so diff reads junction 3 as rescaled \
+             states; junction 2 is the one to judge"
+                .into(),
+        );
+    }
+    notes.push(
+        "the patch file applies once per process: sglang applies it for the target's and \
+         again for the draft's ModelRunner, and its first patch makes the second a no-op \
+         (see the file's first comment)"
+            .into(),
+    );
+    let configure = serde_json::json!({
+        "enable": true,
+        "dir": junction_dir,
+        "exp_name": "junctions",
+        "filter": format!(
+            "name in ({})",
+            names.iter().map(|n| format!("\"{n}\"")).collect::<Vec<_>>().join(", ")
+        ),
+    });
+    notes.push(format!(
+        "on the running server instead: start it with DUMPER_SERVER_PORT=reuse, \
+         DUMPER_NON_INTRUSIVE_MODE=all and DUMPER_SOURCE_PATCHER_CONFIG (patches apply at load), then \
+         `curl -X POST http://127.0.0.1:30000/dumper/configure -d {}` before the prompts and \
+         `-d '{{\"enable\": false}}'` after (entrypoints/http_server.py /dumper/{{method}}; \
+         dumper.py _DumperHttpManager, DumperConfig fields)",
+        sh(&configure.to_string())
+    ));
+    // Per token: each fed aux capture, their concatenation, and fc's input (the same
+    // width); the draft's own passes add a few rows per request.
+    let fed = feed.fed_slots().len();
+    let cost = Cost::of(
+        &Stored {
+            states: 3 * fed,
+            hidden: t.hidden_size,
+            side_bytes: 16,
+            copies: input.tp,
+            held: Held::PerForward,
+        },
+        prompts,
+    )?;
+    let mut commands = vec![format!("fresh_dir {}", sh(&junction_dir))];
+    commands.extend(script::start(
+        launch(
+            &dumper_env(
+                &junction_dir,
+                "junctions",
+                &names,
+                &sglang_patch_path(input),
+            ),
+            &args,
+        ),
+        &format!("{}/sglang-junctions.log", input.out),
+        "/health",
+    ));
+    commands.push(send(input, Engine::Sglang, "/generate"));
+    commands.push("stop_server".into());
+    Ok(Step {
+        title: format!(
+            "Junctions: what the serving engine captures, stores and feeds fc (sglang {SGLANG}, the draft served)"
+        ),
+        files: Vec::new(),
+        commands,
+        runs_here: true,
+        output: format!(
+            "{junction_dir}/junctions/: eagle_aux_capture (junction 1, one per capture, tagged \
+             layer_id), eagle_aux_hidden_states (junction 2), non_intrusive__model.fc.inputs.0 \
+             (junction 3, the draft's pass)"
+        ),
+        cost: Some(cost),
+        notes,
     })
 }
 
@@ -588,36 +672,39 @@ fn no_draft_step() -> Step {
                 .into(),
         files: Vec::new(),
         commands: Vec::new(),
+        runs_here: true,
         output: String::new(),
+        cost: None,
         notes: Vec::new(),
     }
 }
 
+/// `diff` reads the dumps on any machine later: the script prints it as a comment.
 fn diff_step(input: &PlanInput, reference: &str, junctions: &str, engine: &str) -> Step {
-    let reference = if engine == "sglang" {
-        format!("{reference}/reference")
-    } else {
-        reference.to_string()
-    };
     let mut cmd = format!(
         "eagle-check diff --spec SPEC.yaml --target {} --reference {}",
-        sh(&input.model),
-        sh(&reference)
+        sh(&input.target_arg),
+        sh(reference)
     );
-    if input.draft.is_some() {
-        let _ = write!(cmd, " --captures {}", sh(junctions));
-        if let Some((_, d)) = &input.draft {
-            let _ = write!(cmd, " --draft {} --engine {engine}", sh(d));
+    match &input.draft {
+        Some(d) => {
+            let _ = write!(
+                cmd,
+                " --captures {} --draft {} --engine {engine}",
+                sh(junctions),
+                sh(&d.arg)
+            );
         }
-    } else {
-        cmd.push_str(" --captures TRAINING_CAPTURES");
+        None => cmd.push_str(" --captures TRAINING_CAPTURES"),
     }
     Step {
         title: "Diff: identify every junction slot against the reference (on any machine, no GPU)"
             .into(),
         files: Vec::new(),
         commands: vec![cmd],
+        runs_here: false,
         output: String::new(),
+        cost: None,
         notes: vec![
             "--target needs only the target's config.json here (L, hidden size, architecture); the \
              reference replaces running it"
@@ -681,7 +768,20 @@ fn vllm_extract(ids: &[i64], dir: &str) -> [String; 2] {
     ]
 }
 
-fn vllm_plan(input: &PlanInput) -> Result<Plan> {
+/// A vLLM server's commands: a fresh dump folder, the server, the prompts, the files flushed,
+/// the server stopped.
+fn vllm_commands(input: &PlanInput, launch: String, dir: &str, log: &str) -> Vec<String> {
+    let mut commands = vec![format!("fresh_dir {}", sh(dir))];
+    // vllm/entrypoints/serve/instrumentator/health.py: GET /health answers 200 once the
+    // engine client is up, without running a request.
+    commands.extend(script::start(launch, log, "/health"));
+    commands.push(send(input, Engine::Vllm, "/v1/completions"));
+    commands.push(format!("wait_files {} {}", sh(dir), script::PROMPT_COUNT));
+    commands.push("stop_server".into());
+    commands
+}
+
+fn vllm_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan> {
     let t = input.target;
     let l = t.num_layers;
     let extract = EngineSel {
@@ -693,15 +793,50 @@ fn vllm_plan(input: &PlanInput) -> Result<Plan> {
     let par = vllm_parallel(input)?;
     let reference_dir = format!("{}/vllm-reference", input.out);
     let junction_dir = format!("{}/vllm-junctions", input.out);
-    let model = sh(&input.model);
+    let max_len = max_model_len(prompts);
     let serve = |ids: &[i64], dir: &str| -> String {
-        let mut args = vec![format!("vllm serve {model}")];
+        // entrypoints/common/cli_args.py FrontendArgs `port`; vllm/engine/arg_utils.py
+        // `--max-model-len`: the stored states are reserved for that many tokens on every GPU,
+        // and the default (the model's, 163,840 on DeepSeek-V3) does not fit
+        // (v1/core/kv_cache_planning.py l. 78).
+        let mut args = vec![
+            "vllm serve \"$TARGET\"".to_string(),
+            "--port \"$PORT\"".into(),
+            format!("--max-model-len {max_len}"),
+        ];
         args.extend(par.flags.iter().cloned());
         // vllm/engine/arg_utils.py `--enable-prefix-caching` (BooleanOptionalAction): a cached
         // prefix would be served from blocks written by an earlier request.
         args.push("--no-enable-prefix-caching".into());
         args.extend(vllm_extract(ids, dir));
-        format!("{} &", args.join(" \\\n  "))
+        args.join(" \\\n  ")
+    };
+    let stored = |states: usize| Stored {
+        states,
+        hidden: t.hidden_size,
+        // token_ids, int64 (example_hidden_states_connector.py request_finished).
+        side_bytes: 8,
+        // Each request's file comes from one rank (TP rank 0 of its DP rank).
+        copies: 1,
+        held: Held::Reserved {
+            max_model_len: max_len,
+        },
+    };
+    let max_len_note = match prompts {
+        Some(p) => format!(
+            "--max-model-len {max_len}: the longest prompt ({} tokens{}) and the one token each \
+             request generates, rounded up to a multiple of 256",
+            p.longest,
+            if p.exact {
+                ""
+            } else {
+                " at most, text counted as one token per byte"
+            }
+        ),
+        None => format!(
+            "--max-model-len {max_len}: no --prompts given; a longer prompt is refused, so raise it \
+             (the stored states reserved on every GPU grow with it)"
+        ),
     };
     let mut ref_notes = vec![format!(
         "ids {} at the top level -> b = {}, the last one pre-norm (the rule above)",
@@ -716,34 +851,43 @@ fn vllm_plan(input: &PlanInput) -> Result<Plan> {
     ref_notes.push(
         "b = L after the final norm is not captured by vLLM; diff compares the last layer's state pre-norm".into(),
     );
+    ref_notes.push(max_len_note.clone());
+    ref_notes.push(
+        "vLLM sends no warm-up request through the connector: every file is one of the prompts"
+            .into(),
+    );
     ref_notes.extend(par.notes.iter().cloned());
     let reference = Step {
         title: format!(
             "Reference: every boundary of the prompts, from vLLM {VLLM} at this parallelism"
         ),
-        files: vec![sender(Engine::Vllm, &input.model)],
-        commands: vec![
-            format!("mkdir -p {}", sh(&reference_dir)),
+        files: vec![PlanFile {
+            path: sender_path(input),
+            content: script::sender(Engine::Vllm),
+        }],
+        commands: vllm_commands(
+            input,
             serve(&cov.ids, &reference_dir),
-            "# wait until the server answers, then:".into(),
-            format!("python3 send_prompts.py {}", prompts_arg(input)),
-            "kill %1".into(),
-        ],
+            &reference_dir,
+            &format!("{}/vllm-reference.log", input.out),
+        ),
+        runs_here: true,
         output: format!(
             "{reference_dir}/{{request id}}.safetensors: token_ids [T], hidden_states [T, {}, H] \
              (example_hidden_states_connector.py)",
             cov.ids.len()
         ),
+        cost: Some(Cost::of(&stored(cov.ids.len()), prompts)?),
         notes: ref_notes,
     };
     let junctions = match &input.draft {
-        Some((draft, _)) => {
+        Some(draft) => {
             let serving = EngineSel {
                 engine: Engine::Vllm,
                 path: input.engine.path.filter(|p| *p != "extract"),
                 version: Some(VLLM),
             };
-            let feed = resolve(&serving, Some(&t.model_type), &draft.ids, l);
+            let feed = resolve(&serving, Some(&t.model_type), &draft.config.ids, l);
             let fed: Vec<i64> = feed
                 .fed_slots()
                 .iter()
@@ -766,12 +910,13 @@ fn vllm_plan(input: &PlanInput) -> Result<Plan> {
             notes.push(format!(
                 "junction 3: models/llama_eagle3.py Eagle3LlamaForCausalLM.combine_hidden_states feeds fc \
                  that concatenation{}",
-                if draft.norm_before_fc {
+                if draft.config.norm_before_fc {
                     " after an RMSNorm (this draft sets norm_before_fc)"
                 } else {
                     " as is (this draft sets no norm_before_fc)"
                 }
             ));
+            notes.push(max_len_note);
             if feed.refused() || fed.is_empty() {
                 notes.push("the serving engine refuses these ids: nothing to dump".into());
             }
@@ -781,18 +926,21 @@ fn vllm_plan(input: &PlanInput) -> Result<Plan> {
                 commands: if fed.is_empty() {
                     Vec::new()
                 } else {
-                    vec![
-                        format!("mkdir -p {}", sh(&junction_dir)),
+                    vllm_commands(
+                        input,
                         serve(&fed, &junction_dir),
-                        "# wait until the server answers, then:".into(),
-                        format!("python3 send_prompts.py {}", prompts_arg(input)),
-                        "kill %1".into(),
-                    ]
+                        &junction_dir,
+                        &format!("{}/vllm-junctions.log", input.out),
+                    )
                 },
+                runs_here: true,
                 output: format!(
                     "{junction_dir}/{{request id}}.safetensors: hidden_states [T, {}, H]",
                     fed.len()
                 ),
+                cost: (!fed.is_empty())
+                    .then(|| Cost::of(&stored(fed.len()), prompts))
+                    .transpose()?,
                 notes,
             }
         }
@@ -807,7 +955,10 @@ fn vllm_plan(input: &PlanInput) -> Result<Plan> {
         tensor_parallel: input.tp,
         expert_parallel: input.ep,
         prompts: None,
+        prompt_stats: None,
+        max_model_len: Some(max_len),
         coverage: cov,
+        prelude: Vec::new(),
         steps: vec![
             reference,
             junctions,
@@ -817,7 +968,8 @@ fn vllm_plan(input: &PlanInput) -> Result<Plan> {
 }
 
 impl Plan {
-    /// The plan as a shell script: facts and notes as comments, files as heredocs.
+    /// The plan as a POSIX shell script: facts, notes and costs as comments, files as heredocs,
+    /// the commands that run elsewhere commented out.
     pub fn to_text(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(out, "#!/bin/sh");
@@ -825,7 +977,7 @@ impl Plan {
             out,
             "# eagle-check plan: {} serving {} ({}, L = {}, H = {}), TP {}{}",
             self.engine,
-            self.model,
+            self.model.as_deref().unwrap_or("$EAGLE_CHECK_TARGET"),
             self.model_type,
             self.num_layers,
             self.hidden_size,
@@ -838,7 +990,7 @@ impl Plan {
             out,
             "# prompts: {}",
             self.prompts.as_deref().unwrap_or(
-                "PROMPTS.jsonl (not given: one {\"text\": ...} or {\"input_ids\": [...]} per line)"
+                "$EAGLE_CHECK_PROMPTS (not given: one {\"text\": ...} or {\"input_ids\": [...]} per line)"
             )
         );
         let captured: Vec<i64> = self.coverage.captured.iter().map(|&b| b as i64).collect();
@@ -849,10 +1001,27 @@ impl Plan {
             short(&captured)
         );
         let _ = writeln!(out, "# rule: {}", self.coverage.rule);
+        if let Some(n) = self.max_model_len {
+            let _ = writeln!(out, "# --max-model-len: {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# run it with sh (dash or any POSIX shell) on the engine's host"
+        );
+        out.push('\n');
+        for line in &self.prelude {
+            let _ = writeln!(out, "{line}");
+        }
         for (i, step) in self.steps.iter().enumerate() {
             let _ = writeln!(out, "\n# --- {}. {}", i + 1, step.title);
             for note in &step.notes {
                 let _ = writeln!(out, "# note: {note}");
+            }
+            if let Some(cost) = &step.cost {
+                let stats = self.prompt_stats.as_ref();
+                for line in cost.lines(self.hidden_size, self.tensor_parallel, stats) {
+                    let _ = writeln!(out, "# cost: {line}");
+                }
             }
             if !step.output.is_empty() {
                 let _ = writeln!(out, "# dumps: {}", step.output);
@@ -861,7 +1030,13 @@ impl Plan {
                 let _ = writeln!(out, "cat > {} <<'EOF'\n{}EOF", sh(&f.path), f.content);
             }
             for c in &step.commands {
-                let _ = writeln!(out, "{c}");
+                if step.runs_here {
+                    let _ = writeln!(out, "{c}");
+                } else {
+                    for line in c.lines() {
+                        let _ = writeln!(out, "# {line}");
+                    }
+                }
             }
         }
         out
