@@ -45,7 +45,7 @@ fn identical_findings_over_engines_are_one_row_naming_them() {
     let findings = &out.stdout[out.stdout.find("│ finding").unwrap()..];
     for engine in [
         "sglang@0.5.23",
-        "vllm:v2@0.33.0",
+        "vllm:v2@0.34.0",
         "trtllm:one-model",
         "specforge:offline",
         "modelopt:hf",

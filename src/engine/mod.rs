@@ -246,9 +246,36 @@ pub fn select(sel: &EngineSel, arch: Option<&str>) -> Selected {
     let engine = sel.engine;
     let path = sel.path.unwrap_or_else(|| engine.paths()[0]);
     let mut notes = Vec::new();
-    let versions = engine.versions();
+    // The audited versions of this path, newest first.
+    let mut versions: Vec<Version> = engine
+        .rules()
+        .filter(|r| r.path == path)
+        .map(|r| r.since)
+        .collect();
+    versions.sort_unstable_by(|a, b| b.cmp(a));
+    versions.dedup();
+    // A version whose generic row refuses no longer has the path (vLLM 0.34.0 removed V1).
+    let gone = |v: Version| {
+        engine
+            .rules()
+            .find(|r| r.since == v && r.path == path && r.archs.is_empty())
+            .and_then(|r| r.refuses)
+    };
     let band = match sel.version {
-        None => versions[0],
+        None => {
+            let newest = versions[0];
+            match versions.iter().copied().find(|&v| gone(v).is_none()) {
+                Some(v) if v != newest => {
+                    notes.push(format!(
+                        "{engine} {newest} has no `{path}` path: applying the rule read from {v}, \
+                         the newest release that has it ({})",
+                        gone(newest).unwrap_or_default()
+                    ));
+                    v
+                }
+                _ => newest,
+            }
+        }
         Some(want) => match versions.iter().find(|&&v| v <= want) {
             Some(&v) => {
                 if v != want && versions.len() > 1 {

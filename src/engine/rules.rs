@@ -408,6 +408,25 @@ const VLLM_NO_EAGLE3: &[&str] = &[
     "exaone4",
     "exaone_moe",
 ];
+/// vLLM 0.34.0: the same less Gemma 1, which moved to the Transformers backend.
+const VLLM_NO_EAGLE3_0_34: &[&str] = &[
+    "gemma2",
+    "gemma3",
+    "gemma3n",
+    "glm4",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "glm4v",
+    "glm4v_moe",
+    "qwen2_moe",
+    "qwen2_vl",
+    "bailing_moe",
+    "bailing_moe_v2",
+    "longcat_flash",
+    "exaone",
+    "exaone4",
+    "exaone_moe",
+];
 const VLLM_NO_EAGLE3_WHY: &str = "the target class does not implement SupportsEagle3: \
      eagle3_utils.py set_eagle3_aux_hidden_state_layers (V2 runner) and gpu_model_runner.py \
      _setup_eagle3_aux_hidden_state_outputs (V1) raise RuntimeError when the model loads";
@@ -439,13 +458,58 @@ const VLLM_EXTRACT: Rule = Rule {
     ..VLLM
 };
 
+// vLLM 0.34.0 (FACTS.md section 2.2): the V2 runner's functions are unchanged
+// (`eagle3_utils.py` `get_eagle3_aux_layers_from_config`, `set_eagle3_aux_hidden_state_layers`
+// fingerprint as in 0.33.0); the V1 runner was deleted.
+
+const VLLM_0_34: Rule = Rule {
+    since: v(0, 34, 0),
+    read: "0.34.0",
+    ..VLLM
+};
+
+const VLLM_EXTRACT_0_34: Rule = Rule {
+    since: v(0, 34, 0),
+    read: "0.34.0",
+    source: "vllm/v1/worker/gpu/spec_decode/extract_hidden_states.py ExtractHiddenStatesSpeculator.__init__",
+    ..VLLM_EXTRACT
+};
+
+/// A generic row that refuses is a path the version no longer has: `select` takes the newest
+/// band that still has it when no version is named.
+const VLLM_V1_REMOVED: Rule = Rule {
+    since: v(0, 34, 0),
+    read: "0.34.0",
+    source: "vllm/platforms/interface.py Platform.validate_environ; v1/worker/gpu_worker.py Worker._make_model_runner",
+    refuses: Some(
+        "vLLM 0.34.0 removed the V1 model runner (v1/worker/gpu_model_runner.py is gone; \
+         platforms/interface.py Platform.validate_environ raises ValueError when \
+         VLLM_USE_V2_MODEL_RUNNER is set to anything but 1): the V2 runner (vllm:v2) serves EAGLE-3",
+    ),
+    ..VLLM_V1
+};
+
 // The target class decides these rows, not the runner: every capture path has them.
 
-const fn vllm_no_eagle3(path: Rule) -> Rule {
+const fn vllm_no_eagle3(path: Rule, archs: &'static [&'static str]) -> Rule {
     Rule {
-        archs: VLLM_NO_EAGLE3,
+        archs,
         source: "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py set_eagle3_aux_hidden_state_layers; model_executor/models/interfaces.py SupportsEagle3",
         refuses: Some(VLLM_NO_EAGLE3_WHY),
+        ..path
+    }
+}
+
+/// vLLM 0.34.0 deleted `gemma.py`: `registry.py` maps `GemmaForCausalLM` to the Transformers
+/// backend, which implements `SupportsEagle3` by recording HF's decoder-layer outputs (b = id for
+/// 1..L) and has no state before layer 0 (`transformers/base.py`: id 0 raises KeyError).
+const fn vllm_transformers_gemma(path: Rule) -> Rule {
+    Rule {
+        archs: &["gemma"],
+        source: "vllm/model_executor/models/transformers/base.py (registry.py: GemmaForCausalLM on the Transformers backend)",
+        embedding: Reach::Crash(
+            "the Transformers backend records decoder-layer outputs only: id 0 raises KeyError at start-up",
+        ),
         ..path
     }
 }
@@ -734,18 +798,32 @@ pub const RULES: &[Rule] = &[
         ..SGLANG_0_5_10
     },
     SGLANG_0_5_10,
-    // vLLM 0.33.0: V2 runner (default), V1 runner, extract_hidden_states.
-    vllm_no_eagle3(VLLM),
+    // vLLM 0.34.0 (V2 runner and extract_hidden_states; the V1 runner is gone) and 0.33.0 (V2,
+    // V1, extract_hidden_states). Newest band first within each path.
+    vllm_no_eagle3(VLLM_0_34, VLLM_NO_EAGLE3_0_34),
+    vllm_transformers_gemma(VLLM_0_34),
+    vllm_mimo(VLLM_0_34),
+    vllm_deepseek_v32(VLLM_0_34),
+    vllm_deepseek(VLLM_0_34),
+    VLLM_0_34,
+    vllm_no_eagle3(VLLM, VLLM_NO_EAGLE3),
     vllm_mimo(VLLM),
     vllm_deepseek_v32(VLLM),
     vllm_deepseek(VLLM),
     VLLM,
-    vllm_no_eagle3(VLLM_V1),
+    VLLM_V1_REMOVED,
+    vllm_no_eagle3(VLLM_V1, VLLM_NO_EAGLE3),
     vllm_mimo(VLLM_V1),
     vllm_deepseek_v32(VLLM_V1),
     vllm_deepseek(VLLM_V1),
     VLLM_V1,
-    vllm_no_eagle3(VLLM_EXTRACT),
+    vllm_no_eagle3(VLLM_EXTRACT_0_34, VLLM_NO_EAGLE3_0_34),
+    vllm_transformers_gemma(VLLM_EXTRACT_0_34),
+    vllm_mimo(VLLM_EXTRACT_0_34),
+    vllm_deepseek_v32(VLLM_EXTRACT_0_34),
+    vllm_deepseek(VLLM_EXTRACT_0_34),
+    VLLM_EXTRACT_0_34,
+    vllm_no_eagle3(VLLM_EXTRACT, VLLM_NO_EAGLE3),
     vllm_mimo(VLLM_EXTRACT),
     vllm_deepseek_v32(VLLM_EXTRACT),
     vllm_deepseek(VLLM_EXTRACT),

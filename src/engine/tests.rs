@@ -356,7 +356,7 @@ fn alternatives_name_the_first_version_that_serves() {
     let sel = EngineSel::parse("sglang@0.5.10").unwrap();
     assert_eq!(
         serving_alternatives(&sel, Some("qwen3_5_moe")),
-        ["sglang@0.5.23", "vllm@0.33.0"]
+        ["sglang@0.5.23", "vllm@0.34.0"]
     );
 }
 
@@ -695,4 +695,47 @@ fn fixes_prefer_layer_output_ids_when_several_lists_work() {
     assert_eq!(ids("sglang"), Some(vec![1, 29, 57]));
     assert_eq!(ids("sglang@0.5.10"), Some(vec![1, 29, 57]));
     assert_eq!(ids("vllm"), Some(vec![2, 30, 58]));
+}
+
+/// vLLM 0.34.0 deleted the V1 runner (`platforms/interface.py` `Platform.validate_environ`
+/// refuses VLLM_USE_V2_MODEL_RUNNER=0): `vllm:v1@0.34.0` is refused, `vllm:v1` alone is the
+/// last release that has it (0.33.0) and says so; the default path is 0.34.0's V2.
+#[test]
+fn vllm_0_34_0_has_no_v1_runner() {
+    let ids = [2, 5, 9];
+    let f = feed("vllm:v1@0.34.0", Some("llama"), Some(&ids), 12);
+    assert!(unsupported(&f));
+    let f = feed("vllm:v1", Some("llama"), Some(&ids), 12);
+    assert_eq!(f.rule.since, Version([0, 33, 0]));
+    assert!(
+        f.notes.iter().any(|n| n.contains("removed the V1")),
+        "{:?}",
+        f.notes
+    );
+    assert_eq!(fed(&f), [2, 5, 9]);
+    let f = feed("vllm", Some("llama"), Some(&ids), 12);
+    assert_eq!(f.rule.since, Version([0, 34, 0]));
+    assert!(
+        !f.notes.iter().any(|n| n.contains("no `v2` path")),
+        "{:?}",
+        f.notes
+    );
+}
+
+/// vLLM 0.34.0 serves Gemma 1 on the Transformers backend (`registry.py`; `transformers/base.py`
+/// has no state before layer 0); 0.33.0's `gemma.py` had no `SupportsEagle3`.
+#[test]
+fn vllm_0_34_0_serves_gemma_1_on_the_transformers_backend() {
+    assert!(unsupported(&feed(
+        "vllm:v1@0.33.0",
+        Some("gemma"),
+        Some(&[2, 5, 9]),
+        12
+    )));
+    let f = feed("vllm@0.34.0", Some("gemma"), None, 12);
+    assert!(!unsupported(&f));
+    assert_eq!(fed(&f), [2, 6, 9]);
+    let f = feed("vllm:extract@0.34.0", Some("gemma"), None, 12);
+    assert!(refused(&f), "extract needs ids");
+    assert!(unsupported(&feed("vllm@0.34.0", Some("gemma3"), None, 12)));
 }
