@@ -428,8 +428,8 @@ const VLLM_NO_EAGLE3_0_34: &[&str] = &[
     "exaone_moe",
 ];
 const VLLM_NO_EAGLE3_WHY: &str = "the target class does not implement SupportsEagle3: \
-     eagle3_utils.py set_eagle3_aux_hidden_state_layers (V2 runner) and gpu_model_runner.py \
-     _setup_eagle3_aux_hidden_state_outputs (V1) raise RuntimeError when the model loads";
+     eagle3_utils.py set_eagle3_aux_hidden_state_layers raises RuntimeError when the model loads \
+     (0.33.0's V1 runner likewise, gpu_model_runner.py _setup_eagle3_aux_hidden_state_outputs)";
 /// `mimo.py` `MiMoForCausalLM` declares `SupportsEagle3` but its forward returns a bare tensor.
 const VLLM_MIMO_WHY: &str = "mimo.py MiMoForCausalLM declares SupportsEagle3 but its forward \
      never captures: the first forward fails where the runner unpacks (hidden, aux) \
