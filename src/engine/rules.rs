@@ -206,6 +206,8 @@ const fn v(major: u32, minor: u32, patch: u32) -> Version {
 // sglang (FACTS.md section 1). Every setter tests `i in layers_to_capture` in the layer loop:
 // ascending order, duplicates collapse, b = L never reached, ids read from `eagle_config` only.
 
+/// sglang 0.5.23: the llama family's setter (`llama.py` and the classes deriving or delegating
+/// to it) with 0.5.23's layer-boundary capture (b = 0 works); gemma3 has a row of its own.
 const LLAMA_FAMILY: &[&str] = &[
     "llama",
     "mistral",
@@ -213,13 +215,22 @@ const LLAMA_FAMILY: &[&str] = &[
     "phi3",
     "internlm3",
     "glm4_moe",
-    "gemma3",
     "minimax_m2",
     "qwen3_next",
 ];
-/// The llama family less gemma3, which has rows of its own in 0.5.10 (no setter) and 0.5.23
-/// (its capture moved: [`SG_GEMMA3_BRANCH`]).
-const LLAMA_FAMILY_LESS_GEMMA3: &[&str] = &[
+/// The model-level `hidden_states + residual` capture at the top of each layer, where the
+/// residual is None before layer 0 (b = 0 crashes): 0.5.14 (FACTS.md section 1.3 and round 2).
+const SG_MODEL_SUM_0_5_14: &[&str] = &[
+    "llama",
+    "mistral",
+    "llama4",
+    "phi3",
+    "internlm3",
+    "glm4_moe",
+];
+/// 0.5.10 adds MiniMax-M2 (`MiniMaxM2Model.forward` sums at the model level there; 0.5.14 moved
+/// it to the communicator capture).
+const SG_MODEL_SUM_0_5_10: &[&str] = &[
     "llama",
     "mistral",
     "llama4",
@@ -227,8 +238,17 @@ const LLAMA_FAMILY_LESS_GEMMA3: &[&str] = &[
     "internlm3",
     "glm4_moe",
     "minimax_m2",
-    "qwen3_next",
 ];
+/// `layers/communicator.py` `prepare_attn_and_capture_last_layer_outputs`: the residual after
+/// the layer's first add, which is the input at layer 0 (b = 0 works). Qwen3-Next in 0.5.10 and
+/// 0.5.14, MiniMax-M2 in 0.5.14.
+const SG_COMMUNICATOR_0_5_10: &[&str] = &["qwen3_next"];
+const SG_COMMUNICATOR_0_5_14: &[&str] = &["qwen3_next", "minimax_m2"];
+/// Gemma-3 (0.5.14) and Gemma-4 (0.5.14, 0.5.23): `Gemma3TextModel.forward` /
+/// `Gemma4TextModel.forward` append the layer input at the top of each layer, the layer returns
+/// the whole stream (so b = 0 is the scaled embedding), and after the loop the stream before
+/// the final norm is appended when L is asked for.
+const SG_GEMMA_LAST: Reach = Reach::Captured(Some(FinalNorm::Pre));
 
 /// sglang 0.5.23 `gemma3_causal.py` (FACTS.md section 1.5).
 const SG_GEMMA3_BRANCH: Capture = Capture::Branch(
@@ -628,13 +648,20 @@ const MODELOPT: Rule = Rule {
 pub const RULES: &[Rule] = &[
     // sglang 0.5.23 (the newest on PyPI).
     Rule {
-        archs: LLAMA_FAMILY_LESS_GEMMA3,
+        archs: LLAMA_FAMILY,
         ..SGLANG_0_5_23
     },
     Rule {
         archs: &["gemma3"],
         source: "sglang/srt/models/gemma3_causal.py Gemma3TextModel.forward; Gemma3DecoderLayer.forward",
         captures: SG_GEMMA3_BRANCH,
+        last: SG_GEMMA_LAST,
+        ..SGLANG_0_5_23
+    },
+    Rule {
+        archs: &["gemma4"],
+        source: "sglang/srt/models/gemma4_causal.py Gemma4TextModel.forward",
+        last: SG_GEMMA_LAST,
         ..SGLANG_0_5_23
     },
     Rule {
@@ -692,8 +719,21 @@ pub const RULES: &[Rule] = &[
     SGLANG_0_5_23,
     // sglang 0.5.14 (SpecForge's pin).
     Rule {
-        archs: LLAMA_FAMILY,
+        archs: SG_MODEL_SUM_0_5_14,
         source: "sglang/srt/models/llama.py LlamaForCausalLM.set_eagle3_layers_to_capture",
+        ..SGLANG_0_5_14
+    },
+    Rule {
+        archs: SG_COMMUNICATOR_0_5_14,
+        source: "sglang/srt/layers/communicator.py LayerCommunicator.prepare_attn_and_capture_last_layer_outputs",
+        embedding: Reach::Captured(None),
+        ..SGLANG_0_5_14
+    },
+    Rule {
+        archs: &["gemma3", "gemma4"],
+        source: "sglang/srt/models/gemma3_causal.py Gemma3TextModel.forward (gemma4_causal.py alike)",
+        embedding: Reach::Captured(None),
+        last: SG_GEMMA_LAST,
         ..SGLANG_0_5_14
     },
     Rule {
@@ -749,8 +789,14 @@ pub const RULES: &[Rule] = &[
     SGLANG_0_5_14,
     // sglang 0.5.10: +1 on every id, every model (before PR 25454).
     Rule {
-        archs: LLAMA_FAMILY_LESS_GEMMA3,
+        archs: SG_MODEL_SUM_0_5_10,
         source: "sglang/srt/models/llama.py LlamaForCausalLM.set_eagle3_layers_to_capture",
+        ..SGLANG_0_5_10
+    },
+    Rule {
+        archs: SG_COMMUNICATOR_0_5_10,
+        source: "sglang/srt/layers/communicator.py LayerCommunicator.prepare_attn_and_capture_last_layer_outputs",
+        embedding: Reach::Captured(None),
         ..SGLANG_0_5_10
     },
     Rule {

@@ -739,3 +739,36 @@ fn vllm_0_34_0_serves_gemma_1_on_the_transformers_backend() {
     assert!(refused(&f), "extract needs ids");
     assert!(unsupported(&feed("vllm@0.34.0", Some("gemma3"), None, 12)));
 }
+
+/// What b = 0 and b = L reach on sglang, per model file (FACTS.md round 2): Gemma-3 (0.5.14) and
+/// Gemma-4 append the layer input, the whole stream (b = 0 the scaled embedding), and the
+/// pre-norm stream after the loop; Qwen3-Next (0.5.10, 0.5.14) and MiniMax-M2 (0.5.14) capture
+/// through the communicator, which holds the input at layer 0; the model-level sum crashes at
+/// b = 0 (MiniMax-M2 in 0.5.10, llama in 0.5.14) and never reaches b = L.
+#[test]
+fn sglang_edges_per_model_file() {
+    let ids = [-1, 12, 25];
+    for (engine, arch) in [
+        ("sglang@0.5.14", "gemma3_text"),
+        ("sglang@0.5.14", "gemma4"),
+        ("sglang@0.5.23", "gemma4_text"),
+    ] {
+        let f = feed(engine, Some(arch), Some(&ids), 26);
+        assert_eq!(fed(&f), [0, 13, 26], "{engine} {arch}");
+        assert_eq!(f.slots[2].norm, Some(FinalNorm::Pre), "{engine} {arch}");
+    }
+    for (engine, arch) in [
+        ("sglang@0.5.10", "qwen3_next"),
+        ("sglang@0.5.14", "qwen3_next"),
+        ("sglang@0.5.14", "minimax_m2"),
+    ] {
+        let f = feed(engine, Some(arch), Some(&[-1, 12, 22]), 26);
+        assert_eq!(fed(&f), [0, 13, 23], "{engine} {arch}");
+    }
+    for (engine, arch) in [("sglang@0.5.10", "minimax_m2"), ("sglang@0.5.14", "llama")] {
+        let f = feed(engine, Some(arch), Some(&[-1, 12, 22]), 26);
+        assert!(refused(&f), "{engine} {arch}");
+    }
+    let f = feed("sglang@0.5.14", Some("llama"), Some(&[1, 12, 25]), 26);
+    assert_eq!(fed(&f), [2, 13]);
+}
