@@ -220,14 +220,7 @@ const LLAMA_FAMILY: &[&str] = &[
 ];
 /// The model-level `hidden_states + residual` capture at the top of each layer, where the
 /// residual is None before layer 0 (b = 0 crashes): 0.5.14 (FACTS.md section 1.3 and round 2).
-const SG_MODEL_SUM_0_5_14: &[&str] = &[
-    "llama",
-    "mistral",
-    "llama4",
-    "phi3",
-    "internlm3",
-    "glm4_moe",
-];
+const SG_MODEL_SUM_0_5_14: &[&str] = &["llama", "mistral", "llama4", "phi3", "internlm3"];
 /// 0.5.10 adds MiniMax-M2 (`MiniMaxM2Model.forward` sums at the model level there; 0.5.14 moved
 /// it to the communicator capture).
 const SG_MODEL_SUM_0_5_10: &[&str] = &[
@@ -236,7 +229,6 @@ const SG_MODEL_SUM_0_5_10: &[&str] = &[
     "llama4",
     "phi3",
     "internlm3",
-    "glm4_moe",
     "minimax_m2",
 ];
 /// `layers/communicator.py` `prepare_attn_and_capture_last_layer_outputs`: the residual after
@@ -249,6 +241,22 @@ const SG_COMMUNICATOR_0_5_14: &[&str] = &["qwen3_next", "minimax_m2"];
 /// the whole stream (so b = 0 is the scaled embedding), and after the loop the stream before
 /// the final norm is appended when L is asked for.
 const SG_GEMMA_LAST: Reach = Reach::Captured(Some(FinalNorm::Pre));
+
+/// sglang 0.5.10 / 0.5.14 turn FlashInfer all-reduce fusion on by default with TP > 1 on
+/// SM90/SM100 for these architectures (`server_args.py`; `LayerCommunicator.
+/// should_fuse_mlp_allreduce_with_next_layer`): FACTS.md round 2, static reading.
+const SG_TP_FUSION: &[(When, &str)] = &[(
+    When::Always,
+    "at tensor parallelism above 1 on SM90/SM100 this sglang version fuses each layer's MLP \
+     all-reduce into the next layer's norm by default, so its model-level capture \
+     (hidden_states + residual) may hold one rank's partial sum (static reading, not run): \
+     diff an engine dump taken at your TP before trusting it",
+)];
+/// 0.5.10's rows keep its CUDA-graph caveat beside the fusion one.
+const SG_TP_FUSION_0_5_10: &[(When, &str)] = &[SG_CUDA_GRAPH_0_5_10, SG_TP_FUSION[0]];
+/// GLM-4.5/4.6: `Glm4MoeModel.forward` sums at the model level (b = 0 crashes) in 0.5.10 and
+/// 0.5.14, with the fusion above.
+const SG_GLM4_MOE: &[&str] = &["glm4_moe"];
 
 /// sglang 0.5.23 `gemma3_causal.py` (FACTS.md section 1.5).
 const SG_GEMMA3_BRANCH: Capture = Capture::Branch(
@@ -353,16 +361,19 @@ const SGLANG_0_5_14: Rule = Rule {
     ..SGLANG_0_5_23
 };
 
+/// sglang 0.5.10's CUDA graphs (FACTS.md section 1.1).
+const SG_CUDA_GRAPH_0_5_10: (When, &str) = (
+    When::ExplicitIds,
+    "sglang 0.5.10 records its decode/verify CUDA graphs after setting the default layers and \
+     before the explicit ids (cuda_graph_runner.py CudaGraphRunner.__init__, model_runner.py \
+     initialize; inferred from the source, not run): decode steps may capture b = [2, L//2, L-3]",
+);
+
 const SGLANG_0_5_10: Rule = Rule {
     since: v(0, 5, 10),
     read: "0.5.10",
     embedding: SG_EMBED_CRASH,
-    caveats: &[(
-        When::ExplicitIds,
-        "sglang 0.5.10 records its decode/verify CUDA graphs after setting the default layers and \
-         before the explicit ids (cuda_graph_runner.py CudaGraphRunner.__init__, model_runner.py \
-         initialize; inferred from the source, not run): decode steps may capture b = [2, L//2, L-3]",
-    )],
+    caveats: &[SG_CUDA_GRAPH_0_5_10],
     ..SGLANG_0_5_23
 };
 
@@ -761,6 +772,20 @@ pub const RULES: &[Rule] = &[
         archs: &["glm4_moe_lite"],
         source: "sglang/srt/models/glm4_moe_lite.py Glm4MoeLiteForCausalLM.set_eagle3_layers_to_capture",
         offset: Offset::PlusOneIfFirstIsOne,
+        caveats: SG_TP_FUSION,
+        ..SGLANG_0_5_14
+    },
+    Rule {
+        archs: SG_GLM4_MOE,
+        source: "sglang/srt/models/glm4_moe.py Glm4MoeModel.forward",
+        caveats: SG_TP_FUSION,
+        ..SGLANG_0_5_14
+    },
+    Rule {
+        archs: &["qwen3_vl_moe"],
+        source: "sglang/srt/models/qwen3_vl_moe.py Qwen3MoeLLMModel.forward",
+        embedding: Reach::Captured(None),
+        caveats: SG_TP_FUSION,
         ..SGLANG_0_5_14
     },
     Rule {
@@ -784,6 +809,7 @@ pub const RULES: &[Rule] = &[
     Rule {
         archs: &["gpt_oss"],
         source: "sglang/srt/models/gpt_oss.py GptOssForCausalLM.set_eagle3_layers_to_capture",
+        caveats: SG_TP_FUSION,
         ..SGLANG_0_5_14
     },
     SGLANG_0_5_14,
@@ -824,11 +850,19 @@ pub const RULES: &[Rule] = &[
             "glm4_moe_lite",
         ],
         source: "sglang/srt/models/deepseek_v2.py DeepseekV2ForCausalLM.set_eagle3_layers_to_capture (before PR 25454)",
+        caveats: SG_TP_FUSION_0_5_10,
         ..SGLANG_0_5_10
     },
     Rule {
         archs: &["gpt_oss"],
         source: "sglang/srt/models/gpt_oss.py GptOssForCausalLM.set_eagle3_layers_to_capture",
+        caveats: SG_TP_FUSION_0_5_10,
+        ..SGLANG_0_5_10
+    },
+    Rule {
+        archs: SG_GLM4_MOE,
+        source: "sglang/srt/models/glm4_moe.py Glm4MoeModel.forward",
+        caveats: SG_TP_FUSION_0_5_10,
         ..SGLANG_0_5_10
     },
     Rule {

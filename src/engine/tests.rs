@@ -772,3 +772,44 @@ fn sglang_edges_per_model_file() {
     let f = feed("sglang@0.5.14", Some("llama"), Some(&[1, 12, 25]), 26);
     assert_eq!(fed(&f), [2, 13]);
 }
+
+/// sglang 0.5.10 / 0.5.14 turn FlashInfer all-reduce fusion on by default at TP > 1 for
+/// GLM-4.5, gpt-oss, GLM-4.7-Flash, Qwen3-VL-MoE (0.5.14) and the DeepSeek family (0.5.10)
+/// (`server_args.py`): their model-level capture may hold a partial sum, said as a note; 0.5.23's
+/// boundary capture reduces first.
+#[test]
+fn sglang_tp_fusion_is_a_note_where_the_capture_sums_at_the_model_level() {
+    let tp = |f: &Feed| f.notes.iter().any(|n| n.contains("tensor parallelism"));
+    for (engine, arch) in [
+        ("sglang@0.5.14", "glm4_moe"),
+        ("sglang@0.5.14", "gpt_oss"),
+        ("sglang@0.5.14", "qwen3_vl_moe"),
+        ("sglang@0.5.10", "deepseek_v3"),
+        ("sglang@0.5.10", "glm4_moe"),
+    ] {
+        let f = feed(engine, Some(arch), Some(&[1, 12, 22]), 26);
+        assert!(tp(&f), "{engine} {arch}: {:?}", f.notes);
+    }
+    let f = feed("sglang@0.5.10", Some("glm4_moe"), Some(&[1, 12, 22]), 26);
+    assert!(
+        f.notes.iter().any(|n| n.contains("CUDA graphs")),
+        "{:?}",
+        f.notes
+    );
+    for (engine, arch) in [
+        ("sglang@0.5.23", "glm4_moe"),
+        ("sglang@0.5.14", "llama"),
+        ("sglang@0.5.14", "deepseek_v3"),
+    ] {
+        assert!(
+            !tp(&feed(engine, Some(arch), Some(&[1, 12, 22]), 26)),
+            "{engine} {arch}"
+        );
+    }
+    assert!(refused(&feed(
+        "sglang@0.5.14",
+        Some("glm4_moe"),
+        Some(&[-1, 12, 22]),
+        26
+    )));
+}
