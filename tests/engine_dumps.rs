@@ -1,8 +1,9 @@
 //! Engine dumps as `diff --reference` and as junction captures: the fixtures in
-//! fixtures/engine-dumps (gen_engine_dumps.py lays HF transformers' reference states out in each
-//! engine's own layout: sglang's dumper files and debug-tensor-dump pass files, vLLM's
-//! extract_hidden_states files). Every reference test compares each boundary it reads with HF's
-//! own `hidden_states.{b}`, so a layer read one off fails it.
+//! fixtures/engine-dumps. gen_engine_dumps.py lays HF transformers' reference states out in each
+//! engine's own layout (sglang's dumper files and debug-tensor-dump pass files, vLLM's
+//! extract_hidden_states files); harness-sglang-tp2 was written by sglang's own dumper code
+//! (fixtures/engines/harness/sglang_dumper_tp2.py). Every reference test compares each boundary
+//! it reads with HF's own `hidden_states.{b}`, so a layer read one off fails it.
 
 use crate::support::{eagle_check, fixture, p, scratch};
 use eagle_check::diff::names::NameMap;
@@ -440,4 +441,107 @@ fn an_incomplete_pair_is_refused() {
         "b = 3",
         "other summand is missing",
     ]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dumps written by sglang 0.5.23's own dumper code (fixtures/engines/harness/sglang_dumper_tp2.py:
+// the wheel's dumper.py, source patcher and aux-state module at TP 2 over gloo on the tiny Llama,
+// with the environment and patch file `plan --engine sglang` prints), not assembled by hand.
+
+const HARNESS: &str = "engine-dumps/harness-sglang-tp2/clean/reference";
+
+/// `diff --reference` on a harness dump against the corpus's vLLM-format captures of `case`.
+fn diff_harness(reference: &str, case: &str) -> crate::support::Output {
+    eagle_check([
+        "diff",
+        "--spec",
+        &p(&fixture("captures/corpus/llama/spec.yaml")),
+        "--target",
+        &p(&fixture("models/llama")),
+        "--reference",
+        &p(&fixture(reference)),
+        "--captures",
+        &p(&fixture(&format!("captures/corpus/llama/{case}/vllm"))),
+        "--format",
+        "json",
+    ])
+}
+
+#[test]
+fn real_sglang_dumper_files_read_as_hf_boundaries() {
+    // The first sequence the harness ran is HF's own (reference.safetensors): every boundary the
+    // reader labels must be HF's hidden_states.{b}, and both TP ranks must have been merged.
+    let reference = DumpReference::open_with(&fixture(HARNESS), &opts(5, 64)).unwrap();
+    let entries = reference.entries();
+    assert_eq!(entries.len(), 5, "HF's sequence and four corpus sequences");
+    let (ids, hs, hf_pre) = hf("llama", 12);
+    let e = entries
+        .iter()
+        .find(|e| e.tokens == ids)
+        .expect("HF's sequence among the harness's");
+    for (b, want) in hs.iter().enumerate() {
+        let got = e.boundaries[b]
+            .as_ref()
+            .unwrap_or_else(|| panic!("b = {b} missing"));
+        let d = max_abs(got, want);
+        // f32 on both sides; torch's CPU kernels in another order than HF's: a few ulps.
+        assert!(
+            d < 1e-5,
+            "b = {b} differs from HF's hidden_states.{b} by {d}"
+        );
+    }
+    let pre = e.final_pre_norm.as_ref().expect("pre-norm state");
+    assert!(max_abs(pre, &hf_pre) < 1e-5, "pre-norm state");
+}
+
+#[test]
+fn real_sglang_dumper_reference_is_consistent_with_clean_captures() {
+    let out = diff_harness(HARNESS, "clean-f32");
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.finding_names().is_empty(), "{}", out.stdout);
+    let subject = &out.json()["subject"];
+    assert!(
+        subject["reference_layout"]
+            .as_str()
+            .unwrap()
+            .starts_with("sglang dumper: 90 file(s)"),
+        "{subject}"
+    );
+    assert!(
+        subject["reference_ranks"]
+            .as_str()
+            .unwrap()
+            .starts_with("replicated across tensor-parallel ranks"),
+        "{subject}"
+    );
+    for (label, b) in found(&out) {
+        assert_eq!(b, [Some(2), Some(3), Some(4)], "{label}");
+    }
+}
+
+#[test]
+fn real_sglang_dumper_reference_names_off_by_one_captures() {
+    let out = diff_harness(HARNESS, "off-by-one");
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.finding_names(), ["off-by-one"], "{}", out.stdout);
+    for (label, b) in found(&out) {
+        assert_eq!(b, [Some(1), Some(2), Some(3)], "{label}");
+    }
+}
+
+#[test]
+fn real_sglang_dumper_capture_without_the_residual_leaves_clean_captures_unidentified() {
+    // The planted engine fault: each aux capture took the layer's input without the residual
+    // stream. The same clean captures the clean dump identifies match none of its states.
+    let out = diff_harness(
+        "engine-dumps/harness-sglang-tp2/missing-residual/reference",
+        "clean-f32",
+    );
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    let names = out.finding_names();
+    assert!(!names.is_empty(), "{}", out.stdout);
+    assert!(names.iter().all(|n| n == "unidentified"), "{names:?}");
+    for (label, b) in found(&out) {
+        assert_eq!(b, [None, None, None], "{label}");
+    }
 }
