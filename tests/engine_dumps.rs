@@ -1,8 +1,9 @@
 //! Engine dumps as `diff --reference` and as junction captures: the fixtures in
-//! fixtures/engine-dumps (gen_engine_dumps.py lays HF transformers' reference states out in each
-//! engine's own layout: sglang's dumper files and debug-tensor-dump pass files, vLLM's
-//! extract_hidden_states files). Every reference test compares each boundary it reads with HF's
-//! own `hidden_states.{b}`, so a layer read one off fails it.
+//! fixtures/engine-dumps. gen_engine_dumps.py lays HF transformers' reference states out in each
+//! engine's own layout (sglang's dumper files and debug-tensor-dump pass files, vLLM's
+//! extract_hidden_states files); harness-sglang-tp2 was written by sglang's own dumper code
+//! (fixtures/engines/harness/sglang_dumper_tp2.py). Every reference test compares each boundary
+//! it reads with HF's own `hidden_states.{b}`, so a layer read one off fails it.
 
 use crate::support::{eagle_check, fixture, p, scratch};
 use eagle_check::diff::names::NameMap;
@@ -440,4 +441,148 @@ fn an_incomplete_pair_is_refused() {
         "b = 3",
         "other summand is missing",
     ]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dumps written by the engines' own code (fixtures/engines/harness/): sglang 0.5.23's dumper.py,
+// source patcher and aux-state module, and vLLM 0.33.0's ExampleHiddenStatesConnector, each at
+// TP 2 over gloo on the tiny Llama with the environment and flags `plan` prints; not assembled by
+// hand. Each engine's `clean` dump ran HF's sequence and the corpus's llama clean-f32 and
+// off-by-one sequences; `missing-residual` plants an engine fault (each aux capture without the
+// residual stream) on the clean-f32 sequences.
+
+const SGLANG_HARNESS: &str = "engine-dumps/harness-sglang-tp2/clean/reference";
+const SGLANG_PLANTED: &str = "engine-dumps/harness-sglang-tp2/missing-residual/reference";
+const VLLM_HARNESS: &str = "engine-dumps/harness-vllm-tp2/clean";
+const VLLM_PLANTED: &str = "engine-dumps/harness-vllm-tp2/missing-residual";
+
+/// `diff --reference` on a harness dump against the corpus's vLLM-format captures of `case`.
+fn diff_harness(reference: &str, case: &str) -> crate::support::Output {
+    eagle_check([
+        "diff",
+        "--spec",
+        &p(&fixture("captures/corpus/llama/spec.yaml")),
+        "--target",
+        &p(&fixture("models/llama")),
+        "--reference",
+        &p(&fixture(reference)),
+        "--captures",
+        &p(&fixture(&format!("captures/corpus/llama/{case}/vllm"))),
+        "--format",
+        "json",
+    ])
+}
+
+/// The harness dump's entry for HF's own sequence holds HF's `hidden_states.{b}` at every b in
+/// `expect` and HF's pre-norm state.
+fn assert_harness_entry_is_hf(dir: &str, expect: &[usize]) {
+    let reference = DumpReference::open_with(&fixture(dir), &opts(5, 64)).unwrap();
+    let entries = reference.entries();
+    assert_eq!(
+        entries.len(),
+        5,
+        "{dir}: HF's sequence and four corpus sequences"
+    );
+    let (ids, hs, hf_pre) = hf("llama", 12);
+    let e = entries
+        .iter()
+        .find(|e| e.tokens == ids)
+        .unwrap_or_else(|| panic!("{dir}: HF's sequence among the harness's"));
+    for &b in expect {
+        let got = e.boundaries[b]
+            .as_ref()
+            .unwrap_or_else(|| panic!("{dir}: b = {b} missing"));
+        let d = max_abs(got, &hs[b]);
+        // f32 on both sides; torch's CPU kernels sum in another order than HF's: a few ulps.
+        assert!(
+            d < 1e-5,
+            "{dir}: b = {b} differs from HF's hidden_states.{b} by {d}"
+        );
+    }
+    let pre = e.final_pre_norm.as_ref().expect("pre-norm state");
+    assert!(max_abs(pre, &hf_pre) < 1e-5, "{dir}: pre-norm state");
+}
+
+#[test]
+fn real_sglang_dumper_files_read_as_hf_boundaries() {
+    // Both TP ranks' files merged; b = 5 is the final norm's output (norm.output.0).
+    assert_harness_entry_is_hf(SGLANG_HARNESS, &[0, 1, 2, 3, 4, 5]);
+}
+
+#[test]
+fn real_vllm_connector_files_read_as_hf_boundaries() {
+    // ids 0..=5 read raw: b = 0..=4, the last slot the pre-norm state (no post-norm b = 5).
+    assert_harness_entry_is_hf(VLLM_HARNESS, &[0, 1, 2, 3, 4]);
+}
+
+fn assert_consistent_with_clean_captures(reference: &str) -> serde_json::Value {
+    let out = diff_harness(reference, "clean-f32");
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.finding_names().is_empty(), "{}", out.stdout);
+    for (label, b) in found(&out) {
+        assert_eq!(b, [Some(2), Some(3), Some(4)], "{label}");
+    }
+    out.json()["subject"].clone()
+}
+
+#[test]
+fn real_sglang_dumper_reference_is_consistent_with_clean_captures() {
+    let subject = assert_consistent_with_clean_captures(SGLANG_HARNESS);
+    let text = |k: &str| subject[k].as_str().unwrap().to_string();
+    assert!(
+        text("reference_layout").starts_with("sglang dumper: 90 file(s)"),
+        "{subject}"
+    );
+    assert!(
+        text("reference_ranks").starts_with("replicated across tensor-parallel ranks"),
+        "{subject}"
+    );
+}
+
+#[test]
+fn real_vllm_connector_reference_is_consistent_with_clean_captures() {
+    let subject = assert_consistent_with_clean_captures(VLLM_HARNESS);
+    assert!(
+        subject["reference_layout"]
+            .as_str()
+            .unwrap()
+            .starts_with("vLLM extract_hidden_states"),
+        "{subject}"
+    );
+}
+
+#[test]
+fn real_engine_references_name_off_by_one_captures() {
+    for reference in [SGLANG_HARNESS, VLLM_HARNESS] {
+        let out = diff_harness(reference, "off-by-one");
+        assert_eq!(out.code, 1, "{reference}: {}\n{}", out.stdout, out.stderr);
+        assert_eq!(
+            out.finding_names(),
+            ["off-by-one"],
+            "{reference}: {}",
+            out.stdout
+        );
+        for (label, b) in found(&out) {
+            assert_eq!(b, [Some(1), Some(2), Some(3)], "{reference}: {label}");
+        }
+    }
+}
+
+#[test]
+fn real_engine_capture_without_the_residual_leaves_clean_captures_unidentified() {
+    // The planted engine fault: the same clean captures the clean dumps identify match none of
+    // the planted dump's states.
+    for reference in [SGLANG_PLANTED, VLLM_PLANTED] {
+        let out = diff_harness(reference, "clean-f32");
+        assert_eq!(out.code, 1, "{reference}: {}\n{}", out.stdout, out.stderr);
+        let names = out.finding_names();
+        assert!(!names.is_empty(), "{reference}: {}", out.stdout);
+        assert!(
+            names.iter().all(|n| n == "unidentified"),
+            "{reference}: {names:?}"
+        );
+        for (label, b) in found(&out) {
+            assert_eq!(b, [None, None, None], "{reference}: {label}");
+        }
+    }
 }
