@@ -415,13 +415,12 @@ const VLLM_DEEPSEEK: &[&str] = &["deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_
 const VLLM_DEEPSEEK_EMBED: Reach =
     Reach::Crash("id 0 on vLLM's deepseek backbone: the residual is None before layer 0");
 
-/// Target classes of vLLM 0.33.0 that do not implement `SupportsEagle3` (FACTS.md section 2.1):
-/// `gemma.py`, `gemma2.py`, `gemma3.py`, `gemma3_mm.py`, `gemma3n.py`, `gemma3n_mm.py`,
+/// Target classes of vLLM 0.33.0 and 0.34.0 without `SupportsEagle3` (FACTS.md sections 2.1, 2.2):
+/// `gemma2.py`, `gemma3.py`, `gemma3_mm.py`, `gemma3n.py`, `gemma3n_mm.py`,
 /// `glm4.py`, `glm4_moe.py`, `glm4_moe_lite.py`, `glm4_1v.py`, `glm4v_moe` (Glm4vMoe),
 /// `qwen2_moe.py`, `qwen2_vl.py`, `bailing_moe.py` (V1 and V2), `longcat_flash.py`,
 /// `exaone.py`, `exaone4.py`, `exaone_moe.py`.
 const VLLM_NO_EAGLE3: &[&str] = &[
-    "gemma",
     "gemma2",
     "gemma3",
     "gemma3n",
@@ -439,25 +438,9 @@ const VLLM_NO_EAGLE3: &[&str] = &[
     "exaone4",
     "exaone_moe",
 ];
-/// vLLM 0.34.0: the same less Gemma 1, which moved to the Transformers backend.
-const VLLM_NO_EAGLE3_0_34: &[&str] = &[
-    "gemma2",
-    "gemma3",
-    "gemma3n",
-    "glm4",
-    "glm4_moe",
-    "glm4_moe_lite",
-    "glm4v",
-    "glm4v_moe",
-    "qwen2_moe",
-    "qwen2_vl",
-    "bailing_moe",
-    "bailing_moe_v2",
-    "longcat_flash",
-    "exaone",
-    "exaone4",
-    "exaone_moe",
-];
+/// vLLM 0.33.0's `gemma.py` (Gemma 1) had no `SupportsEagle3` either; 0.34.0 deleted the file
+/// and serves the class on the Transformers backend ([`vllm_transformers_gemma`]).
+const VLLM_NO_EAGLE3_GEMMA_0_33: &[&str] = &["gemma"];
 const VLLM_NO_EAGLE3_WHY: &str = "the target class does not implement SupportsEagle3: \
      eagle3_utils.py set_eagle3_aux_hidden_state_layers raises RuntimeError when the model loads \
      (0.33.0's V1 runner likewise, gpu_model_runner.py _setup_eagle3_aux_hidden_state_outputs)";
@@ -880,30 +863,33 @@ pub const RULES: &[Rule] = &[
     SGLANG_0_5_10,
     // vLLM 0.34.0 (V2 runner and extract_hidden_states; the V1 runner is gone) and 0.33.0 (V2,
     // V1, extract_hidden_states). Newest band first within each path.
-    vllm_no_eagle3(VLLM_0_34, VLLM_NO_EAGLE3_0_34),
+    vllm_no_eagle3(VLLM_0_34, VLLM_NO_EAGLE3),
     vllm_transformers_gemma(VLLM_0_34),
     vllm_mimo(VLLM_0_34),
     vllm_deepseek_v32(VLLM_0_34),
     vllm_deepseek(VLLM_0_34),
     VLLM_0_34,
     vllm_no_eagle3(VLLM, VLLM_NO_EAGLE3),
+    vllm_no_eagle3(VLLM, VLLM_NO_EAGLE3_GEMMA_0_33),
     vllm_mimo(VLLM),
     vllm_deepseek_v32(VLLM),
     vllm_deepseek(VLLM),
     VLLM,
     VLLM_V1_REMOVED,
     vllm_no_eagle3(VLLM_V1, VLLM_NO_EAGLE3),
+    vllm_no_eagle3(VLLM_V1, VLLM_NO_EAGLE3_GEMMA_0_33),
     vllm_mimo(VLLM_V1),
     vllm_deepseek_v32(VLLM_V1),
     vllm_deepseek(VLLM_V1),
     VLLM_V1,
-    vllm_no_eagle3(VLLM_EXTRACT_0_34, VLLM_NO_EAGLE3_0_34),
+    vllm_no_eagle3(VLLM_EXTRACT_0_34, VLLM_NO_EAGLE3),
     vllm_transformers_gemma(VLLM_EXTRACT_0_34),
     vllm_mimo(VLLM_EXTRACT_0_34),
     vllm_deepseek_v32(VLLM_EXTRACT_0_34),
     vllm_deepseek(VLLM_EXTRACT_0_34),
     VLLM_EXTRACT_0_34,
     vllm_no_eagle3(VLLM_EXTRACT, VLLM_NO_EAGLE3),
+    vllm_no_eagle3(VLLM_EXTRACT, VLLM_NO_EAGLE3_GEMMA_0_33),
     vllm_mimo(VLLM_EXTRACT),
     vllm_deepseek_v32(VLLM_EXTRACT),
     vllm_deepseek(VLLM_EXTRACT),
