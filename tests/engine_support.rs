@@ -397,3 +397,23 @@ fn drafts_an_engine_cannot_load_are_named() {
         );
     }
 }
+
+/// A spec's `target.model_type` may name the family or the text model's own `model_type`:
+/// Kimi-K2.5's config is the `kimi_k25` wrapper around a `kimi_k2` text model, and a spec
+/// written for either is the same target; one written for `llama` is not.
+#[test]
+fn a_spec_names_its_target_by_family_or_text_model_type() {
+    let dir = scratch("support-spec-model-type");
+    let target = real("targets/target_kimi-k2.5__aiconfigurator_model_configs.json");
+    let draft = real("draft_eagle3_kimi-k2.5-mla__TorchSpec.json");
+    let written_for = |m: &str| {
+        let dims = format!("num_hidden_layers: 61, hidden_size: 7168, model_type: {m}");
+        let spec = write_spec(&dir, m, Some(&dims), [2, 30, 58], 7168);
+        gate(&spec, &draft, &target, "sglang").stdout
+    };
+    for m in ["kimi_k25", "kimi_k2"] {
+        let out = written_for(m);
+        assert!(!out.contains("the spec was written for"), "{m}: {out}");
+    }
+    assert!(written_for("llama").contains("the spec was written for a `llama` target"));
+}

@@ -115,11 +115,12 @@ fn check_spec_against_target(
                 ),
             ));
         }
-        if let Some(m) = expect
-            .model_type
-            .as_deref()
-            .filter(|&m| family_name(m) != t.family.name)
-        {
+        // The spec may name the family (`gemma3`, `kimi_k25`) or the text model's own
+        // `model_type` (`gemma3_text`, a wrapper's `kimi_k2`): both are this target.
+        if let Some(m) = expect.model_type.as_deref().filter(|&m| {
+            let named = family_name(m);
+            named != t.family.name && named != family_name(&t.model_type)
+        }) {
             out.push(Finding::error(
                 FindingName::Shape,
                 format!(
