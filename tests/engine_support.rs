@@ -4,7 +4,7 @@
 //! `fixtures/engines/FACTS.md` sections 1.5, 2.1 and 8), on real published configs
 //! (`fixtures/real-configs/`).
 
-use crate::support::{eagle_check, fixture, p, scratch};
+use crate::support::{eagle_check, fixture, gate_json, p, scratch};
 use std::path::{Path, PathBuf};
 
 fn real(rel: &str) -> PathBuf {
@@ -36,17 +36,7 @@ fn default_spec(dir: &Path, l: usize, h: usize) -> PathBuf {
 
 /// The gate with a spec and a draft, no target: the family comes from the spec or the draft.
 fn gate_draft(spec: &Path, draft: &Path, engine: &str) -> crate::support::Output {
-    eagle_check([
-        "gate",
-        "--spec",
-        &p(spec),
-        "--draft",
-        &p(draft),
-        "--engine",
-        engine,
-        "--format",
-        "json",
-    ])
+    gate_json(spec, draft, None, engine)
 }
 
 /// The message of the report's finding `name`; panics with the report when there is none.
@@ -58,19 +48,7 @@ fn message(out: &crate::support::Output, name: &str) -> String {
 }
 
 fn gate(spec: &Path, draft: &Path, target: &Path, engine: &str) -> crate::support::Output {
-    eagle_check([
-        "gate",
-        "--spec",
-        &p(spec),
-        "--draft",
-        &p(draft),
-        "--target",
-        &p(target),
-        "--engine",
-        engine,
-        "--format",
-        "json",
-    ])
+    gate_json(spec, draft, Some(target), engine)
 }
 
 /// SpecForge's Gemma-3-1B draft config with the target's vocabulary: the published file says

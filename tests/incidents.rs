@@ -2,7 +2,7 @@
 //! the verdict the fix implies. Where a report does not give every number, the test says which
 //! ones are reconstructed.
 
-use crate::support::{Output, eagle_check, p, scratch};
+use crate::support::{Output, gate_json, scratch};
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -44,17 +44,7 @@ fn spec(dir: &std::path::Path, model_type: &str, l: usize, h: usize, capture: &s
 }
 
 fn gate(spec: &std::path::Path, draft: &std::path::Path, engine: &str) -> Output {
-    eagle_check([
-        "gate",
-        "--spec",
-        &p(spec),
-        "--draft",
-        &p(draft),
-        "--engine",
-        engine,
-        "--format",
-        "json",
-    ])
+    gate_json(spec, draft, None, engine)
 }
 
 fn errors(out: &Output) -> Vec<String> {

@@ -221,19 +221,25 @@ impl TargetInfo {
 
     pub fn resolve(raw: &ConfigFile, path: &Path) -> Result<TargetInfo> {
         raw.check_sizes(path)?;
-        let family = Family::of(raw);
+        // The gate needs only the family: a config that names its class but no model_type
+        // (the class table in `family`) still gates, and reports the family as its type.
+        let family = Family::of(raw).ok_or_else(|| {
+            Error::config(
+                path,
+                "missing required key `model_type` (and no architectures class eagle-check knows)",
+            )
+        })?;
         let raw = match &raw.text_config {
             Some(text) => merged_text_config(raw, text),
             None => raw.clone(),
         };
-        let model_type = need(raw.model_type.clone(), path, "model_type")?;
         Ok(TargetInfo {
             path: path.to_path_buf(),
-            family: family.unwrap_or_else(|| Family {
-                name: family::family_name(&model_type),
-                class: None,
-            }),
-            model_type,
+            model_type: raw
+                .model_type
+                .clone()
+                .unwrap_or_else(|| family.name.clone()),
+            family,
             num_layers: positive(
                 need(raw.num_hidden_layers, path, "num_hidden_layers")?,
                 path,
@@ -370,10 +376,8 @@ impl ModelConfig {
             None => raw.clone(),
         };
         let model_type = need(raw.model_type.clone(), path, "model_type")?;
-        let family = family.unwrap_or_else(|| Family {
-            name: family::family_name(&model_type),
-            class: None,
-        });
+        // `Family::of` reads the same `model_type` (the wrapper's first), so it found one.
+        let family = family.unwrap_or_default();
         let arch = Arch::from_model_type(&model_type).ok_or_else(|| {
             Error::config(
                 path,
@@ -628,6 +632,26 @@ mod tests {
     /// SpecForge's Qwen2.5-VL draft writes `type: mrope`, transformers 5 `rope_type: default`
     /// with `mrope_section`; both resolve, with the same theta. A rope type nobody defined is
     /// still refused, by name.
+    /// The gate needs only L, H and the family: a config naming its class but no `model_type`
+    /// gates as that class's family; one naming neither is refused, saying what is missing.
+    #[test]
+    fn a_target_config_without_model_type_gates_by_its_class() {
+        let path = Path::new("config.json");
+        let raw: ConfigFile = serde_json::from_str(
+            r#"{"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 26, "hidden_size": 1152}"#,
+        )
+        .unwrap();
+        let t = TargetInfo::resolve(&raw, path).unwrap();
+        assert_eq!(
+            (t.family.name.as_str(), t.model_type.as_str()),
+            ("gemma3", "gemma3")
+        );
+        let raw: ConfigFile =
+            serde_json::from_str(r#"{"num_hidden_layers": 26, "hidden_size": 1152}"#).unwrap();
+        let err = TargetInfo::resolve(&raw, path).unwrap_err().to_string();
+        assert!(err.contains("`model_type`"), "{err}");
+    }
+
     #[test]
     fn mrope_resolves_as_the_default_rope_for_text() {
         let path = Path::new("config.json");

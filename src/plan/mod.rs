@@ -415,6 +415,45 @@ fn sglang_patch_path(input: &PlanInput) -> String {
     format!("{}/sglang-patch.yaml", input.out)
 }
 
+/// What an sglang dumper step stores per token: `states` rows of the target's width, and the
+/// int64 `input_ids` and `positions`, on every TP rank, for the forward at hand.
+fn sglang_dump_cost(
+    states: usize,
+    input: &PlanInput,
+    prompts: Option<&PromptStats>,
+) -> Result<Cost> {
+    let stored = Stored {
+        states,
+        hidden: input.target.hidden_size,
+        side_bytes: 16,
+        copies: input.tp,
+        held: Held::PerForward,
+    };
+    Cost::of(&stored, prompts)
+}
+
+/// An sglang dumper step's commands: a fresh folder, the server started with the dumper's
+/// environment (experiment `exp`, its log beside the dumps), the prompts sent, the server
+/// stopped.
+fn sglang_dump_commands(
+    input: &PlanInput,
+    dir: &str,
+    exp: &str,
+    names: &[&str],
+    patch: &str,
+    args: &[String],
+) -> Vec<String> {
+    let mut commands = vec![format!("fresh_dir {}", sh(dir))];
+    commands.extend(script::start(
+        launch(&dumper_env(dir, exp, names, patch), args),
+        &format!("{}/sglang-{exp}.log", input.out),
+        "/health",
+    ));
+    commands.push(send(input, Engine::Sglang, "/generate"));
+    commands.push("stop_server".into());
+    commands
+}
+
 fn sglang_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan> {
     let t = input.target;
     let l = t.num_layers;
@@ -423,7 +462,7 @@ fn sglang_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan>
         path: None,
         version: Some(SGLANG),
     };
-    let cov = coverage(&sel, &t.model_type, l, true)?;
+    let cov = coverage(&sel, &t.family.name, l, true)?;
     let par = sglang_parallel(input)?;
     let patch = PlanFile {
         path: sglang_patch_path(input),
@@ -466,29 +505,16 @@ fn sglang_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan>
         join_ids(&cov.ids, " ")
     ));
     args.push(SGLANG_WHOLE.into());
-    // Per token: the aux captures, the norm's two outputs, the embedding when the ids miss it;
-    // input_ids and positions are int64.
-    let reference_cost = Cost::of(
-        &Stored {
-            states: names.len() - 3 + cov.ids.len(),
-            hidden: t.hidden_size,
-            side_bytes: 16,
-            copies: input.tp,
-            held: Held::PerForward,
-        },
-        prompts,
-    )?;
-    let mut commands = vec![format!("fresh_dir {}", sh(&reference_dir))];
-    commands.extend(script::start(
-        launch(
-            &dumper_env(&reference_dir, "reference", &names, &patch.path),
-            &args,
-        ),
-        &format!("{}/sglang-reference.log", input.out),
-        "/health",
-    ));
-    commands.push(send(input, Engine::Sglang, "/generate"));
-    commands.push("stop_server".into());
+    // Per token: the aux captures, the norm's two outputs, the embedding when the ids miss it.
+    let reference_cost = sglang_dump_cost(names.len() - 3 + cov.ids.len(), input, prompts)?;
+    let commands = sglang_dump_commands(
+        input,
+        &reference_dir,
+        "reference",
+        &names,
+        &patch.path,
+        &args,
+    );
     let reference = Step {
         title: format!(
             "Reference: every boundary of the prompts, from sglang {SGLANG} at this parallelism"
@@ -569,7 +595,7 @@ fn sglang_junctions(
     let t = input.target;
     let l = t.num_layers;
     let junction_dir = format!("{}/sglang-junctions", input.out);
-    let feed = resolve(sel, Some(&t.model_type), &draft.config.ids, l);
+    let feed = resolve(sel, Some(&t.family.name), &draft.config.ids, l);
     let mut args = serve.to_vec();
     // srt/arg_groups/fields/spec.py speculative_algorithm, speculative_draft_model_path.
     args.push("--speculative-algorithm EAGLE3".into());
@@ -621,33 +647,15 @@ fn sglang_junctions(
     ));
     // Per token: each fed aux capture, their concatenation, and fc's input (the same
     // width); the draft's own passes add a few rows per request.
-    let fed = feed.fed_slots().len();
-    let cost = Cost::of(
-        &Stored {
-            states: 3 * fed,
-            hidden: t.hidden_size,
-            side_bytes: 16,
-            copies: input.tp,
-            held: Held::PerForward,
-        },
-        prompts,
-    )?;
-    let mut commands = vec![format!("fresh_dir {}", sh(&junction_dir))];
-    commands.extend(script::start(
-        launch(
-            &dumper_env(
-                &junction_dir,
-                "junctions",
-                &names,
-                &sglang_patch_path(input),
-            ),
-            &args,
-        ),
-        &format!("{}/sglang-junctions.log", input.out),
-        "/health",
-    ));
-    commands.push(send(input, Engine::Sglang, "/generate"));
-    commands.push("stop_server".into());
+    let cost = sglang_dump_cost(3 * feed.fed_slots().len(), input, prompts)?;
+    let commands = sglang_dump_commands(
+        input,
+        &junction_dir,
+        "junctions",
+        &names,
+        &sglang_patch_path(input),
+        &args,
+    );
     Ok(Step {
         title: format!(
             "Junctions: what the serving engine captures, stores and feeds fc (sglang {SGLANG}, the draft served)"
@@ -789,7 +797,7 @@ fn vllm_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan> {
         path: Some("extract"),
         version: Some(VLLM),
     };
-    let cov = coverage(&extract, &t.model_type, l, false)?;
+    let cov = coverage(&extract, &t.family.name, l, false)?;
     let par = vllm_parallel(input)?;
     let reference_dir = format!("{}/vllm-reference", input.out);
     let junction_dir = format!("{}/vllm-junctions", input.out);
@@ -887,7 +895,7 @@ fn vllm_plan(input: &PlanInput, prompts: Option<&PromptStats>) -> Result<Plan> {
                 path: input.engine.path.filter(|p| *p != "extract"),
                 version: Some(VLLM),
             };
-            let feed = resolve(&serving, Some(&t.model_type), &draft.config.ids, l);
+            let feed = resolve(&serving, Some(&t.family.name), &draft.config.ids, l);
             let fed: Vec<i64> = feed
                 .fed_slots()
                 .iter()

@@ -117,6 +117,27 @@ pub fn scratch(name: &str) -> PathBuf {
     dir
 }
 
+/// `gate --spec SPEC --draft DRAFT [--target TARGET] --engine ENGINE --format json`.
+pub fn gate_json(spec: &Path, draft: &Path, target: Option<&Path>, engine: &str) -> Output {
+    let mut args = vec![
+        "gate".to_string(),
+        "--spec".into(),
+        p(spec),
+        "--draft".into(),
+        p(draft),
+    ];
+    if let Some(t) = target {
+        args.extend(["--target".into(), p(t)]);
+    }
+    args.extend([
+        "--engine".into(),
+        engine.into(),
+        "--format".into(),
+        "json".into(),
+    ]);
+    eagle_check(args)
+}
+
 pub fn p(path: &Path) -> String {
     path.to_string_lossy().into_owned()
 }
