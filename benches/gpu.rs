@@ -94,9 +94,9 @@ mod gpu {
                     Some(m) if m.is_moe_layer(layer) => {
                         let expert = 3.0 * h * m.moe_intermediate_size as f64;
                         let router = m.n_routed_experts as f64 * (h + 1.0);
-                        let shared = expert * m.n_shared_experts as f64;
+                        let shared = 3.0 * h * m.shared_intermediate as f64;
                         total += base + router + shared + expert * m.n_routed_experts as f64;
-                        active += base + router + shared + expert * m.num_experts_per_tok as f64;
+                        active += base + router + shared + expert * m.k() as f64;
                     }
                     _ => {
                         total += base + dense;

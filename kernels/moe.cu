@@ -1,11 +1,15 @@
-// moe.cu: DeepSeek-V3 `noaux_tc` routing, the dispatch plan that sorts assignments by expert,
+// moe.cu: MoE routing (DeepSeek-V3 `noaux_tc` and plain softmax / sigmoid top-k), the dispatch
+// plan that sorts assignments by expert,
 // and the weighted combine of the expert outputs. The expert GEMMs between the gather
 // (gather.cu) and the combine are cuBLAS grouped GEMMs issued from Rust (src/kernels/gemm.rs).
 //
 // moe_route(logits [T, E] f32, bias [E] f32, topk_idx [T, K] int out, topk_w [T, K] f32 out,
-//           T, E, n_group, topk_group, K, norm_topk, scaling)
+//           T, E, n_group, topk_group, K, norm_topk, scaling, softmax)
 //   score = sigmoid(logit) = 1 / (1 + exp(-logit)), exp in double rounded to f32 (so the CPU
 //   reference, which does the same, agrees bit for bit; f32 expf would differ by an ulp);
+//   with softmax set, score = exp(logit - max) / sum over the token's experts, the exps and
+//   their sum in double, summed in expert order by one lane, each score rounded once to f32
+//   (src/routing.rs `router_softmax` is the same sequence);
 //   choice = score + bias; a group's score is the sum of its two best choices; the best
 //   topk_group groups are kept (ties: lower index); the top K choices among kept experts win
 //   (ties: lower index; "best" is f32 total order, as Rust's total_cmp); weights are the
@@ -26,7 +30,7 @@
 //               + shared[t] ); a row_of of -1 contributes nothing. All contiguous.
 //
 // Checked by: src/kernels/moe.rs, `tests::route_matches_route_token` (the reference is
-// model::deepseek::route_token itself), `tests::device_route_is_bit_exact`,
+// routing::route_token itself), `tests::device_route_is_bit_exact`,
 // `tests::device_plan_matches_reference`, `tests::device_combine_matches_reference`.
 #include "common.cuh"
 
@@ -51,7 +55,7 @@ __device__ __forceinline__ float router_sigmoid(float x) {
 
 extern "C" __global__ void moe_route(const float *logits, const float *bias, int *topk_idx,
                                      float *topk_w, int T, int E, int n_group, int topk_group,
-                                     int K, int norm_topk, float scaling) {
+                                     int K, int norm_topk, float scaling, int softmax) {
     extern __shared__ float route_smem[]; // per warp: scores[E], choice[E], group[64]
     __shared__ int picks_all[ROUTE_WARPS][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -62,10 +66,27 @@ extern "C" __global__ void moe_route(const float *logits, const float *bias, int
     float *group = choice + E;
     int *picks = picks_all[warp];
     const float *lg = logits + t * E;
-    for (int e = lane; e < E; e += 32) {
-        const float s = router_sigmoid(lg[e]);
-        score[e] = s;
-        choice[e] = __fadd_rn(s, bias[e]);
+    if (softmax) {
+        // The row max by a warp reduction (exact), then one lane sums the exps in expert order.
+        float m = -INFINITY;
+        for (int e = lane; e < E; e += 32) m = fmaxf(m, lg[e]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0) {
+            double sum = 0.0;
+            for (int e = 0; e < E; ++e) sum += exp((double)lg[e] - (double)m);
+            for (int e = 0; e < E; ++e) {
+                const float s = (float)(exp((double)lg[e] - (double)m) / sum);
+                score[e] = s;
+                choice[e] = __fadd_rn(s, bias[e]);
+            }
+        }
+    } else {
+        for (int e = lane; e < E; e += 32) {
+            const float s = router_sigmoid(lg[e]);
+            score[e] = s;
+            choice[e] = __fadd_rn(s, bias[e]);
+        }
     }
     __syncwarp();
     const int gsize = E / n_group;

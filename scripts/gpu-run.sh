@@ -5,6 +5,7 @@
 # $OUT (default: a temp dir) and printing a summary last.
 #   CUDA_LIB: the CUDA 13 runtime libraries (libcublas, libcudart, ...), default /usr/local/cuda/lib64
 #   STEPS: which steps to run (default: kernels gpu throughput bench; also bench-deepseek,
+#     bench-qwen3moe (Qwen3-30B-A3B, 48 layers), bench-gptoss (gpt-oss-20b),
 #     moe-gemm (MOE_EXPERTS=384 for Kimi-K2), score, stream, diff); EAGLE_CHECK_PHASES=1 adds a
 #     phase-by-phase forward to each bench length
 #   CLOCKS=1: samples the SM clock, power, temperature and throttle reasons every 200 ms into
@@ -43,6 +44,8 @@ for s in ${STEPS:-kernels gpu throughput bench}; do
     throughput) step throughput bins/eagle_check-lib device_throughput --ignored --nocapture ;;
     bench) step bench bash benches/gpu/run.sh "$out/bench" ;;
     bench-deepseek) step bench-deepseek env SHAPE=deepseek-v3-3l TOKENS=${DS_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-deepseek" ;;
+    bench-qwen3moe) step bench-qwen3moe env SHAPE=qwen3-30b-a3b TOKENS=${MOE_BENCH_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-qwen3moe" ;;
+    bench-gptoss) step bench-gptoss env SHAPE=gpt-oss-20b TOKENS=${MOE_BENCH_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-gptoss" ;;
     stream) step stream bash benches/gpu/stream.sh "$out/stream" ;;
     score) step score bins/gpu-bench score ${REPS:-5} ;;
     gemm) step gemm bins/gpu-bench gemm ${GEMM_TOKENS:-2048,8192} ${REPS:-5} ;;

@@ -25,6 +25,7 @@ pub mod probe;
 pub mod progress;
 pub mod readers;
 pub mod report;
+pub mod routing;
 pub mod runner;
 pub mod spec;
 pub mod spec_init;

@@ -6,11 +6,12 @@ use crate::support::fixture;
 use candle_core::{DType, Device, Tensor};
 use eagle_check::compare::closeness;
 use eagle_check::config::ModelConfig;
-use eagle_check::model::deepseek::{route_token, softmax_scale};
+use eagle_check::model::deepseek::softmax_scale;
 use eagle_check::model::fp8;
 use eagle_check::model::nn::inv_freq;
 use eagle_check::model::source::{SafetensorsSource, Vb, WeightSource};
 use eagle_check::model::{Capture, CaptureRequest, ComputePath, Progress, load_target_on};
+use eagle_check::routing::route_token;
 use std::collections::HashMap;
 
 /// The f32 parity bound, with its reason: `eagle_check::tolerance::PARITY_F32`.
@@ -211,7 +212,7 @@ fn route_token_reproduces_the_reference_from_router_logits() {
             let want = rows_i64(&r[&format!("router.{l}.topk_idx")]);
             for (tok, row) in logits.iter().enumerate() {
                 let scores: Vec<f32> = row.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
-                let got = route_token(&scores, &bias, &moe);
+                let got = route_token(&scores, &bias, &moe.routing);
                 let got: Vec<i64> = got.experts.iter().map(|&e| e as i64).collect();
                 assert_eq!(got, want[tok], "{name} layer {l} token {tok}");
             }

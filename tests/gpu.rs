@@ -74,7 +74,7 @@ fn worst(name: &str, cfg: &ModelConfig, cap: &Capture) -> f64 {
     worst
 }
 
-const TARGETS: [&str; 7] = [
+const TARGETS: [&str; 15] = [
     "llama",
     "llama_linear_bias",
     "mistral",
@@ -82,6 +82,28 @@ const TARGETS: [&str; 7] = [
     "qwen3",
     "deepseek_v3",
     "deepseek_v3_noq",
+    "qwen3_moe",
+    "qwen2_moe",
+    "minimax_m2",
+    "glm4_moe",
+    "glm4_moe_noqk",
+    "glm4_moe_lite",
+    "gpt_oss",
+    "gpt_oss_mxfp4",
+];
+
+/// The MoE fixtures whose routing the GPU must reproduce.
+const MOE_TARGETS: [&str; 10] = [
+    "deepseek_v3",
+    "deepseek_v3_noq",
+    "qwen3_moe",
+    "qwen2_moe",
+    "minimax_m2",
+    "glm4_moe",
+    "glm4_moe_noqk",
+    "glm4_moe_lite",
+    "gpt_oss",
+    "gpt_oss_mxfp4",
 ];
 
 #[test]
@@ -116,12 +138,13 @@ fn gpu_captures_match_transformers_for_every_fixture_target() {
     }
 }
 
-/// DeepSeek's group-limited routing on the GPU (routing kernel) chooses transformers' experts
-/// for every token of every MoE layer.
+/// Every MoE family's routing on the GPU (routing kernel: DeepSeek's and GLM's group-limited
+/// sigmoid, MiniMax's biased sigmoid, Qwen's and gpt-oss's softmax) chooses transformers'
+/// experts for every token of every MoE layer.
 #[test]
-fn gpu_deepseek_routing_matches_transformers() {
+fn gpu_moe_routing_matches_transformers() {
     let Some(dev) = gpu() else { return };
-    for name in ["deepseek_v3", "deepseek_v3_noq"] {
+    for name in MOE_TARGETS {
         let (cfg, cap) = capture(name, DType::F32, ComputePath::Kernels, &dev);
         let r = reference(&format!("models/{name}/reference.safetensors"));
         let moe = cfg.moe.as_ref().unwrap();

@@ -16,6 +16,7 @@ mod hub;
 mod incidents;
 mod malformed;
 mod mla_draft;
+mod moe_families;
 mod output;
 mod plan;
 mod probe;

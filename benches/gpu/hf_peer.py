@@ -24,7 +24,16 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 SHAPES = {
     # Llama-3.1-8B (the shape of the issue's HF table).
@@ -85,8 +94,63 @@ SHAPES = {
         tie_word_embeddings=False,
         num_nextn_predict_layers=0,
     ),
+    # Qwen3-30B-A3B at full size (48 layers, 128 experts, top-8; 30.5B params, 61 GB in bf16).
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        tie_word_embeddings=False,
+    ),
+    # gpt-oss-20b at full size (24 layers alternating 128-token windows and full attention,
+    # sinks, 32 experts, top-4, YaRN; 20.9B params, bf16 experts here rather than MXFP4).
+    "gpt-oss-20b": dict(
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        attention_bias=True,
+        swiglu_limit=7.0,
+        vocab_size=201088,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_max_position_embeddings=4096,
+            truncate=False,
+        ),
+        tie_word_embeddings=False,
+    ),
 }
-CLASSES = {"llama3.1-8b": (LlamaConfig, LlamaForCausalLM), "deepseek-v3-3l": (DeepseekV3Config, DeepseekV3ForCausalLM)}
+CLASSES = {
+    "llama3.1-8b": (LlamaConfig, LlamaForCausalLM),
+    "deepseek-v3-3l": (DeepseekV3Config, DeepseekV3ForCausalLM),
+    "qwen3-30b-a3b": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "gpt-oss-20b": (GptOssConfig, GptOssForCausalLM),
+}
+# gpt-oss has no sdpa path in transformers (`GptOssPreTrainedModel._supports_sdpa = False`).
+ATTENTION = {"gpt-oss-20b": "eager"}
 
 
 def token_ids(t: int, vocab: int) -> list[int]:
@@ -109,14 +173,20 @@ def main() -> None:
     cfg = config_cls(**SHAPES[args.shape])
     t0 = time.time()
     with torch.device("cuda"):
-        model = model_cls._from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16)
+        model = model_cls._from_config(
+            cfg, attn_implementation=ATTENTION.get(args.shape, "sdpa"), dtype=torch.bfloat16
+        )
     # transformers' init; then a scale that keeps the residual stream finite over 32 layers.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.9, 1.1)
-            elif name.endswith("mlp.gate.weight"):  # a DeepSeek router: spread the scores
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # spread the scores
                 p.normal_(0.0, 0.25 / p.shape[-1] ** 0.5 * 8)
+            elif name.endswith("self_attn.sinks"):
+                p.normal_(0.0, 1.0)
+            elif p.dim() == 3:  # stacked experts [E, in, out] or [E, out, in]: fan-in is H or I
+                p.normal_(0.0, min(0.02, 0.8 / min(p.shape[1], p.shape[2]) ** 0.5))
             else:
                 p.normal_(0.0, min(0.02, 0.8 / p.shape[-1] ** 0.5))
     model.eval()

@@ -7,9 +7,11 @@
 
 pub mod draft;
 pub mod family;
+pub mod moe;
 
 pub use draft::{DraftConfig, DraftIds, DraftKind};
 pub use family::Family;
+pub use moe::{ExpertsAct, MoeConfig, MoeLayers};
 
 use crate::error::{Error, Result};
 use serde::Deserialize;
@@ -61,6 +63,36 @@ pub struct ConfigFile {
     pub scoring_func: Option<String>,
     pub topk_method: Option<String>,
     pub quantization_config: Option<serde_json::Value>,
+    // Qwen2/3-MoE, MiniMax-M2, GLM-4.5, gpt-oss.
+    pub num_experts: Option<usize>,
+    pub num_local_experts: Option<usize>,
+    /// gpt-oss's released config writes it beside `num_experts_per_tok`.
+    pub experts_per_token: Option<usize>,
+    pub shared_expert_intermediate_size: Option<usize>,
+    pub decoder_sparse_step: Option<usize>,
+    #[serde(default, deserialize_with = "null_as_none")]
+    pub mlp_only_layers: Option<Vec<usize>>,
+    #[serde(default, deserialize_with = "null_as_none")]
+    pub mlp_layer_types: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "null_as_none")]
+    pub layer_types: Option<Vec<String>>,
+    pub max_window_layers: Option<usize>,
+    pub qkv_bias: Option<bool>,
+    pub use_qk_norm: Option<bool>,
+    pub qk_norm_type: Option<String>,
+    pub partial_rotary_factor: Option<f64>,
+    pub rotary_dim: Option<usize>,
+    pub swiglu_alpha: Option<f64>,
+    pub swiglu_limit: Option<f64>,
+}
+
+/// An optional value that may be written as `null`.
+fn null_as_none<'de, D, T>(de: D) -> std::result::Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(de)
 }
 
 /// A list that may be written as `null`: read as empty.
@@ -82,7 +114,32 @@ pub enum Arch {
     Qwen3,
     /// `deepseek_v3` and `kimi_k2` (the same architecture).
     DeepseekV3,
+    Qwen3Moe,
+    Qwen2Moe,
+    #[serde(rename = "minimax_m2")]
+    MiniMaxM2,
+    /// GLM-4.5 / 4.6.
+    Glm4Moe,
+    /// GLM-4.7-Flash: DeepSeek-V3's MLA and MoE under another name.
+    Glm4MoeLite,
+    GptOss,
 }
+
+/// The `model_type`s the runner executes, in the order a refusal lists them.
+pub const RUNNABLE_MODEL_TYPES: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "deepseek_v3",
+    "kimi_k2",
+    "qwen3_moe",
+    "qwen2_moe",
+    "minimax_m2",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "gpt_oss",
+];
 
 impl Arch {
     fn from_model_type(model_type: &str) -> Option<Arch> {
@@ -92,8 +149,19 @@ impl Arch {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "deepseek_v3" | "kimi_k2" => Arch::DeepseekV3,
+            "qwen3_moe" => Arch::Qwen3Moe,
+            "qwen2_moe" => Arch::Qwen2Moe,
+            "minimax_m2" => Arch::MiniMaxM2,
+            "glm4_moe" => Arch::Glm4Moe,
+            "glm4_moe_lite" => Arch::Glm4MoeLite,
+            "gpt_oss" => Arch::GptOss,
             _ => return None,
         })
+    }
+
+    /// Whether its attention is DeepSeek's multi-head latent attention.
+    pub fn is_mla(self) -> bool {
+        matches!(self, Arch::DeepseekV3 | Arch::Glm4MoeLite)
     }
 }
 
@@ -117,7 +185,8 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
     },
-    /// YaRN as DeepSeek-V3 uses it (mscale terms included).
+    /// YaRN as transformers computes it (`_compute_yarn_parameters`), DeepSeek-V3's mscale
+    /// terms and gpt-oss's `truncate: false` included.
     Yarn {
         factor: f64,
         beta_fast: f64,
@@ -125,6 +194,10 @@ pub enum RopeScaling {
         mscale: f64,
         mscale_all_dim: f64,
         original_max_position_embeddings: f64,
+        /// Round the correction range outwards to whole dimensions (transformers' default).
+        truncate: bool,
+        /// `attention_factor` when the config sets it (else derived from the mscale terms).
+        attention_factor: Option<f64>,
     },
 }
 
@@ -141,27 +214,15 @@ pub struct MlaConfig {
     pub rope_interleave: bool,
 }
 
-/// DeepSeek-V3 mixture of experts.
-#[derive(Debug, Clone, PartialEq)]
-pub struct MoeConfig {
-    pub n_routed_experts: usize,
-    pub n_shared_experts: usize,
-    pub num_experts_per_tok: usize,
-    pub moe_intermediate_size: usize,
-    pub first_k_dense_replace: usize,
-    pub moe_layer_freq: usize,
-    pub n_group: usize,
-    pub topk_group: usize,
-    pub norm_topk_prob: bool,
-    pub routed_scaling_factor: f64,
-}
-
-impl MoeConfig {
-    /// DeepSeek-V3 rule: layer `i` is MoE when `i >= first_k_dense_replace` and
-    /// `i % moe_layer_freq == 0`.
-    pub fn is_moe_layer(&self, layer: usize) -> bool {
-        layer >= self.first_k_dense_replace && layer.is_multiple_of(self.moe_layer_freq.max(1))
-    }
+/// How a target normalises its queries and keys before rope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// One RMSNorm over each head's `head_dim` (Qwen3, Qwen3-MoE, GLM-4.5 with `use_qk_norm`).
+    PerHead,
+    /// One RMSNorm over the whole projection, `heads * head_dim` (MiniMax-M2's
+    /// `qk_norm_type: per_layer`; `MiniMaxM2Attention`).
+    Full,
 }
 
 /// A resolved model config: what the target forward (and the gate) reads.
@@ -189,8 +250,16 @@ pub struct ModelConfig {
     pub o_bias: bool,
     /// Biases on the MLP projections (Llama's `mlp_bias`).
     pub mlp_bias: bool,
-    pub qk_norm: bool,
+    pub qk_norm: QkNorm,
     pub sliding_window: Option<usize>,
+    /// Per layer, whether it attends through `sliding_window` (`layer_types`); `None`: every
+    /// layer does when `sliding_window` is set.
+    pub sliding_layers: Option<Vec<bool>>,
+    /// The leading dims of each head that rope rotates (partial rotary: GLM-4.5 half,
+    /// MiniMax-M2 `rotary_dim`); `head_dim` otherwise.
+    pub rotary_dim: usize,
+    /// gpt-oss: a learned per-head logit in every softmax denominator (`self_attn.sinks`).
+    pub attn_sinks: bool,
     pub mla: Option<MlaConfig>,
     pub moe: Option<MoeConfig>,
     /// FP8 block-quantised weights: the `weight_block_size` of `quantization_config`.
@@ -333,6 +402,15 @@ impl ConfigFile {
             ("moe_layer_freq", self.moe_layer_freq),
             ("n_group", self.n_group),
             ("topk_group", self.topk_group),
+            ("num_experts", self.num_experts),
+            ("num_local_experts", self.num_local_experts),
+            ("experts_per_token", self.experts_per_token),
+            (
+                "shared_expert_intermediate_size",
+                self.shared_expert_intermediate_size,
+            ),
+            ("decoder_sparse_step", self.decoder_sparse_step),
+            ("rotary_dim", self.rotary_dim),
         ];
         for (key, value) in sizes {
             if let Some(v) = value {
@@ -361,6 +439,14 @@ fn positive(value: usize, path: &Path, key: &str) -> Result<usize> {
 }
 
 impl ModelConfig {
+    /// The sliding window decoder layer `layer` attends through, if any.
+    pub fn window_of(&self, layer: usize) -> Option<usize> {
+        match &self.sliding_layers {
+            Some(sliding) if !sliding.get(layer).copied().unwrap_or(false) => None,
+            _ => self.sliding_window,
+        }
+    }
+
     /// Loads and resolves a target config (a directory or a `config.json`).
     pub fn load(path: &Path) -> Result<ModelConfig> {
         let (file, raw) = read_config_file(path)?;
@@ -382,8 +468,8 @@ impl ModelConfig {
             Error::config(
                 path,
                 format!(
-                    "model_type `{model_type}` is not supported \
-                     (supported: llama, mistral, qwen2, qwen3, deepseek_v3, kimi_k2)"
+                    "model_type `{model_type}` is not supported (supported: {})",
+                    RUNNABLE_MODEL_TYPES.join(", ")
                 ),
             )
         })?;
@@ -428,16 +514,55 @@ impl ModelConfig {
             ));
         }
         let rope = resolve_rope(&raw, path)?;
-        let (mla, moe, fp8_block) = if arch == Arch::DeepseekV3 {
-            resolve_deepseek(&raw, path)?
+        let mla = if arch.is_mla() {
+            Some(resolve_mla(&raw, path)?)
         } else {
-            (None, None, None)
+            None
         };
+        let moe = moe::resolve(arch, &raw, path)?;
+        let fp8_block = resolve_fp8(&raw, path)?;
         let sliding_window = match (arch, raw.use_sliding_window) {
-            (Arch::Mistral, _) => raw.sliding_window,
-            (Arch::Qwen2 | Arch::Qwen3, Some(true)) => raw.sliding_window,
+            (Arch::Mistral | Arch::GptOss, _) => raw.sliding_window,
+            (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe, Some(true)) => {
+                raw.sliding_window
+            }
             _ => None,
         };
+        let sliding_layers = resolve_sliding_layers(arch, &raw, num_layers, path)?;
+        let rotary_dim = resolve_rotary_dim(arch, &raw, &rope, head_dim, path)?;
+        let qk_norm = match arch {
+            Arch::Qwen3 | Arch::Qwen3Moe => QkNorm::PerHead,
+            // `Glm4MoeConfig.use_qk_norm` defaults to false.
+            Arch::Glm4Moe if raw.use_qk_norm.unwrap_or(false) => QkNorm::PerHead,
+            // `MiniMaxM2Attention` always norms the whole projection; the released configs
+            // say so with `use_qk_norm: true, qk_norm_type: per_layer`.
+            Arch::MiniMaxM2 => match (raw.use_qk_norm, raw.qk_norm_type.as_deref()) {
+                (Some(false), _) => QkNorm::None,
+                (_, None | Some("per_layer")) => QkNorm::Full,
+                (_, Some("per_head")) => QkNorm::PerHead,
+                (_, Some(other)) => {
+                    return Err(Error::config(
+                        path,
+                        format!("qk_norm_type `{other}` is not supported (per_layer, per_head)"),
+                    ));
+                }
+            },
+            _ => QkNorm::None,
+        };
+        let attention_bias = match arch {
+            // Qwen2 always has q/k/v bias (transformers' Qwen2Attention hard-codes bias=True);
+            // Qwen2-MoE reads `qkv_bias` (default true).
+            Arch::Qwen2 => true,
+            Arch::Qwen2Moe => raw.qkv_bias.unwrap_or(true),
+            Arch::Mistral | Arch::MiniMaxM2 => false,
+            _ => raw.attention_bias.unwrap_or(false),
+        };
+        // o_proj's bias: Llama, Qwen3, Qwen3-MoE and gpt-oss build it from `attention_bias`;
+        // Qwen2(-MoE), Mistral, MiniMax-M2 and GLM-4.5 never.
+        let o_bias = matches!(
+            arch,
+            Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe | Arch::GptOss
+        ) && raw.attention_bias.unwrap_or(false);
         Ok(ModelConfig {
             path: path.to_path_buf(),
             arch,
@@ -458,17 +583,14 @@ impl ModelConfig {
             rope,
             // LlamaConfig, Qwen2Config and DeepseekV3Config all default to untied.
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            // Qwen2 always has q/k/v bias (transformers' Qwen2Attention hard-codes bias=True).
-            attention_bias: match arch {
-                Arch::Qwen2 => true,
-                Arch::Mistral => false,
-                _ => raw.attention_bias.unwrap_or(false),
-            },
-            o_bias: matches!(arch, Arch::Llama | Arch::Qwen3)
-                && raw.attention_bias.unwrap_or(false),
+            attention_bias,
+            o_bias,
             mlp_bias: arch == Arch::Llama && raw.mlp_bias.unwrap_or(false),
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm,
             sliding_window,
+            sliding_layers,
+            rotary_dim,
+            attn_sinks: arch == Arch::GptOss,
             mla,
             moe,
             fp8_block,
@@ -548,6 +670,11 @@ pub(crate) fn resolve_rope(raw: &ConfigFile, path: &Path) -> Result<Rope> {
                 path,
                 "rope_scaling.original_max_position_embeddings",
             )?,
+            truncate: p
+                .get("truncate")
+                .and_then(serde_json::Value::as_bool)
+                .unwrap_or(true),
+            attention_factor: json_f64(p, "attention_factor"),
         },
         other => {
             return Err(Error::config(
@@ -559,69 +686,116 @@ pub(crate) fn resolve_rope(raw: &ConfigFile, path: &Path) -> Result<Rope> {
     Ok(Rope { theta, scaling })
 }
 
-type DeepseekParts = (Option<MlaConfig>, Option<MoeConfig>, Option<[usize; 2]>);
-
-fn resolve_deepseek(raw: &ConfigFile, path: &Path) -> Result<DeepseekParts> {
-    let mla = MlaConfig {
+/// DeepSeek-V3's multi-head latent attention fields (also GLM-4.7-Flash's).
+fn resolve_mla(raw: &ConfigFile, path: &Path) -> Result<MlaConfig> {
+    Ok(MlaConfig {
         q_lora_rank: raw.q_lora_rank,
         kv_lora_rank: need(raw.kv_lora_rank, path, "kv_lora_rank")?,
         qk_nope_head_dim: need(raw.qk_nope_head_dim, path, "qk_nope_head_dim")?,
         qk_rope_head_dim: need(raw.qk_rope_head_dim, path, "qk_rope_head_dim")?,
         v_head_dim: need(raw.v_head_dim, path, "v_head_dim")?,
         rope_interleave: raw.rope_interleave.unwrap_or(true),
-    };
-    let moe = match raw.n_routed_experts {
-        Some(n) if n > 0 => {
-            if let Some(f) = raw.scoring_func.as_deref().filter(|f| *f != "sigmoid") {
-                return Err(Error::config(
-                    path,
-                    format!("scoring_func `{f}` is not supported (sigmoid)"),
-                ));
-            }
-            let n_group = raw.n_group.unwrap_or(1).max(1);
-            if n % n_group != 0 {
-                return Err(Error::config(
-                    path,
-                    format!("n_routed_experts {n} is not a multiple of n_group {n_group}"),
-                ));
-            }
-            Some(MoeConfig {
-                n_routed_experts: n,
-                n_shared_experts: raw.n_shared_experts.unwrap_or(0),
-                num_experts_per_tok: need(raw.num_experts_per_tok, path, "num_experts_per_tok")?,
-                moe_intermediate_size: need(
-                    raw.moe_intermediate_size,
-                    path,
-                    "moe_intermediate_size",
-                )?,
-                first_k_dense_replace: raw.first_k_dense_replace.unwrap_or(0),
-                moe_layer_freq: raw.moe_layer_freq.unwrap_or(1),
-                n_group,
-                topk_group: raw.topk_group.unwrap_or(n_group),
-                norm_topk_prob: raw.norm_topk_prob.unwrap_or(true),
-                routed_scaling_factor: raw.routed_scaling_factor.unwrap_or(1.0),
-            })
-        }
-        _ => None,
-    };
-    let fp8_block = match &raw.quantization_config {
+    })
+}
+
+/// FP8 block quantisation (`quantization_config.quant_method: fp8`): its block size.
+fn resolve_fp8(raw: &ConfigFile, path: &Path) -> Result<Option<[usize; 2]>> {
+    match &raw.quantization_config {
         Some(q) if q.get("quant_method").and_then(|m| m.as_str()) == Some("fp8") => {
             let block = q.get("weight_block_size").and_then(|b| b.as_array());
             match block.map(|b| b.iter().filter_map(|x| x.as_u64()).collect::<Vec<_>>()) {
                 Some(b) if b.len() == 2 && b[0] > 0 && b[1] > 0 => {
-                    Some([b[0] as usize, b[1] as usize])
+                    Ok(Some([b[0] as usize, b[1] as usize]))
                 }
-                _ => {
-                    return Err(Error::config(
-                        path,
-                        "quantization_config: fp8 without a two-entry weight_block_size",
-                    ));
-                }
+                _ => Err(Error::config(
+                    path,
+                    "quantization_config: fp8 without a two-entry weight_block_size",
+                )),
             }
         }
-        _ => None,
+        _ => Ok(None),
+    }
+}
+
+/// Which layers use the sliding window: `layer_types` where the family reads it (gpt-oss,
+/// Qwen2-MoE), else every layer (`None`). gpt-oss without `layer_types` alternates, sliding
+/// first (`GptOssConfig.__post_init__`); Qwen2-MoE's default marks the even layers below
+/// `max_window_layers` when `use_sliding_window` (`Qwen2MoeConfig.__post_init__`).
+fn resolve_sliding_layers(
+    arch: Arch,
+    raw: &ConfigFile,
+    layers: usize,
+    path: &Path,
+) -> Result<Option<Vec<bool>>> {
+    if !matches!(arch, Arch::GptOss | Arch::Qwen2Moe) {
+        return Ok(None);
+    }
+    let listed = match &raw.layer_types {
+        Some(types) => types
+            .iter()
+            .map(|t| match t.as_str() {
+                "sliding_attention" => Ok(true),
+                "full_attention" => Ok(false),
+                other => Err(Error::config(
+                    path,
+                    format!("layer_types: `{other}` is not supported (sliding_attention, full_attention)"),
+                )),
+            })
+            .collect::<Result<Vec<bool>>>()?,
+        None if arch == Arch::GptOss => (0..layers).map(|i| i % 2 == 0).collect(),
+        None => {
+            let max = raw.max_window_layers.unwrap_or(28);
+            let on = raw.use_sliding_window.unwrap_or(false);
+            (0..layers).map(|i| on && i % 2 == 0 && i < max).collect()
+        }
     };
-    Ok((Some(mla), moe, fp8_block))
+    if listed.len() < layers {
+        return Err(Error::config(
+            path,
+            format!(
+                "layer_types lists {} layers, num_hidden_layers is {layers}",
+                listed.len()
+            ),
+        ));
+    }
+    Ok(Some(listed))
+}
+
+/// How many leading dims of each head rope rotates: `partial_rotary_factor` (in
+/// `rope_parameters` or at the top level; GLM-4.5 defaults it to 0.5,
+/// `Glm4MoeConfig.__post_init__`) or MiniMax-M2's legacy `rotary_dim`
+/// (`MiniMaxM2Config.convert_rope_params_to_dict`). transformers takes
+/// `int(head_dim * partial_rotary_factor)` (`_compute_default_rope_parameters`).
+fn resolve_rotary_dim(
+    arch: Arch,
+    raw: &ConfigFile,
+    rope: &Rope,
+    head_dim: usize,
+    path: &Path,
+) -> Result<usize> {
+    let _ = rope;
+    let in_params = raw
+        .rope_parameters
+        .as_ref()
+        .or(raw.rope_scaling.as_ref())
+        .and_then(|p| json_f64(p, "partial_rotary_factor"));
+    let factor = match (in_params.or(raw.partial_rotary_factor), raw.rotary_dim) {
+        (Some(f), _) => f,
+        (None, Some(d)) if arch == Arch::MiniMaxM2 => d as f64 / head_dim as f64,
+        (None, _) if arch == Arch::Glm4Moe => 0.5,
+        _ => 1.0,
+    };
+    let dim = (head_dim as f64 * factor) as usize;
+    if dim == 0 || dim > head_dim || !dim.is_multiple_of(2) {
+        return Err(Error::config(
+            path,
+            format!(
+                "rope rotates {dim} of {head_dim} head dims (partial_rotary_factor {factor}): \
+                 it must be even and in 2..={head_dim}"
+            ),
+        ));
+    }
+    Ok(dim)
 }
 
 #[cfg(test)]

@@ -1232,6 +1232,8 @@ pub struct MoeRouteArgs {
     pub k: usize,
     pub norm_topk: bool,
     pub scaling: f32,
+    /// Softmax scores instead of sigmoid ones.
+    pub softmax: bool,
 }
 
 const ROUTE_WARPS: usize = 4;
@@ -1286,6 +1288,7 @@ pub fn moe_route(dev: &CudaDevice, a: &MoeRouteArgs) -> Result<()> {
             to_i32(a.k, "k")?,
             i32::from(a.norm_topk),
             a.scaling,
+            i32::from(a.softmax),
         ]
     );
     Ok(())

@@ -1,4 +1,5 @@
-//! DeepSeek-V3 mixture-of-experts routing and dispatch (kernels/moe.cu).
+//! Mixture-of-experts routing and dispatch (kernels/moe.cu), for every MoE family
+//! ([`crate::routing::Routing`] says how a family routes).
 //!
 //! A MoE layer on the GPU: [`moe_route`] (router logits -> top-k experts and weights),
 //! [`moe_plan`] (assignments sorted by expert: which token each expert row reads, where each
@@ -11,93 +12,22 @@
 //! instead of going through a candle `CustomOp`.
 
 use super::{Elem, with_float_type};
-use crate::config::MoeConfig;
-use crate::model::deepseek::{Routed, route_token};
+pub use crate::routing::Routing as RouteParams;
+use crate::routing::{Routed, route_all};
 use candle_core::{DType, Device, Result, Tensor};
 
-/// The routing settings of a MoE layer (the `noaux_tc` fields of [`MoeConfig`]).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RouteParams {
-    pub n_group: usize,
-    pub topk_group: usize,
-    /// `num_experts_per_tok`
-    pub k: usize,
-    pub norm_topk: bool,
-    /// `routed_scaling_factor` (applied in f32, as `route_token` does)
-    pub scaling: f64,
-}
-
-impl RouteParams {
-    pub fn of(moe: &MoeConfig) -> RouteParams {
-        RouteParams {
-            n_group: moe.n_group,
-            topk_group: moe.topk_group,
-            k: moe.num_experts_per_tok,
-            norm_topk: moe.norm_topk_prob,
-            scaling: moe.routed_scaling_factor,
-        }
-    }
-
-    /// The config `route_token` reads (the fields routing does not use are zero).
-    fn config(&self, experts: usize) -> MoeConfig {
-        MoeConfig {
-            n_routed_experts: experts,
-            n_shared_experts: 0,
-            num_experts_per_tok: self.k,
-            moe_intermediate_size: 0,
-            first_k_dense_replace: 0,
-            moe_layer_freq: 1,
-            n_group: self.n_group,
-            topk_group: self.topk_group,
-            norm_topk_prob: self.norm_topk,
-            routed_scaling_factor: self.scaling,
-        }
-    }
-
-    fn check(&self, experts: usize) -> Result<()> {
-        let g = self.n_group;
-        if experts == 0 || g == 0 || !experts.is_multiple_of(g) {
-            candle_core::bail!("moe_route: {experts} experts do not split into {g} groups");
-        }
-        if self.topk_group == 0
-            || self.topk_group > g
-            || self.k == 0
-            || self.k > self.topk_group * (experts / g)
-        {
-            candle_core::bail!(
-                "moe_route: top {} experts from {} of {g} groups of {}",
-                self.k,
-                self.topk_group,
-                experts / g
-            );
-        }
-        Ok(())
-    }
-}
-
-/// The router's sigmoid: `1 / (1 + exp(-x))` with the exponential taken in f64 and rounded
-/// once to f32. CUDA's f32 `expf` and the C library's differ by an ulp at times; their f64
-/// `exp`s round to the same f32 (barring a 2^-29-wide window around a rounding boundary), so
-/// this definition lets the GPU route bit for bit like the CPU.
-pub fn router_sigmoid(x: f32) -> f32 {
-    let e = (-f64::from(x)).exp() as f32;
-    1.0 / (1.0 + e)
-}
-
-/// The CPU reference: [`router_sigmoid`] of every logit, then `route_token` (the model's own
-/// routing) per token. `logits`: `[tokens, experts]`, `bias`: `[experts]`. Returns the experts
-/// `[tokens, k]` (ascending per token) and their weights `[tokens, k]`.
+/// The CPU reference: every token's scores ([`crate::routing::scores`]: the kernel's f64
+/// sigmoid or softmax) and decision ([`crate::routing::route_token`], the model's own routing).
+/// `logits`: `[tokens, experts]`, `bias`: `[experts]`. Returns the experts `[tokens, k]`
+/// (ascending per token) and their weights `[tokens, k]`.
 pub fn moe_route_ref(
     logits: &[f32],
     bias: &[f32],
     experts: usize,
     p: &RouteParams,
 ) -> (Vec<u32>, Vec<f32>) {
-    let cfg = p.config(experts);
     let (mut idx, mut w) = (Vec::new(), Vec::new());
-    for row in logits.chunks(experts) {
-        let scores: Vec<f32> = row.iter().map(|&x| router_sigmoid(x)).collect();
-        let Routed { experts, weights } = route_token(&scores, bias, &cfg);
+    for Routed { experts, weights } in route_all(logits, bias, experts, p) {
         idx.extend(experts.iter().map(|&e| e as u32));
         w.extend(weights);
     }
@@ -125,7 +55,9 @@ pub fn moe_route(logits: &Tensor, bias: &Tensor, p: &RouteParams) -> Result<MoeR
             bias.dims()
         );
     }
-    p.check(experts)?;
+    if let Some(problem) = p.problem(experts) {
+        candle_core::bail!("moe_route: {problem}");
+    }
     let (logits, bias) = (logits.contiguous()?, bias.contiguous()?);
     match logits.device() {
         Device::Cpu => {
@@ -159,6 +91,7 @@ pub fn moe_route(logits: &Tensor, bias: &Tensor, p: &RouteParams) -> Result<MoeR
                     k: p.k,
                     norm_topk: p.norm_topk,
                     scaling: p.scaling as f32,
+                    softmax: p.scoring == crate::routing::Scoring::Softmax,
                 },
             )?;
             Ok(MoeRouting {
@@ -576,24 +509,32 @@ fn grouped_experts(sorted: &Tensor, offsets: &Tensor, w: &StackedExperts) -> Res
 mod tests {
     use super::*;
     use crate::kernels::testing::{assert_close, random, random_vec, values};
+    use crate::routing::{Scoring, route_token};
     use candle_core::Device;
 
     /// DeepSeek-V3's router (256 experts, 8 groups, top 4 groups, 8 picks, scale 2.5) and small
-    /// ragged ones, some with ties planted.
+    /// ragged ones, some with ties planted; then the softmax routers of Qwen3-30B-A3B (128
+    /// experts, top 8, renormalised), Qwen1.5-MoE (60, top 4, not renormalised) and gpt-oss-20b
+    /// (32, top 4).
     fn params() -> Vec<(usize, RouteParams)> {
         let p = |n_group, topk_group, k, norm_topk, scaling| RouteParams {
+            scoring: Scoring::Sigmoid,
             n_group,
             topk_group,
             k,
             norm_topk,
             scaling,
         };
+        let soft = |k, norm_topk| RouteParams::top_k(Scoring::Softmax, k, norm_topk);
         vec![
             (256, p(8, 4, 8, true, 2.5)),
             (8, p(4, 2, 2, true, 2.0)),
             (12, p(3, 3, 5, false, 1.0)),
             (7, p(7, 3, 3, true, 1.5)), // groups of one expert
             (64, p(1, 1, 6, true, 16.0)),
+            (128, soft(8, true)),
+            (60, soft(4, false)),
+            (32, soft(4, true)),
         ]
     }
 
@@ -613,7 +554,7 @@ mod tests {
 
     #[test]
     fn route_matches_route_token() {
-        // The reference is route_token itself; this pins the tensor plumbing and the sigmoid.
+        // The reference is route_token itself; this pins the tensor plumbing and the scoring.
         for (experts, p) in params() {
             let tokens = 37;
             let l = logits(tokens, experts, 2);
@@ -624,11 +565,8 @@ mod tests {
             let idx = r.topk_idx.to_vec2::<u32>().unwrap();
             let w = r.topk_w.to_vec2::<f32>().unwrap();
             for t in 0..tokens {
-                let scores: Vec<f32> = l[t * experts..][..experts]
-                    .iter()
-                    .map(|&x| router_sigmoid(x))
-                    .collect();
-                let want = route_token(&scores, &bias, &p.config(experts));
+                let scores = crate::routing::scores(&l[t * experts..][..experts], p.scoring);
+                let want = route_token(&scores, &bias, &p);
                 assert_eq!(
                     idx[t],
                     want.experts.iter().map(|&e| e as u32).collect::<Vec<_>>()
@@ -643,14 +581,6 @@ mod tests {
             ..params()[1].1
         };
         assert!(moe_route(&lt, &bt, &bad).is_err());
-    }
-
-    #[test]
-    fn sigmoid_is_the_f64_one_rounded() {
-        for x in [-30.0f32, -1.5, 0.0, 0.3, 7.0] {
-            let want = (1.0 / (1.0 + (-f64::from(x)).exp())) as f32;
-            assert!((router_sigmoid(x) - want).abs() <= f32::EPSILON * want);
-        }
     }
 
     #[test]
@@ -789,11 +719,8 @@ mod tests {
             let l = Tensor::from_vec(logits(tokens, experts, 9), (tokens, experts), &cpu).unwrap();
             let b = Tensor::zeros(experts, DType::F32, &cpu).unwrap();
             let p = RouteParams {
-                n_group: 1,
-                topk_group: 1,
-                k,
-                norm_topk: true,
                 scaling: 2.5,
+                ..RouteParams::top_k(Scoring::Sigmoid, k, true)
             };
             let r = moe_route(&l, &b, &p).unwrap();
             let plan = moe_plan(&r.topk_idx, experts).unwrap();

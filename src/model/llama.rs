@@ -2,16 +2,20 @@
 //! `qwen2` (q/k/v bias), `qwen3` (per-head q/k RMSNorm). GQA, tied embeddings.
 //! Reference: transformers `models/{llama,mistral,qwen2,qwen3}/modeling_*.py`.
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, QkNorm};
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams};
 use crate::model::cpu::{self, Held};
-use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
+use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention_with_sinks, causal_mask};
 use crate::model::source::Vb;
 use crate::model::{ComputePath, Decoder, LayerStep, phases};
 use crate::naming;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{D, DType, Device, Tensor};
 
+/// Grouped-query attention as the Llama family and the GQA MoE families compute it: q/k/v
+/// projections (biases as configured), an optional q/k RMSNorm (per head, or over the whole
+/// projection), rope on the leading `rot_dim` dims of each head (rotate-half), a causal mask
+/// with this layer's sliding window, and gpt-oss's sinks.
 pub(crate) struct Attention {
     pub(crate) q: Linear,
     pub(crate) k: Linear,
@@ -19,18 +23,25 @@ pub(crate) struct Attention {
     pub(crate) o: Linear,
     pub(crate) q_norm: Option<RmsNorm>,
     pub(crate) k_norm: Option<RmsNorm>,
+    /// Whether q_norm/k_norm span the whole projection ([`QkNorm::Full`]) or one head.
+    full_qk_norm: bool,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// The leading dims of each head rope rotates (partial rotary when < `head_dim`).
+    rot_dim: usize,
     window: Option<usize>,
+    /// gpt-oss: `[heads]` f32 logits in every softmax denominator.
+    sinks: Option<Tensor>,
     /// `q|k|v` as one `[(heads + 2 kv_heads) * head_dim, H]` projection, for the CPU forward
     /// ([`cpu`]); `q`, `k` and `v` are then views of its rows.
     qkv: Option<Linear>,
 }
 
 impl Attention {
-    /// With `fuse`, q, k and v are loaded into one projection ([`Attention::qkv`]).
-    fn load(cfg: &ModelConfig, vb: &Vb, fuse: bool) -> Result<Attention> {
+    /// Layer `layer`'s attention. With `fuse`, q, k and v are loaded into one projection
+    /// ([`Attention::qkv`]).
+    pub(crate) fn load(cfg: &ModelConfig, vb: &Vb, fuse: bool, layer: usize) -> Result<Attention> {
         let (h, nh, nkv, hd) = (
             cfg.hidden_size,
             cfg.num_heads,
@@ -38,13 +49,16 @@ impl Attention {
             cfg.head_dim,
         );
         let bias = cfg.attention_bias;
-        let (q_norm, k_norm) = if cfg.qk_norm {
-            (
+        let (q_norm, k_norm) = match cfg.qk_norm {
+            QkNorm::None => (None, None),
+            QkNorm::PerHead => (
                 Some(RmsNorm::load(&vb.pp("q_norm"), hd, cfg.rms_norm_eps)?),
                 Some(RmsNorm::load(&vb.pp("k_norm"), hd, cfg.rms_norm_eps)?),
-            )
-        } else {
-            (None, None)
+            ),
+            QkNorm::Full => (
+                Some(RmsNorm::load(&vb.pp("q_norm"), nh * hd, cfg.rms_norm_eps)?),
+                Some(RmsNorm::load(&vb.pp("k_norm"), nkv * hd, cfg.rms_norm_eps)?),
+            ),
         };
         let q = Linear::load(&vb.pp("q_proj"), nh * hd, h, bias)?;
         let k = Linear::load(&vb.pp("k_proj"), nkv * hd, h, bias)?;
@@ -63,6 +77,15 @@ impl Attention {
         } else {
             (q, k, v, None)
         };
+        let sinks = if cfg.attn_sinks {
+            let s = vb.get("sinks", &[nh])?;
+            Some(
+                s.to_dtype(DType::F32)
+                    .ctx(|| format!("converting {} to f32", vb.path("sinks")))?,
+            )
+        } else {
+            None
+        };
         Ok(Attention {
             q,
             k,
@@ -70,32 +93,52 @@ impl Attention {
             o: Linear::load(&vb.pp("o_proj"), h, nh * hd, cfg.o_bias)?,
             q_norm,
             k_norm,
+            full_qk_norm: cfg.qk_norm == QkNorm::Full,
             heads: nh,
             kv_heads: nkv,
             head_dim: hd,
-            window: cfg.sliding_window,
+            rot_dim: cfg.rotary_dim,
+            window: cfg.window_of(layer),
+            sinks,
             qkv,
         })
     }
 
+    pub(crate) fn window(&self) -> Option<usize> {
+        self.window
+    }
+
     /// The kernel path: token-major `[T, heads * d]` throughout, rope in place, flash
     /// attention (kernels/rope.cu, kernels/attention.cu). `xs`: [T, H] -> [T, H]
-    fn forward_kernels(&self, xs: &Tensor, rope: &RopeTables) -> candle_core::Result<Tensor> {
+    pub(crate) fn forward_kernels(
+        &self,
+        xs: &Tensor,
+        rope: &RopeTables,
+    ) -> candle_core::Result<Tensor> {
         let t = xs.dim(0)?;
         let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let mut q = self.q.forward(xs)?.contiguous()?;
         let mut k = self.k.forward(xs)?.contiguous()?;
         let v = self.v.forward(xs)?;
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = qn
-                .forward(&q.reshape((t * nh, hd))?)?
-                .reshape((t, nh * hd))?;
-            k = kn
-                .forward(&k.reshape((t * nkv, hd))?)?
-                .reshape((t, nkv * hd))?;
+            if self.full_qk_norm {
+                q = qn.forward(&q)?;
+                k = kn.forward(&k)?;
+            } else {
+                q = qn
+                    .forward(&q.reshape((t * nh, hd))?)?
+                    .reshape((t, nh * hd))?;
+                k = kn
+                    .forward(&k.reshape((t * nkv, hd))?)?
+                    .reshape((t, nkv * hd))?;
+            }
         }
-        kernels::rope_in_place(&q, &rope.cos32, &rope.sin32, &RopeParams::half(nh, hd))?;
-        kernels::rope_in_place(&k, &rope.cos32, &rope.sin32, &RopeParams::half(nkv, hd))?;
+        let rot = |heads| RopeParams {
+            rot_dim: self.rot_dim,
+            ..RopeParams::half(heads, hd)
+        };
+        kernels::rope_in_place(&q, &rope.cos32, &rope.sin32, &rot(nh))?;
+        kernels::rope_in_place(&k, &rope.cos32, &rope.sin32, &rot(nkv))?;
         let params = AttnParams {
             nh,
             nkv,
@@ -104,12 +147,15 @@ impl Attention {
             scale: 1.0 / (hd as f64).sqrt(),
             window: self.window,
         };
-        self.o
-            .forward(&kernels::flash_attention(&q, &k, &v, &params)?)
+        let out = match &self.sinks {
+            None => kernels::flash_attention(&q, &k, &v, &params)?,
+            Some(_) => candle_core::bail!("attention sinks on the kernel path: SINKS-TODO"),
+        };
+        self.o.forward(&out)
     }
 
-    /// `xs`: [T, H] -> [T, H]
-    fn forward(
+    /// `xs`: [T, H] -> [T, H]; `mask` is this layer's ([`Attention::window`]).
+    pub(crate) fn forward(
         &self,
         xs: &Tensor,
         rope: &RopeTables,
@@ -117,17 +163,38 @@ impl Attention {
     ) -> candle_core::Result<Tensor> {
         let t = xs.dim(0)?;
         let split = |y: Tensor, n: usize| y.reshape((t, n, self.head_dim))?.transpose(0, 1);
-        let mut q = split(self.q.forward(xs)?, self.heads)?;
-        let mut k = split(self.k.forward(xs)?, self.kv_heads)?;
-        let v = split(self.v.forward(xs)?, self.kv_heads)?;
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+        let (mut q, mut k) = (self.q.forward(xs)?, self.k.forward(xs)?);
+        if self.full_qk_norm
+            && let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm)
+        {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        let q = rope.apply_half(&q.contiguous()?)?;
-        let k = rope.apply_half(&k.contiguous()?)?;
-        let out = attention(&q, &k, &v, mask, 1.0 / (self.head_dim as f64).sqrt())?;
+        let mut q = split(q, self.heads)?;
+        let mut k = split(k, self.kv_heads)?;
+        let v = split(self.v.forward(xs)?, self.kv_heads)?;
+        if !self.full_qk_norm
+            && let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm)
+        {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let q = self.rotate(rope, &q.contiguous()?)?;
+        let k = self.rotate(rope, &k.contiguous()?)?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let out = attention_with_sinks(&q, &k, &v, mask, scale, self.sinks.as_ref())?;
         self.o.forward(&out)
+    }
+
+    /// Rope on the leading `rot_dim` dims of each head of `xs` [heads, T, head_dim]; the rest
+    /// pass through (transformers `apply_rotary_pos_emb` with a partial `rotary_dim`).
+    fn rotate(&self, rope: &RopeTables, xs: &Tensor) -> candle_core::Result<Tensor> {
+        if self.rot_dim == self.head_dim {
+            return rope.apply_half(xs);
+        }
+        let rot = rope.apply_half(&xs.narrow(D::Minus1, 0, self.rot_dim)?.contiguous()?)?;
+        let pass = xs.narrow(D::Minus1, self.rot_dim, self.head_dim - self.rot_dim)?;
+        Tensor::cat(&[&rot, &pass], D::Minus1)
     }
 }
 
@@ -165,7 +232,7 @@ impl Layer {
         };
         Ok(Layer {
             input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
-            attn: Attention::load(cfg, &l.pp("self_attn"), fuse)?,
+            attn: Attention::load(cfg, &l.pp("self_attn"), fuse, i)?,
             post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
             mlp,
             gate_up,

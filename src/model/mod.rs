@@ -9,9 +9,11 @@ pub mod fast;
 pub mod fp8;
 pub mod gguf;
 pub mod llama;
+pub(crate) mod moe;
 pub mod nn;
 pub mod phases;
 pub mod source;
+pub(crate) mod sparse;
 pub mod stream;
 
 use crate::boundary::FinalNorm;
@@ -24,6 +26,7 @@ use crate::naming;
 use candle_core::{DType, Device, Tensor};
 use deepseek::DeepseekDecoder;
 use llama::LlamaDecoder;
+use sparse::SparseDecoder;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
@@ -259,10 +262,13 @@ pub fn load_target_on(
         (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, _) => {
             Box::new(Resident::load(LlamaDecoder::new(cfg, dtype, path), &vb)?)
         }
-        (Arch::DeepseekV3, _) => Box::new(Resident::load(
+        (Arch::DeepseekV3 | Arch::Glm4MoeLite, _) => Box::new(Resident::load(
             DeepseekDecoder::new(cfg, dtype, path)?,
             &vb,
         )?),
+        (Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::MiniMaxM2 | Arch::Glm4Moe | Arch::GptOss, _) => {
+            Box::new(Resident::load(SparseDecoder::new(cfg, dtype, path)?, &vb)?)
+        }
     };
     refuse_unread(cfg, src, vb.unread())?;
     Ok(model)
@@ -286,12 +292,20 @@ pub fn load_streamed(
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => Box::new(
             stream::Streamed::open(LlamaDecoder::new(cfg, dtype, path), src, device, opts)?,
         ),
-        Arch::DeepseekV3 => Box::new(stream::Streamed::open(
+        Arch::DeepseekV3 | Arch::Glm4MoeLite => Box::new(stream::Streamed::open(
             DeepseekDecoder::new(cfg, dtype, path)?,
             src,
             device,
             opts,
         )?),
+        Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::MiniMaxM2 | Arch::Glm4Moe | Arch::GptOss => {
+            Box::new(stream::Streamed::open(
+                SparseDecoder::new(cfg, dtype, path)?,
+                src,
+                device,
+                opts,
+            )?)
+        }
     })
 }
 

@@ -171,14 +171,23 @@ pub fn inv_freq(rope: &Rope, dim: usize) -> (Vec<f64>, f64) {
             mscale,
             mscale_all_dim,
             original_max_position_embeddings: orig,
+            truncate,
+            attention_factor,
         } => {
             let d = dim as f64;
             // The dimension whose wavelength completes `rotations` turns over the original context.
             let correction_dim = |rotations: f64| {
                 d * (orig / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * rope.theta.ln())
             };
-            let low = correction_dim(beta_fast).floor().max(0.0);
-            let high = correction_dim(beta_slow).ceil().min(d - 1.0);
+            // transformers `find_correction_range`: rounded outwards unless `truncate: false`
+            // (gpt-oss), then clamped to the dims.
+            let (low, high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+            let (low, high) = if truncate {
+                (low.floor(), high.ceil())
+            } else {
+                (low, high)
+            };
+            let (low, high) = (low.max(0.0), high.min(d - 1.0));
             let high = if low == high { high + 0.001 } else { high };
             let extrapolated = base.clone();
             let interpolated: Vec<f64> = base.iter().map(|f| f / factor).collect();
@@ -198,10 +207,12 @@ pub fn inv_freq(rope: &Rope, dim: usize) -> (Vec<f64>, f64) {
                 }
             };
             // transformers: the ratio when both mscale terms are set (DeepSeek), else mscale(factor).
-            let attention_factor = if mscale != 0.0 && mscale_all_dim != 0.0 {
-                get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
-            } else {
-                get_mscale(factor, 1.0)
+            let attention_factor = match attention_factor {
+                Some(f) => f,
+                None if mscale != 0.0 && mscale_all_dim != 0.0 => {
+                    get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+                }
+                None => get_mscale(factor, 1.0),
             };
             (freqs, attention_factor)
         }
@@ -332,6 +343,21 @@ pub fn attention(
     mask: &Tensor,
     scale: f64,
 ) -> candle_core::Result<Tensor> {
+    attention_with_sinks(q, k, v, mask, scale, None)
+}
+
+/// [`attention`] with gpt-oss's attention sinks: `sinks` [heads] joins every softmax row as one
+/// more logit with no value (transformers `models/gpt_oss/modeling_gpt_oss.py`
+/// `eager_attention_forward`: the sink concatenated to the scores, the row max subtracted, the
+/// softmax taken, the sink's column dropped).
+pub fn attention_with_sinks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    scale: f64,
+    sinks: Option<&Tensor>,
+) -> candle_core::Result<Tensor> {
     let (heads, seq, _) = q.dims3()?;
     let kv_heads = k.dim(0)?;
     let (k, v) = if kv_heads != heads {
@@ -347,7 +373,17 @@ pub fn attention(
         (k.clone(), v.clone())
     };
     let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?;
-    let probs = softmax_last(&scores.broadcast_add(mask)?)?;
+    let scores = scores.broadcast_add(mask)?;
+    let probs = match sinks {
+        None => softmax_last(&scores)?,
+        Some(s) => {
+            let sink = s
+                .to_dtype(scores.dtype())?
+                .reshape((heads, 1, 1))?
+                .broadcast_as((heads, seq, 1))?;
+            softmax_last(&Tensor::cat(&[&scores, &sink], D::Minus1)?)?.narrow(D::Minus1, 0, seq)?
+        }
+    };
     let out = probs.matmul(&v.contiguous()?)?; // [heads, seq, dv]
     let dv = out.dim(2)?;
     out.transpose(0, 1)?

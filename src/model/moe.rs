@@ -1,0 +1,563 @@
+//! The sparse MLP every MoE family shares: a router ([`crate::routing::Routing`] says how it
+//! decides), routed experts (SwiGLU, or gpt-oss's clamped, biased SwiGLU), and optional shared
+//! experts (Qwen2-MoE's behind a sigmoid gate). DeepSeek-V3, Kimi-K2, GLM-4.5, GLM-4.7-Flash,
+//! Qwen3-MoE, Qwen2-MoE, MiniMax-M2 and gpt-oss all run through [`MoeBlock`]; each family only
+//! names where its tensors live ([`MoeNames`]).
+//!
+//! Two forwards, as for attention: the candle path (the CPU default: routing on the host, each
+//! expert's tokens gathered and scattered back, in ascending expert order as transformers'
+//! `*Experts.forward` loops accumulate them) and the kernel path (routing, dispatch plan,
+//! gather and combine as kernels; on the GPU the experts as grouped GEMMs over the stacked
+//! weights with no per-expert host loop).
+
+use crate::config::{ExpertsAct, ModelConfig, MoeConfig};
+use crate::error::{CandleContext, Result};
+use crate::kernels::{self, MoePlan, StackedExperts};
+use crate::model::nn::{Linear, Mlp};
+use crate::model::source::Vb;
+use crate::model::{ComputePath, phases};
+use crate::routing::{Routed, route_all};
+use candle_core::{DType, Device, Tensor};
+
+/// Where one family keeps its MoE tensors, relative to the layer's MLP prefix.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MoeNames {
+    /// The router module: `gate` (most families) or `router` (gpt-oss).
+    pub router: &'static str,
+    /// Where `e_score_correction_bias` may be, first found wins; absent: zeros (what
+    /// transformers initialises the buffer to).
+    pub correction: &'static [&'static str],
+    /// The shared experts' module: `shared_experts` (DeepSeek, GLM) or `shared_expert`
+    /// (Qwen2-MoE, with `shared_expert_gate` beside it).
+    pub shared: &'static str,
+}
+
+/// DeepSeek-V3, Kimi-K2, GLM-4.5, GLM-4.7-Flash (`DeepseekV3MoE`, `Glm4MoeMoE`).
+pub(crate) const DEEPSEEK_NAMES: MoeNames = MoeNames {
+    router: "gate",
+    correction: &["gate.e_score_correction_bias"],
+    shared: "shared_experts",
+};
+
+/// Qwen3-MoE, Qwen2-MoE (`Qwen2MoeSparseMoeBlock`: `shared_expert`, `shared_expert_gate`).
+pub(crate) const QWEN_NAMES: MoeNames = MoeNames {
+    router: "gate",
+    correction: &[],
+    shared: "shared_expert",
+};
+
+/// MiniMax-M2: transformers keeps the bias on the block (`MiniMaxM2SparseMoeBlock`), its
+/// checkpoint conversion maps it under the gate (conversion_mapping.py, `block_sparse_moe`).
+pub(crate) const MINIMAX_NAMES: MoeNames = MoeNames {
+    router: "gate",
+    correction: &["e_score_correction_bias", "gate.e_score_correction_bias"],
+    shared: "shared_experts",
+};
+
+/// gpt-oss (`GptOssMLP`: `router` with a bias, `experts`).
+pub(crate) const GPT_OSS_NAMES: MoeNames = MoeNames {
+    router: "router",
+    correction: &[],
+    shared: "shared_experts",
+};
+
+/// The router, kept in f32 whatever the compute dtype (transformers keeps DeepSeek's and GLM's
+/// in f32, `_keep_in_fp32_modules_strict`; Qwen's and gpt-oss's run in the model dtype, which
+/// the f32 logits only make more exact).
+struct Router {
+    /// [E, H] f32
+    weight: Tensor,
+    /// gpt-oss: the router's own bias [E] f32, added to the logits.
+    logit_bias: Option<Tensor>,
+    /// `e_score_correction_bias` [E] (zeros where a family has none): steers the selection.
+    correction: Vec<f32>,
+    /// The same as an f32 tensor on the model's device, for the routing kernel.
+    correction_t: Tensor,
+}
+
+impl Router {
+    /// `xs`: [T, H] -> logits [T, E] f32.
+    fn logits(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = xs.to_dtype(DType::F32)?.matmul(&self.weight.t()?)?;
+        match &self.logit_bias {
+            Some(b) => logits.broadcast_add(b),
+            None => Ok(logits),
+        }
+    }
+}
+
+/// Shared experts: one MLP over every token, gated per token by `sigmoid(gate(x))` where the
+/// family has a gate (Qwen2-MoE).
+struct Shared {
+    mlp: Mlp,
+    /// [1, H]
+    gate: Option<Linear>,
+}
+
+impl Shared {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let out = self.mlp.forward(xs)?;
+        match &self.gate {
+            None => Ok(out),
+            Some(g) => out.broadcast_mul(&sigmoid(&g.forward(xs)?)?),
+        }
+    }
+}
+
+fn sigmoid(xs: &Tensor) -> candle_core::Result<Tensor> {
+    (xs.neg()?.exp()? + 1.0)?.recip()
+}
+
+/// The routed experts: one [`Mlp`] per expert (views of `stacked` on a GPU) and how they
+/// activate.
+pub(crate) struct Experts {
+    mlps: Vec<Mlp>,
+    act: ExpertsAct,
+    /// On a CUDA device: the experts' weights as one matrix per projection, what
+    /// [`kernels::moe_experts`] reads.
+    stacked: Option<StackedExperts>,
+}
+
+impl Experts {
+    /// One expert over its rows `xs` [n, H] -> [n, H].
+    fn one(&self, e: usize, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let mlp = &self.mlps[e];
+        match self.act {
+            ExpertsAct::SiluMul => mlp.forward(xs),
+            ExpertsAct::ClampedSwiglu { alpha, limit } => {
+                // `GptOssExperts._apply_gate`: the gate clamped from above, the up projection
+                // both ways, `(up + 1) * gate * sigmoid(alpha * gate)`.
+                let (alpha, limit) = (f64::from(alpha), f64::from(limit));
+                let gate = mlp.gate.forward(xs)?.minimum(limit)?;
+                let up = mlp.up.forward(xs)?.clamp(-limit, limit)?;
+                let glu = (&gate * sigmoid(&(&gate * alpha)?)?)?;
+                mlp.down.forward(&((up + 1.0)? * glu)?)
+            }
+        }
+    }
+
+    /// The experts on rows sorted by expert (`plan.offsets`): `[R, H]` -> `[R, H]`.
+    fn sorted(&self, sorted: &Tensor, plan: &MoePlan) -> candle_core::Result<Tensor> {
+        if let Some(stacked) = &self.stacked
+            && !sorted.device().is_cpu()
+        {
+            return Ok(kernels::moe_experts(sorted, &plan.offsets, stacked)?.0);
+        }
+        let counts = plan.counts.to_vec1::<u32>()?;
+        let mut parts = Vec::with_capacity(self.mlps.len());
+        let mut start = 0;
+        for (e, &n) in counts.iter().enumerate() {
+            let n = n as usize;
+            if n > 0 {
+                parts.push(self.one(e, &sorted.narrow(0, start, n)?)?);
+            }
+            start += n;
+        }
+        Tensor::cat(&parts, 0)
+    }
+}
+
+/// One MoE layer's MLP.
+pub(crate) struct MoeBlock {
+    cfg: MoeConfig,
+    router: Router,
+    experts: Experts,
+    shared: Option<Shared>,
+}
+
+/// A tensor in f32 straight from the store (no round trip through a bf16 compute dtype).
+pub(crate) fn get_f32(vb: &Vb, name: &str, shape: &[usize]) -> Result<Tensor> {
+    let plain =
+        vb.shape_of(name).as_deref() == Some(shape) && !vb.contains(&format!("{name}_scale_inv"));
+    let t = if plain {
+        vb.get_raw(name)?
+    } else {
+        vb.get(name, shape)?
+    };
+    t.to_dtype(DType::F32)
+        .ctx(|| format!("converting {} to f32", vb.path(name)))
+}
+
+impl MoeBlock {
+    /// The MoE MLP under `vb` (the layer's MLP prefix), its tensors where `names` says.
+    pub(crate) fn load(
+        cfg: &ModelConfig,
+        moe: &MoeConfig,
+        vb: &Vb,
+        names: &MoeNames,
+    ) -> Result<MoeBlock> {
+        let (h, e) = (cfg.hidden_size, moe.n_routed_experts);
+        let r = vb.pp(names.router);
+        let correction = match names.correction.iter().find(|n| vb.contains(n)) {
+            Some(name) => get_f32(vb, name, &[e])?
+                .to_vec1::<f32>()
+                .ctx(|| vb.path(name))?,
+            None => vec![0.0; e],
+        };
+        let correction_t =
+            Tensor::new(correction.as_slice(), &vb.device).ctx(|| r.path("correction bias"))?;
+        let logit_bias = match r.contains("bias") {
+            true => Some(get_f32(&r, "bias", &[e])?),
+            false => None,
+        };
+        let router = Router {
+            weight: get_f32(&r, "weight", &[e, h])?,
+            logit_bias,
+            correction,
+            correction_t,
+        };
+        let experts = load_experts(&vb.pp("experts"), moe, h)?;
+        let shared = if moe.shared_intermediate > 0 {
+            let gate_name = format!("{}_gate", names.shared);
+            Some(Shared {
+                mlp: Mlp::load(&vb.pp(names.shared), h, moe.shared_intermediate)?,
+                gate: if moe.shared_gate {
+                    Some(Linear::load(&vb.pp(gate_name), 1, h, false)?)
+                } else {
+                    None
+                },
+            })
+        } else {
+            None
+        };
+        Ok(MoeBlock {
+            cfg: moe.clone(),
+            router,
+            experts,
+            shared,
+        })
+    }
+
+    /// The candle path. `xs`: [T, H] -> ([T, H], the routing of every token).
+    pub(crate) fn forward(&self, xs: &Tensor) -> candle_core::Result<(Tensor, Vec<Routed>)> {
+        let logits = self.router.logits(xs)?;
+        let flat = logits.flatten_all()?.to_vec1::<f32>()?;
+        let routing = route_all(
+            &flat,
+            &self.router.correction,
+            self.cfg.n_routed_experts,
+            &self.cfg.routing,
+        );
+        let device = xs.device();
+        // Per expert: the tokens routed to it and their weights; experts in ascending order.
+        let mut per_expert: Vec<(Vec<u32>, Vec<f32>)> =
+            vec![Default::default(); self.experts.mlps.len()];
+        for (tok, r) in routing.iter().enumerate() {
+            for (&e, &w) in r.experts.iter().zip(&r.weights) {
+                per_expert[e].0.push(tok as u32);
+                per_expert[e].1.push(w);
+            }
+        }
+        let mut out = xs.zeros_like()?;
+        for (e, (toks, ws)) in per_expert.into_iter().enumerate() {
+            if toks.is_empty() {
+                continue;
+            }
+            let n = toks.len();
+            let idx = Tensor::new(toks.as_slice(), device)?;
+            let w = Tensor::from_vec(ws, (n, 1), device)?.to_dtype(xs.dtype())?;
+            let y = self
+                .experts
+                .one(e, &xs.index_select(&idx, 0)?)?
+                .broadcast_mul(&w)?;
+            out = out.index_add(&idx, &y, 0)?;
+        }
+        if let Some(shared) = &self.shared {
+            out = (out + shared.forward(xs)?)?;
+        }
+        Ok((out, routing))
+    }
+
+    /// The kernel path: routing, dispatch plan, gather and combine as kernels
+    /// (kernels/moe.cu, kernels/gather.cu), the experts by [`kernels::moe_experts`] on the GPU
+    /// (each touched expert's weights read once; no per-expert host loop; on an sm_90 device no
+    /// host synchronisation either) or a matmul per expert on the CPU. `xs`: [T, H] -> ([T, H],
+    /// topk_idx [T, K] u32, topk_w [T, K] f32).
+    pub(crate) fn forward_kernels(
+        &self,
+        xs: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let logits = self.router.logits(xs)?;
+        let routing = kernels::moe_route(&logits, &self.router.correction_t, &self.cfg.routing)?;
+        let plan = kernels::moe_plan(&routing.topk_idx, self.cfg.n_routed_experts)?;
+        let sorted = kernels::gather_rows(xs, &plan.perm_token)?; // [T*K, H]
+        phases::mark("moe routing, plan, gather", xs.device());
+        let ys = self.experts.sorted(&sorted, &plan)?;
+        phases::mark("moe experts", xs.device());
+        let shared = match &self.shared {
+            Some(s) => Some(s.forward(xs)?),
+            None => None,
+        };
+        phases::mark("moe shared expert", xs.device());
+        let out = kernels::moe_combine(&ys, &plan, &routing.topk_w, shared.as_ref())?;
+        phases::mark("moe combine", xs.device());
+        Ok((out, routing.topk_idx, routing.topk_w))
+    }
+}
+
+/// A decoder layer's feed-forward part: a dense MLP or the experts.
+pub(crate) enum Ffn {
+    Dense(Mlp),
+    Moe(Box<MoeBlock>),
+}
+
+impl Ffn {
+    /// `normed` [T, H] -> (the FFN output [T, H], for a MoE layer its routing as [T, K] expert
+    /// ids i64 and weights f32).
+    pub(crate) fn forward(
+        &self,
+        normed: &Tensor,
+        path: ComputePath,
+    ) -> candle_core::Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let device = normed.device();
+        match (self, path) {
+            (Ffn::Dense(mlp), _) => {
+                let f = mlp.forward(normed)?;
+                phases::mark("dense mlp", device);
+                Ok((f, None))
+            }
+            (Ffn::Moe(moe), ComputePath::Candle) => {
+                let (f, r) = moe.forward(normed)?;
+                Ok((f, Some(routing_tensors(&r, device)?)))
+            }
+            (Ffn::Moe(moe), ComputePath::Kernels | ComputePath::Fused) => {
+                let (f, idx, w) = moe.forward_kernels(normed)?;
+                Ok((f, Some((idx.to_dtype(DType::I64)?, w))))
+            }
+        }
+    }
+}
+
+/// Layer `layer`'s routing as `Capture.extras` entries (`router.{layer}.topk_idx`,
+/// `router.{layer}.topk_weight`).
+pub(crate) fn routing_extras(
+    layer: usize,
+    routing: Option<(Tensor, Tensor)>,
+) -> Vec<(String, Tensor)> {
+    match routing {
+        Some((idx, w)) => vec![
+            (format!("router.{layer}.topk_idx"), idx),
+            (format!("router.{layer}.topk_weight"), w),
+        ],
+        None => Vec::new(),
+    }
+}
+
+/// `[T, k]` routing tensors for `Capture.extras`: i64 expert ids and f32 weights.
+fn routing_tensors(routing: &[Routed], device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+    let t = routing.len();
+    let k = routing.first().map_or(0, |r| r.experts.len());
+    let idx: Vec<i64> = routing
+        .iter()
+        .flat_map(|r| r.experts.iter().map(|&e| e as i64))
+        .collect();
+    let w: Vec<f32> = routing.iter().flat_map(|r| r.weights.clone()).collect();
+    Ok((
+        Tensor::from_vec(idx, (t, k), device)?,
+        Tensor::from_vec(w, (t, k), device)?,
+    ))
+}
+
+/// A linear layer from a weight `[out, in]` and an optional bias `[out]`.
+fn linear(weight: Tensor, bias: Option<Tensor>) -> Linear {
+    Linear { weight, bias }
+}
+
+/// The routed experts under `ex` (the `experts` prefix), in whichever layout the checkpoint
+/// holds them:
+/// - transformers 5's fused tensors: `gate_up_proj` [E, 2I, H] (each expert's gate rows, then
+///   its up rows: `*Experts.forward` chunks the output in two) and `down_proj` [E, H, I];
+/// - one module per expert, `{e}.gate_proj` / `{e}.up_proj` / `{e}.down_proj` (the original
+///   DeepSeek, Kimi, Qwen and GLM checkpoints) or `{e}.w1` / `{e}.w3` / `{e}.w2` (MiniMax's,
+///   transformers' conversion_mapping.py `block_sparse_moe`: w1 gate, w3 up, w2 down);
+/// - gpt-oss's ([`load_gpt_oss_experts`]).
+///
+/// On a CUDA device also stacked as [`StackedExperts`] (SwiGLU experts): the fused tensors as
+/// they are, the per-expert ones copied into their slots as each expert loads.
+fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
+    let (e, inter) = (moe.n_routed_experts, moe.moe_intermediate_size);
+    if let ExpertsAct::ClampedSwiglu { .. } = moe.act {
+        return load_gpt_oss_experts(ex, moe, h);
+    }
+    let done = |mlps, stacked| {
+        Ok(Experts {
+            mlps,
+            act: moe.act,
+            stacked,
+        })
+    };
+    let views = |stacked: StackedExperts, what: &str| -> Result<Experts> {
+        let mlps = (0..e)
+            .map(|i| {
+                let [gate, up, down] = stacked.expert(i)?;
+                Ok(Mlp {
+                    gate: linear(gate, None),
+                    up: linear(up, None),
+                    down: linear(down, None),
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()
+            .ctx(|| what.to_string())?;
+        let keep = (!ex.device.is_cpu()).then_some(stacked);
+        done(mlps, keep)
+    };
+    if ex.contains("gate_up_proj") {
+        let what = ex.path("gate_up_proj");
+        let gate_up = ex.get("gate_up_proj", &[e, 2 * inter, h])?;
+        let down = ex.get("down_proj", &[e, h, inter])?;
+        let stacked = StackedExperts {
+            experts: e,
+            gate_up: gate_up.reshape((e * 2 * inter, h)).ctx(|| what.clone())?,
+            down: down.reshape((e * h, inter)).ctx(|| ex.path("down_proj"))?,
+        };
+        return views(stacked, &what);
+    }
+    let names = if ex.contains("0.w1.weight") {
+        ["w1", "w3", "w2"]
+    } else {
+        ["gate_proj", "up_proj", "down_proj"]
+    };
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = &ex.device {
+        let stacked = load_stacked(ex, dev, e, h, inter, names)?;
+        return views(stacked, &ex.path("*"));
+    }
+    let mlps = (0..e)
+        .map(|i| expert_mlp(&ex.pp(i.to_string()), h, inter, names))
+        .collect::<Result<Vec<_>>>()?;
+    done(mlps, None)
+}
+
+/// One expert's module: gate, up and down under `names`.
+fn expert_mlp(vb: &Vb, h: usize, inter: usize, names: [&str; 3]) -> Result<Mlp> {
+    let [gate, up, down] = names;
+    Ok(Mlp {
+        gate: Linear::load(&vb.pp(gate), inter, h, false)?,
+        up: Linear::load(&vb.pp(up), inter, h, false)?,
+        down: Linear::load(&vb.pp(down), h, inter, false)?,
+    })
+}
+
+/// gpt-oss's experts (`GptOssExperts`): `gate_up_proj` [E, H, 2I] whose output columns
+/// interleave gate and up (`gate_up[..., ::2]`, `gate_up[..., 1::2]`), `gate_up_proj_bias`
+/// [E, 2I] likewise, `down_proj` [E, I, H], `down_proj_bias` [E, H]: the weights multiply from
+/// the right (`hidden @ gate_up_proj[e]`). The released checkpoints ship the two weights as
+/// MXFP4 (`*_blocks` [E, rows, cols / 32, 16] u8 and `*_scales` [E, rows, cols / 32] u8, rows the
+/// output features), dequantised here (transformers integrations/mxfp4.py
+/// `convert_moe_packed_tensors`, which transposes the result into the layout above).
+fn load_gpt_oss_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
+    let (e, inter) = (moe.n_routed_experts, moe.moe_intermediate_size);
+    // Both as [E, out, in]: gate_up [E, 2I, H] with interleaved rows, down [E, H, I].
+    let (gate_up, down) = if ex.contains("gate_up_proj_blocks") {
+        (
+            mxfp4(ex, "gate_up_proj", e, 2 * inter, h)?,
+            mxfp4(ex, "down_proj", e, h, inter)?,
+        )
+    } else {
+        let t = |name: &str, shape: &[usize]| -> Result<Tensor> {
+            ex.get(name, shape)?.transpose(1, 2).ctx(|| ex.path(name))
+        };
+        (
+            t("gate_up_proj", &[e, h, 2 * inter])?,
+            t("down_proj", &[e, inter, h])?,
+        )
+    };
+    let gate_up_bias = ex.get("gate_up_proj_bias", &[e, 2 * inter])?;
+    let down_bias = ex.get("down_proj_bias", &[e, h])?;
+    let split = || -> candle_core::Result<Vec<Mlp>> {
+        // Rows 2j are gate row j, rows 2j + 1 up row j.
+        let pairs = gate_up.reshape((e, inter, 2, h))?;
+        let bias_pairs = gate_up_bias.reshape((e, inter, 2))?;
+        (0..e)
+            .map(|i| {
+                let w = |half: usize| pairs.get(i)?.narrow(1, half, 1)?.squeeze(1)?.contiguous();
+                let b = |half: usize| {
+                    bias_pairs
+                        .get(i)?
+                        .narrow(1, half, 1)?
+                        .squeeze(1)?
+                        .contiguous()
+                };
+                Ok(Mlp {
+                    gate: linear(w(0)?, Some(b(0)?)),
+                    up: linear(w(1)?, Some(b(1)?)),
+                    down: linear(
+                        down.get(i)?.contiguous()?,
+                        Some(down_bias.get(i)?.contiguous()?),
+                    ),
+                })
+            })
+            .collect()
+    };
+    let mlps = split().ctx(|| ex.path("gate_up_proj"))?;
+    Ok(Experts {
+        mlps,
+        act: moe.act,
+        stacked: None,
+    })
+}
+
+/// An MXFP4 weight `{name}_blocks` / `{name}_scales` dequantised to `[E, rows, cols]` in the
+/// compute dtype.
+fn mxfp4(ex: &Vb, name: &str, e: usize, rows: usize, cols: usize) -> Result<Tensor> {
+    let (blocks, scales) = (format!("{name}_blocks"), format!("{name}_scales"));
+    let groups = cols.div_ceil(32);
+    ex.checked(&blocks, &[e, rows, groups, 16])?;
+    ex.checked(&scales, &[e, rows, groups])?;
+    Err(crate::error::Error::weights(
+        ex.origin(),
+        format!("{}: MXFP4-TODO", ex.path(name)),
+    ))
+}
+
+/// Per-expert weights copied into their slots of the stacked matrices as each expert loads,
+/// so a layer's experts are held once plus one expert. Every weight arrives in the builder's
+/// compute dtype (`Vb::get` converts to it).
+#[cfg(feature = "cuda")]
+fn load_stacked(
+    ex: &Vb,
+    dev: &candle_core::cuda_backend::CudaDevice,
+    e: usize,
+    h: usize,
+    inter: usize,
+    names: [&str; 3],
+) -> Result<StackedExperts> {
+    use kernels::cuda;
+    let what = ex.path("*");
+    let alloc = |rows: usize, cols: usize| -> Result<Tensor> {
+        let s = cuda::alloc(dev, ex.dtype, rows * cols).ctx(|| format!("stacking {what}"))?;
+        Ok(cuda::tensor(s, (rows, cols)))
+    };
+    let stacked = StackedExperts {
+        experts: e,
+        gate_up: alloc(e * 2 * inter, h)?,
+        down: alloc(e * h, inter)?,
+    };
+    let ptrs = || -> candle_core::Result<_> {
+        Ok((
+            cuda::tensor_ptr(&stacked.gate_up)?,
+            cuda::tensor_ptr(&stacked.down)?,
+        ))
+    };
+    let (gu_p, d_p) = ptrs().ctx(|| format!("stacking {what}"))?;
+    let block = (inter * h * ex.dtype.size_in_bytes()) as u64;
+    for i in 0..e {
+        let m = expert_mlp(&ex.pp(i.to_string()), h, inter, names)?;
+        let copy = || -> candle_core::Result<()> {
+            for (w, dst) in [
+                (&m.gate.weight, gu_p + 2 * i as u64 * block),
+                (&m.up.weight, gu_p + (2 * i as u64 + 1) * block),
+                (&m.down.weight, d_p + i as u64 * block),
+            ] {
+                if w.dtype() != ex.dtype {
+                    candle_core::bail!("{:?}, expected {:?}", w.dtype(), ex.dtype);
+                }
+                let w = w.contiguous()?;
+                cuda::copy_raw(dev, dst, cuda::tensor_ptr(&w)?, block as usize)?;
+            }
+            Ok(())
+        };
+        copy().ctx(|| format!("{what}: stacking expert {i}"))?;
+    }
+    Ok(stacked)
+}

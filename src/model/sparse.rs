@@ -1,0 +1,193 @@
+//! The grouped-query-attention MoE families: Qwen3-MoE, Qwen2-MoE, MiniMax-M2, GLM-4.5 and
+//! gpt-oss. Each layer is `x + attn(norm(x))`, then `+ ffn(norm(.))` with the FFN dense or
+//! sparse ([`MoeBlock`]) as the config says; what differs between the families is data the
+//! config resolves (q/k norm, partial rotary, biases, windows, sinks, the routing, the experts'
+//! activation) and where each family keeps its MoE tensors ([`MoeNames`]).
+//!
+//! References, transformers 5.24 (`models/<family>/modeling_<family>.py`):
+//! - Qwen3-MoE `Qwen3MoeAttention` (per-head q/k RMSNorm before rope, o_proj biased with
+//!   `attention_bias`), `Qwen3MoeDecoderLayer` (sparse unless in `mlp_only_layers`, every
+//!   `decoder_sparse_step`-th layer), `Qwen3MoeTopKRouter` (softmax top-k).
+//! - Qwen2-MoE `Qwen2MoeAttention` (q/k/v biased with `qkv_bias`, a window on the
+//!   `layer_types` sliding layers), `Qwen2MoeSparseMoeBlock` (the shared expert times
+//!   `sigmoid(shared_expert_gate(x))`, added to the routed sum).
+//! - MiniMax-M2 `MiniMaxM2Attention` (q_norm/k_norm over the whole projection, before the head
+//!   split; rope on the first `rotary_dim` dims), `MiniMaxM2TopKRouter` (sigmoid, correction
+//!   bias, renormalised).
+//! - GLM-4.5 `Glm4MoeAttention` (q/k/v biased with `attention_bias`, o_proj never; optional
+//!   per-head q/k norm; `apply_rotary_pos_emb` rotate-half on the first
+//!   `head_dim * partial_rotary_factor` dims), `Glm4MoeTopkRouter` (DeepSeek's `noaux_tc`),
+//!   `Glm4MoeDecoderLayer` (dense below `first_k_dense_replace`), `Glm4MoeMoE` (shared experts).
+//! - gpt-oss `GptOssAttention` (q/k/v/o biased, `sinks`, a window on the sliding layers of
+//!   `layer_types`), `_apply_rotary_emb` (rotate-half on the halves), `GptOssTopKRouter`
+//!   (biased logits, softmax over the top k), `GptOssExperts` (clamped SwiGLU with biases).
+//!
+//! The boundaries are HF's: `b = 0` the embedding, `b = i + 1` the residual stream after layer
+//! `i`, `b = L` after the final norm.
+
+use crate::config::{Arch, ModelConfig};
+use crate::error::{CandleContext, Error, Result};
+use crate::model::llama::Attention;
+use crate::model::moe::{
+    DEEPSEEK_NAMES, Ffn, GPT_OSS_NAMES, MINIMAX_NAMES, MoeBlock, MoeNames, QWEN_NAMES,
+    routing_extras,
+};
+use crate::model::nn::{Mlp, RmsNorm, RopeTables, causal_mask};
+use crate::model::source::Vb;
+use crate::model::{ComputePath, Decoder, LayerStep, phases};
+use candle_core::{DType, Device, Tensor};
+
+pub(crate) struct Layer {
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_norm: RmsNorm,
+    ffn: Ffn,
+}
+
+/// Where `arch` keeps its MoE tensors.
+fn names(arch: Arch) -> &'static MoeNames {
+    match arch {
+        Arch::Qwen3Moe | Arch::Qwen2Moe => &QWEN_NAMES,
+        Arch::MiniMaxM2 => &MINIMAX_NAMES,
+        Arch::GptOss => &GPT_OSS_NAMES,
+        _ => &DEEPSEEK_NAMES,
+    }
+}
+
+impl Layer {
+    fn load(cfg: &ModelConfig, m: &Vb, i: usize) -> Result<Layer> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let l = m.pp(format!("layers.{i}"));
+        let ffn = match &cfg.moe {
+            Some(moe) if moe.is_moe_layer(i) => {
+                // MiniMax's own checkpoints keep the block as `block_sparse_moe`.
+                let prefix = if l.contains("block_sparse_moe.gate.weight") {
+                    "block_sparse_moe"
+                } else {
+                    "mlp"
+                };
+                Ffn::Moe(Box::new(MoeBlock::load(
+                    cfg,
+                    moe,
+                    &l.pp(prefix),
+                    names(cfg.arch),
+                )?))
+            }
+            _ => Ffn::Dense(Mlp::load(&l.pp("mlp"), h, cfg.intermediate_size)?),
+        };
+        Ok(Layer {
+            input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
+            attn: Attention::load(cfg, &l.pp("self_attn"), false, i)?,
+            post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
+            ffn,
+        })
+    }
+}
+
+/// The decoder of the GQA MoE families ([`Decoder`]).
+pub(crate) struct SparseDecoder {
+    cfg: ModelConfig,
+    dtype: DType,
+    path: ComputePath,
+}
+
+impl SparseDecoder {
+    /// Checks the config before any weight is read.
+    pub(crate) fn new(cfg: &ModelConfig, dtype: DType, path: ComputePath) -> Result<Self> {
+        if !matches!(
+            cfg.arch,
+            Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::MiniMaxM2 | Arch::Glm4Moe | Arch::GptOss
+        ) {
+            return Err(Error::config(
+                &cfg.path,
+                format!("{} is not a GQA MoE family", cfg.model_type),
+            ));
+        }
+        Ok(SparseDecoder {
+            cfg: cfg.clone(),
+            dtype,
+            path,
+        })
+    }
+}
+
+/// Rope tables, the causal mask, and the sliding-window mask when a layer has a window (the
+/// masks are placeholders on the kernel path, whose flash attention masks by position).
+pub(crate) struct Ctx {
+    rope: RopeTables,
+    full: Tensor,
+    sliding: Option<Tensor>,
+}
+
+impl Decoder for SparseDecoder {
+    type Layer = Layer;
+    type Ctx = Ctx;
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn load_layer(&self, m: &Vb, i: usize) -> Result<Layer> {
+        Layer::load(&self.cfg, m, i)
+    }
+
+    fn context(&self, t: usize, device: &Device) -> Result<Ctx> {
+        let rope = RopeTables::new(&self.cfg.rope, self.cfg.rotary_dim, t, self.dtype, device)?;
+        let window = (0..self.cfg.num_layers).find_map(|i| self.cfg.window_of(i));
+        let (full, sliding) = match self.path {
+            ComputePath::Candle => (
+                causal_mask(t, None, self.dtype, device)?,
+                window
+                    .map(|w| causal_mask(t, Some(w), self.dtype, device))
+                    .transpose()?,
+            ),
+            ComputePath::Kernels | ComputePath::Fused => (
+                Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
+                None,
+            ),
+        };
+        Ok(Ctx {
+            rope,
+            full,
+            sliding,
+        })
+    }
+
+    fn step(&self, layer: &Layer, i: usize, xs: &Tensor, ctx: &Ctx) -> Result<LayerStep> {
+        let device = xs.device();
+        // (next, ffn output, routing as [T, K] expert ids i64 and weights f32)
+        type Step = (Tensor, Tensor, Option<(Tensor, Tensor)>);
+        let step = || -> candle_core::Result<Step> {
+            let normed = layer.input_norm.forward(xs)?;
+            phases::mark("input norm", device);
+            let (xs, normed) = match self.path {
+                ComputePath::Candle => {
+                    let mask = match (layer.attn.window(), &ctx.sliding) {
+                        (Some(_), Some(sliding)) => sliding,
+                        _ => &ctx.full,
+                    };
+                    let xs = (xs + layer.attn.forward(&normed, &ctx.rope, mask)?)?;
+                    let normed = layer.post_norm.forward(&xs)?;
+                    (xs, normed)
+                }
+                ComputePath::Kernels | ComputePath::Fused => {
+                    let a = layer.attn.forward_kernels(&normed, &ctx.rope)?;
+                    layer.post_norm.add_forward(xs, &a)?
+                }
+            };
+            phases::mark("post-attention add + norm", device);
+            let (f, routing) = layer.ffn.forward(&normed, self.path)?;
+            Ok(((xs + &f)?, f, routing))
+        };
+        let (next, ffn_out, routing) = step().ctx(|| format!("decoder layer {i}"))?;
+        Ok(LayerStep {
+            next,
+            ffn_out,
+            extras: routing_extras(i, routing),
+        })
+    }
+}

@@ -1,0 +1,401 @@
+//! The GQA MoE families against HF transformers 5.24 on the tiny checkpoints of
+//! fixtures/gen_moe_models.py: every boundary, the pre-norm final state, the logits and every
+//! MoE layer's routing, through the candle path, the kernel path (the GPU's code path, its
+//! kernels' CPU references) and the streamed target. Each family names the HF file it follows.
+//! The negative controls plant each family's likeliest bug in a copy of the checkpoint (window
+//! off, sinks dropped, router bias ignored, partial rotary as full) and require the parity to
+//! break, so the fixtures can tell.
+
+use crate::support::{fixture, scratch};
+use candle_core::{DType, Device, Tensor};
+use eagle_check::compare::closeness;
+use eagle_check::config::ModelConfig;
+use eagle_check::model::source::SafetensorsSource;
+use eagle_check::model::stream::StreamOptions;
+use eagle_check::model::{
+    Capture, CaptureRequest, ComputePath, Progress, load_streamed, load_target_on,
+};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The f32 parity bound, with its reason: `eagle_check::tolerance::PARITY_F32`.
+const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
+
+/// (fixture, the HF modeling file its numbers come from)
+const FAMILIES: [(&str, &str); 8] = [
+    ("qwen3_moe", "models/qwen3_moe/modeling_qwen3_moe.py"),
+    ("qwen2_moe", "models/qwen2_moe/modeling_qwen2_moe.py"),
+    ("minimax_m2", "models/minimax_m2/modeling_minimax_m2.py"),
+    ("glm4_moe", "models/glm4_moe/modeling_glm4_moe.py"),
+    ("glm4_moe_noqk", "models/glm4_moe/modeling_glm4_moe.py"),
+    (
+        "glm4_moe_lite",
+        "models/glm4_moe_lite/modeling_glm4_moe_lite.py",
+    ),
+    ("gpt_oss", "models/gpt_oss/modeling_gpt_oss.py"),
+    (
+        "gpt_oss_mxfp4",
+        "models/gpt_oss/modeling_gpt_oss.py + integrations/mxfp4.py",
+    ),
+];
+
+fn reference(name: &str) -> HashMap<String, Tensor> {
+    let path = fixture(&format!("models/{name}/reference.safetensors"));
+    candle_core::safetensors::load(path, &Device::Cpu).expect("reference file")
+}
+
+fn ids(r: &HashMap<String, Tensor>) -> Vec<u32> {
+    r["input_ids"]
+        .to_vec1::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|x| x as u32)
+        .collect()
+}
+
+fn run(dir: &Path, r: &HashMap<String, Tensor>, path: ComputePath) -> (ModelConfig, Capture) {
+    let cfg = ModelConfig::load(dir).unwrap();
+    let src = SafetensorsSource::open(dir).unwrap();
+    let model = load_target_on(&cfg, &src, DType::F32, &Device::Cpu, path)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let cap = model
+        .forward(&ids(r), &CaptureRequest::all(), &mut Progress::hidden())
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    (cfg, cap)
+}
+
+/// Worst relative error over every boundary, the pre-norm final state and the logits.
+fn worst_error(what: &str, cfg: &ModelConfig, cap: &Capture, r: &HashMap<String, Tensor>) -> f64 {
+    let mut worst = 0f64;
+    let mut check = |label: String, got: &Tensor, key: &str| {
+        let c = closeness(got, &r[key]).unwrap();
+        assert_eq!(c.non_finite, 0, "{what} {label}");
+        worst = worst.max(c.max_rel);
+    };
+    for b in 0..=cfg.num_layers {
+        let key = format!("hidden_states.{b}");
+        check(format!("b={b}"), &cap.hidden[&b], &key);
+    }
+    check(
+        "final_pre_norm".into(),
+        cap.final_pre_norm.as_ref().unwrap(),
+        "final_pre_norm",
+    );
+    check("logits".into(), cap.logits.as_ref().unwrap(), "logits");
+    eprintln!("{what}: worst rel err {worst:.2e}");
+    worst
+}
+
+/// Every MoE layer picks HF's experts for every token, with HF's weights.
+fn check_routing(what: &str, cfg: &ModelConfig, cap: &Capture, r: &HashMap<String, Tensor>) {
+    let moe = cfg.moe.as_ref().unwrap();
+    let layers: Vec<usize> = (0..cfg.num_layers)
+        .filter(|&l| moe.is_moe_layer(l))
+        .collect();
+    assert!(!layers.is_empty(), "{what}: no MoE layer");
+    for l in layers {
+        let key = format!("router.{l}.topk_idx");
+        let got = cap.extras[&key].to_dtype(DType::I64).unwrap();
+        let want = r[&key].to_vec2::<i64>().unwrap();
+        assert_eq!(
+            got.to_vec2::<i64>().unwrap(),
+            want,
+            "{what} layer {l} experts"
+        );
+        let key = format!("router.{l}.topk_weight");
+        let w = closeness(&cap.extras[&key], &r[&key]).unwrap();
+        assert!(
+            w.max_rel <= F32_TOL,
+            "{what} layer {l} weights {:.2e}",
+            w.max_rel
+        );
+    }
+}
+
+#[test]
+fn moe_families_match_transformers_on_both_paths() {
+    for (name, hf) in FAMILIES {
+        let dir = fixture(&format!("models/{name}"));
+        let r = reference(name);
+        for path in [ComputePath::Candle, ComputePath::Kernels] {
+            let what = format!("{name} ({hf}, {path:?})");
+            let (cfg, cap) = run(&dir, &r, path);
+            let worst = worst_error(&what, &cfg, &cap, &r);
+            assert!(worst <= F32_TOL, "{what}: worst rel err {worst:.3e}");
+            check_routing(&what, &cfg, &cap, &r);
+        }
+    }
+}
+
+#[test]
+fn moe_families_streamed_match_resident() {
+    for (name, _) in FAMILIES {
+        let dir = fixture(&format!("models/{name}"));
+        let r = reference(name);
+        let cfg = ModelConfig::load(&dir).unwrap();
+        let src = Box::new(SafetensorsSource::open(&dir).unwrap());
+        let streamed = load_streamed(
+            &cfg,
+            src,
+            DType::F32,
+            &Device::Cpu,
+            StreamOptions::default(),
+        )
+        .unwrap();
+        let cap = streamed
+            .forward(&ids(&r), &CaptureRequest::all(), &mut Progress::hidden())
+            .unwrap();
+        let worst = worst_error(&format!("{name} streamed"), &cfg, &cap, &r);
+        assert!(worst <= F32_TOL, "{name} streamed: {worst:.3e}");
+        let stats = streamed.stream_stats().unwrap();
+        assert_eq!(stats.layers_loaded, cfg.num_layers, "{name}");
+    }
+}
+
+/// The resolved configs say what HF's config classes say.
+#[test]
+fn moe_family_configs_resolve_as_transformers_reads_them() {
+    use eagle_check::config::{Arch, ExpertsAct, QkNorm};
+    use eagle_check::routing::Scoring;
+    let cfg = |name: &str| ModelConfig::load(&fixture(&format!("models/{name}"))).unwrap();
+    let gpt = cfg("gpt_oss");
+    assert_eq!(gpt.arch, Arch::GptOss);
+    assert!(gpt.attn_sinks && gpt.o_bias && gpt.attention_bias);
+    assert_eq!(gpt.window_of(0), gpt.sliding_window);
+    assert_eq!(gpt.window_of(1), None);
+    let moe = gpt.moe.as_ref().unwrap();
+    assert_eq!(moe.routing.scoring, Scoring::Softmax);
+    assert!(matches!(moe.act, ExpertsAct::ClampedSwiglu { alpha, .. } if alpha == 1.702f32));
+    let mm = cfg("minimax_m2");
+    assert_eq!(mm.qk_norm, QkNorm::Full);
+    assert!(mm.rotary_dim < mm.head_dim);
+    assert_eq!(mm.moe.as_ref().unwrap().routing.scoring, Scoring::Sigmoid);
+    let glm = cfg("glm4_moe");
+    assert_eq!(glm.rotary_dim * 2, glm.head_dim);
+    assert_eq!(glm.qk_norm, QkNorm::PerHead);
+    assert!(!glm.o_bias && glm.attention_bias);
+    assert_eq!(cfg("glm4_moe_noqk").qk_norm, QkNorm::None);
+    let q2 = cfg("qwen2_moe");
+    let m2 = q2.moe.as_ref().unwrap();
+    assert!(m2.shared_gate && m2.shared_intermediate > 0 && !m2.routing.norm_topk);
+    let q3 = cfg("qwen3_moe");
+    let m3 = q3.moe.as_ref().unwrap();
+    assert!(
+        (0..q3.num_layers).any(|l| !m3.is_moe_layer(l)),
+        "mlp_only_layers"
+    );
+    assert_eq!(cfg("glm4_moe_lite").arch, Arch::Glm4MoeLite);
+}
+
+/// A copy of fixture `name` with `edit` applied to its config.json and `tensors` to its
+/// weights.
+fn planted(
+    name: &str,
+    tag: &str,
+    edit: impl Fn(&mut serde_json::Value),
+    tensors: impl Fn(&mut HashMap<String, Tensor>),
+) -> std::path::PathBuf {
+    let src = fixture(&format!("models/{name}"));
+    let dir = scratch(&format!("planted-{name}-{tag}"));
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let mut w =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    tensors(&mut w);
+    candle_core::safetensors::save(&w, dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+fn worst_of(dir: &Path, name: &str) -> f64 {
+    let r = reference(name);
+    let (cfg, cap) = run(dir, &r, ComputePath::Candle);
+    worst_error(&format!("{name} planted"), &cfg, &cap, &r)
+}
+
+#[test]
+fn planted_family_bugs_break_the_parity() {
+    // gpt-oss with every layer full attention: the sliding layers see too far back.
+    let no_window = planted(
+        "gpt_oss",
+        "window",
+        |c| {
+            let n = c["num_hidden_layers"].as_u64().unwrap() as usize;
+            c["layer_types"] = serde_json::json!(vec!["full_attention"; n]);
+        },
+        |_| {},
+    );
+    assert!(
+        worst_of(&no_window, "gpt_oss") > 1e-2,
+        "window off must fail"
+    );
+    // gpt-oss with its sinks at -inf: no logit joins the softmax (the sinks dropped).
+    let no_sinks = planted(
+        "gpt_oss",
+        "sinks",
+        |_| {},
+        |w| {
+            for (k, v) in w.iter_mut() {
+                if k.ends_with("self_attn.sinks") {
+                    *v = (v.ones_like().unwrap() * -1e30).unwrap();
+                }
+            }
+        },
+    );
+    assert!(
+        worst_of(&no_sinks, "gpt_oss") > 1e-2,
+        "sinks dropped must fail"
+    );
+    // MiniMax-M2 with the correction bias zeroed: other experts are picked.
+    let no_bias = planted(
+        "minimax_m2",
+        "bias",
+        |_| {},
+        |w| {
+            for (k, v) in w.iter_mut() {
+                if k.ends_with("e_score_correction_bias") {
+                    *v = v.zeros_like().unwrap();
+                }
+            }
+        },
+    );
+    assert!(
+        worst_of(&no_bias, "minimax_m2") > 1e-3,
+        "router bias ignored must fail"
+    );
+    // GLM-4.5 with rope over the whole head.
+    let full_rope = planted(
+        "glm4_moe",
+        "rope",
+        |c| {
+            c["partial_rotary_factor"] = serde_json::json!(1.0);
+            if let Some(p) = c.get_mut("rope_parameters").and_then(|p| p.as_object_mut()) {
+                p.insert("partial_rotary_factor".into(), serde_json::json!(1.0));
+            }
+        },
+        |_| {},
+    );
+    assert!(
+        worst_of(&full_rope, "glm4_moe") > 1e-2,
+        "full rotary must fail"
+    );
+}
+
+/// (real target config under fixtures/real-configs/targets/, its shrunk copy under
+/// fixtures/real-configs/shrunk/: the same keys and tensor names, 2 layers, small widths)
+const REAL: [(&str, &str); 6] = [
+    (
+        "target_qwen3-30b-a3b__aiconfigurator_model_configs.json",
+        "qwen3-30b-a3b",
+    ),
+    (
+        "target_qwen3-235b-a22b__aiconfigurator_model_configs.json",
+        "qwen3-235b-a22b",
+    ),
+    (
+        "target_qwen3-coder-480b-a35b-instruct__aiconfigurator_model_configs.json",
+        "qwen3-coder-480b-a35b-instruct",
+    ),
+    (
+        "target_gpt-oss-20b__aiconfigurator_model_configs.json",
+        "gpt-oss-20b",
+    ),
+    (
+        "target_gpt-oss-120b__aiconfigurator_model_configs.json",
+        "gpt-oss-120b",
+    ),
+    (
+        "target_minimax-m2.5__aiconfigurator_model_configs.json",
+        "minimax-m2.5",
+    ),
+];
+
+/// A SpecForge-style EAGLE-3 draft config for a target of `hidden` and `vocab` (SpecForge's
+/// Qwen3-8B draft with the target's widths).
+fn draft_for(dir: &Path, hidden: usize, vocab: usize) -> std::path::PathBuf {
+    let base = fixture("real-configs/draft_eagle3_qwen3-8b__SpecForge.json");
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(base).unwrap()).unwrap();
+    cfg["hidden_size"] = serde_json::json!(hidden);
+    cfg["vocab_size"] = serde_json::json!(vocab);
+    let path = dir.join(format!("draft-{hidden}.json"));
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    path
+}
+
+/// The published configs resolve to the runner's settings as transformers reads them, and the
+/// gate checks them (no `unsupported-architecture`, no exit 2) on sglang and vLLM.
+#[test]
+fn real_moe_configs_resolve_and_gate() {
+    use eagle_check::config::{Arch, ExpertsAct, QkNorm};
+    use eagle_check::routing::Scoring;
+    let dir = scratch("moe-real-gate");
+    for (file, _) in REAL {
+        let path = fixture(&format!("real-configs/targets/{file}"));
+        let cfg = ModelConfig::load(&path).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let moe = cfg.moe.as_ref().unwrap();
+        match cfg.arch {
+            Arch::Qwen3Moe => {
+                // 128 experts for the 30B and 235B, 160 for Coder-480B; 8 per token.
+                assert!(matches!(moe.n_routed_experts, 128 | 160), "{file}");
+                assert_eq!(moe.k(), 8, "{file}");
+                assert!(moe.routing.norm_topk && cfg.qk_norm == QkNorm::PerHead);
+            }
+            Arch::GptOss => {
+                assert_eq!(moe.k(), 4, "{file}: experts_per_token");
+                assert_eq!(moe.routing.scoring, Scoring::Softmax);
+                assert!(matches!(moe.act, ExpertsAct::ClampedSwiglu { limit, .. } if limit == 7.0));
+                assert_eq!((cfg.window_of(0), cfg.window_of(1)), (Some(128), None));
+                assert!(cfg.attn_sinks && cfg.o_bias);
+            }
+            Arch::MiniMaxM2 => {
+                assert_eq!((cfg.rotary_dim, cfg.head_dim), (64, 128), "{file}");
+                assert_eq!(cfg.qk_norm, QkNorm::Full);
+                assert_eq!(moe.routing.scoring, Scoring::Sigmoid);
+                assert_eq!(cfg.fp8_block, Some([128, 128]));
+            }
+            other => panic!("{file}: {other:?}"),
+        }
+        let (l, h) = (cfg.num_layers, cfg.hidden_size);
+        let spec = dir.join(format!("{}.yaml", cfg.model_type));
+        std::fs::write(
+            &spec,
+            format!(
+                "name: default\ncapture:\n  boundaries: [2, {}, {}]\nfc: {{ in_features: {} }}\n",
+                l / 2,
+                l - 3,
+                3 * h
+            ),
+        )
+        .unwrap();
+        let draft = draft_for(&dir, h, cfg.vocab_size);
+        for engine in ["sglang", "vllm"] {
+            let out = crate::support::gate_json(&spec, &draft, Some(&path), engine);
+            assert_ne!(out.code, 2, "{file} on {engine}: {}", out.stdout);
+            assert!(
+                !out.finding_names()
+                    .contains(&"unsupported-architecture".to_string()),
+                "{file} on {engine}: {}",
+                out.stdout
+            );
+        }
+    }
+}
+
+/// The shrunk copies of the published configs (their tensor names, dtypes and quantisation:
+/// bf16, gpt-oss's MXFP4 experts, MiniMax-M2.5's FP8 blocks) load and match transformers.
+#[test]
+fn shrunk_real_moe_checkpoints_load_and_match_transformers() {
+    for (_, shrunk) in REAL {
+        let dir = fixture(&format!("real-configs/shrunk/{shrunk}"));
+        let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)
+            .unwrap();
+        for path in [ComputePath::Candle, ComputePath::Kernels] {
+            let what = format!("shrunk {shrunk} ({path:?})");
+            let (cfg, cap) = run(&dir, &r, path);
+            let worst = worst_error(&what, &cfg, &cap, &r);
+            assert!(worst <= F32_TOL, "{what}: {worst:.3e}");
+            check_routing(&what, &cfg, &cap, &r);
+        }
+    }
+}
