@@ -677,7 +677,22 @@ pub fn flash_attn_on(
     a: &FlashArgs,
     path: FlashPath,
 ) -> Result<()> {
+    flash_attn_sinks_on(dev, dtype, a, None, path)
+}
+
+/// [`flash_attn_on`] with gpt-oss's attention sinks: `sinks` `[nh]` f32 on the device (one
+/// logit per query head in every row's softmax denominator; kernels/attention.cu), or `None`.
+/// Every path takes them.
+pub fn flash_attn_sinks_on(
+    dev: &CudaDevice,
+    dtype: KernelDType,
+    a: &FlashArgs,
+    sinks: Option<DevPtr>,
+    path: FlashPath,
+) -> Result<()> {
     check_flash(a)?;
+    // The kernels read a null pointer as "no sinks".
+    let sinks: DevPtr = sinks.unwrap_or(0);
     if a.tq == 0 || a.nh == 0 {
         return Ok(());
     }
@@ -732,6 +747,7 @@ pub fn flash_attn_on(
                     to_i32(a.dv, "dv")?,
                     a.scale,
                     to_i32(a.window, "window")?,
+                    sinks,
                 ]
             );
         }
@@ -781,6 +797,7 @@ pub fn flash_attn_on(
                     nkv,
                     a.scale,
                     to_i32(a.window, "window")?,
+                    sinks,
                 ]
             );
         }
@@ -834,6 +851,7 @@ pub fn flash_attn_on(
                     nkv,
                     a.scale,
                     to_i32(a.window, "window")?,
+                    sinks,
                 ]
             );
         }

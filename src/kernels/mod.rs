@@ -30,7 +30,7 @@ pub mod gemm;
 #[cfg(test)]
 pub(crate) mod testing;
 
-pub use attention::{AttnParams, flash_attention};
+pub use attention::{AttnParams, flash_attention, flash_attention_with_sinks};
 pub use fp8::fp8_dequant;
 pub use gather::gather_rows;
 pub use moe::{
