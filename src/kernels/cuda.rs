@@ -23,6 +23,7 @@ enum Module {
     AttentionSm90,
     Fp8,
     MoeGemmSm90,
+    Mxfp4,
     Gather,
     Moe,
     Rmsnorm,
@@ -38,6 +39,7 @@ impl Module {
             Module::Attention => "eagle_check_attention",
             Module::AttentionSm90 => "eagle_check_attention_sm90",
             Module::Fp8 => "eagle_check_fp8_dequant",
+            Module::Mxfp4 => "eagle_check_mxfp4",
             Module::MoeGemmSm90 => "eagle_check_moe_gemm_sm90",
             Module::Gather => "eagle_check_gather",
             Module::Moe => "eagle_check_moe",
@@ -55,6 +57,7 @@ impl Module {
                 include_str!(concat!(env!("OUT_DIR"), "/attention_sm90.ptx"))
             }
             Module::Fp8 => include_str!(concat!(env!("OUT_DIR"), "/fp8_dequant.ptx")),
+            Module::Mxfp4 => include_str!(concat!(env!("OUT_DIR"), "/mxfp4.ptx")),
             Module::MoeGemmSm90 => include_str!(concat!(env!("OUT_DIR"), "/moe_gemm_sm90.ptx")),
             Module::Gather => include_str!(concat!(env!("OUT_DIR"), "/gather.ptx")),
             Module::Moe => include_str!(concat!(env!("OUT_DIR"), "/moe.ptx")),
@@ -1572,6 +1575,37 @@ pub fn score(dev: &CudaDevice, a: &ScoreArgs, kernel: ScoreKernel) -> Result<Sco
         ]
     );
     Ok(kernel)
+}
+
+// -------------------------------------------------------------------------------- mxfp4.cu
+
+/// `mxfp4_dequant_*`: see kernels/mxfp4.cu. `blocks` `[groups, 16]` bytes, `scales`
+/// `[groups]` bytes, `out` `[groups, 32]`; contiguous.
+#[derive(Clone, Copy, Debug)]
+pub struct Mxfp4Args {
+    pub blocks: DevPtr,
+    pub scales: DevPtr,
+    pub out: DevPtr,
+    pub groups: usize,
+}
+
+pub fn mxfp4_dequant(dev: &CudaDevice, dtype: KernelDType, a: &Mxfp4Args) -> Result<()> {
+    if a.groups == 0 {
+        return Ok(());
+    }
+    let name = format!("mxfp4_dequant_{}", dtype.suffix());
+    let func = function(dev, Module::Mxfp4, &name)?;
+    // One thread per group, a grid-stride loop past 2^16 blocks of 256.
+    let blocks = a.groups.div_ceil(256).min(1 << 16);
+    let config = cfg((grid_dim(blocks, &name)?, 1, 1), 256, 0)?;
+    launch!(
+        dev,
+        func,
+        name,
+        config,
+        [a.blocks, a.scales, a.out, to_i64(a.groups, "groups")?]
+    );
+    Ok(())
 }
 
 // -------------------------------------------------------------------------- fp8_dequant.cu
