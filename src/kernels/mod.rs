@@ -34,6 +34,7 @@ pub(crate) mod testing;
 pub use attention::{AttnParams, flash_attention, flash_attention_with_sinks};
 pub use fp8::fp8_dequant;
 pub use gather::gather_rows;
+pub use moe::{ExpertAct, stack_gpt_oss_experts};
 pub use moe::{
     ExpertsPath, MoePlan, MoeRouting, RouteParams, StackedExperts, moe_combine, moe_experts,
     moe_plan, moe_route,

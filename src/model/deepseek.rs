@@ -595,11 +595,11 @@ fn load_experts(
         let what = ex.path("gate_up_proj");
         let gate_up = ex.get("gate_up_proj", &[e, 2 * inter, h])?;
         let down = ex.get("down_proj", &[e, h, inter])?;
-        let stacked = StackedExperts {
-            experts: e,
-            gate_up: gate_up.reshape((e * 2 * inter, h)).ctx(|| what.clone())?,
-            down: down.reshape((e * h, inter)).ctx(|| ex.path("down_proj"))?,
-        };
+        let stacked = StackedExperts::new(
+            e,
+            gate_up.reshape((e * 2 * inter, h)).ctx(|| what.clone())?,
+            down.reshape((e * h, inter)).ctx(|| ex.path("down_proj"))?,
+        );
         return views(stacked, &what);
     }
     #[cfg(feature = "cuda")]
@@ -630,11 +630,7 @@ fn load_stacked(
         let s = cuda::alloc(dev, ex.dtype, rows * cols).ctx(|| format!("stacking {what}"))?;
         Ok(cuda::tensor(s, (rows, cols)))
     };
-    let stacked = StackedExperts {
-        experts: e,
-        gate_up: alloc(e * 2 * inter, h)?,
-        down: alloc(e * h, inter)?,
-    };
+    let stacked = StackedExperts::new(e, alloc(e * 2 * inter, h)?, alloc(e * h, inter)?);
     let ptrs = || -> candle_core::Result<_> {
         Ok((
             cuda::tensor_ptr(&stacked.gate_up)?,
