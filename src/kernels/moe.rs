@@ -1439,8 +1439,8 @@ mod tests {
     /// gpt-oss experts (clamped SwiGLU, both biases) and SiLU-mul experts with biases on the
     /// GPU against the reference: the Hopper path (the `down` GEMM for gate/up, expert_act.cu,
     /// the `down` GEMM, the bias add) on sm_90 devices and the grouped cuBLAS path everywhere;
-    /// empty experts, an expert past one 96-row chunk, gpt-oss-20b's H 2880 / I 2880 with 32
-    /// experts. bf16 and f16. Prints one line per case.
+    /// empty experts, an expert past one 96-row chunk, gpt-oss-20b's H 2880 / I 2880 (8 of its
+    /// 32 experts, to keep the CPU reference short). bf16 and f16. Prints one line per case.
     #[cfg(feature = "cuda")]
     #[test]
     fn device_gpt_oss_experts_match_reference() {
@@ -1454,7 +1454,7 @@ mod tests {
         if !hopper {
             eprintln!("skipped the Hopper expert kernel: not an sm_90 device");
         }
-        let spread: Vec<u32> = (0..32u32).map(|i| (i * 37 + 11) % 29).collect();
+        let spread: Vec<u32> = (0..8u32).map(|i| (i * 37 + 11) % 29).collect();
         let cases: [(&[u32], usize, usize); 3] = [
             (&[0, 1, 130, 17, 0, 64], 200, 72),
             (&[16, 48, 81, 3], 256, 128),
