@@ -296,6 +296,7 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, p: &AttnParams) -> Re
 /// as f32; on `q`'s device), one logit per query head that joins every softmax row's
 /// denominator and has no value ([`flash_attention_sinks_ref`]). `None` is [`flash_attention`].
 /// Works with a sliding window (gpt-oss alternates windowed and full layers) on every path.
+/// Sinks already f32 and contiguous are used as they are (no cast op per call).
 pub fn flash_attention_with_sinks(
     q: &Tensor,
     k: &Tensor,

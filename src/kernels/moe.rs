@@ -402,9 +402,11 @@ pub fn moe_combine(
 pub enum ExpertsPath {
     /// [`moe_experts_ref`] (the CPU).
     Reference,
-    /// kernels/moe_gemm_sm90.cu: two launches, the offsets read on the device.
+    /// kernels/moe_gemm_sm90.cu: two launches (with kernels/expert_act.cu's between and after
+    /// them for biases or the clamped SwiGLU), the offsets read on the device.
     Hopper,
-    /// cuBLAS grouped GEMMs per projection and kernels/silu_mul.cu; the host reads the counts.
+    /// cuBLAS grouped GEMMs per projection and kernels/silu_mul.cu (or expert_act.cu); the
+    /// host reads the counts.
     Grouped,
 }
 
