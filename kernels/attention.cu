@@ -9,6 +9,12 @@
 // Query i sits at position p = i + (tk - tq) and sees key j when j <= p and
 // (window == 0 || p - j < window). Softmax of scale * q.k in f32 with a running max and sum
 // (online softmax), output rounded to T once. Needs tq <= tk and nh % nkv == 0.
+//   sinks [nh] f32 or null: gpt-oss's attention sinks, one learned logit per query head that
+// joins every softmax row's denominator and carries no value: out = sum_j e^(s_j) v_j /
+// (sum_j e^(s_j) + e^(sinks[h])), with s_j = scale * q.k_j and the sink not scaled
+// (transformers 5.24 models/gpt_oss/modeling_gpt_oss.py `eager_attention_forward`: the sink
+// column concatenated to the masked scores, the row max taken with it, softmax, the column
+// dropped). Every path adds it once, at the end (`sink_factor`), so windows work as without.
 //
 // Two paths, chosen by the launcher (src/kernels/attention.rs):
 // * flash_attn_tc_{TAG}_{bf16,f16}: tensor cores (mma.sync.m16n8k16, f32 accumulators),
@@ -33,6 +39,25 @@
 #include "common.cuh"
 #include "mma.cuh"
 
+// The factor that normalises a row's accumulated O: 1 / l without a sink; with one,
+// 1 / (l + 2^(sink log2 e - mu)) computed relative to max(mu, sink) so that neither term
+// overflows. `l` is the row's sum of 2^(score - mu) (log2 units, mu finite or -inf for a row
+// with no key), `sl` the head's sink in log2 units (`sink_log2`), read once before the
+// epilogue so that the sinks pointer is not live across it.
+__device__ __forceinline__ float sink_factor(float l, float mu, bool has_sink, float sl) {
+    if (!has_sink) return l > 0.f ? 1.f / l : 0.f;
+    const float top = fmaxf(mu, sl);
+    if (top == -INFINITY) return 0.f; // no key and a sink of -inf: nothing to normalise
+    const float c = exp2f(mu - top); // 0 for mu = -inf
+    const float den = l * c + exp2f(sl - top);
+    return den > 0.f ? c / den : 0.f;
+}
+
+// Head h's sink logit in log2 units (-inf, unused, without sinks).
+__device__ __forceinline__ float sink_log2(const float *sinks, int h) {
+    return sinks == nullptr ? -INFINITY : sinks[h] * 1.4426950408889634f;
+}
+
 // ---------------------------------------------------------------- generic path
 
 #define GEN_MAX_D 256
@@ -42,7 +67,7 @@ template <typename T>
 __device__ __forceinline__ void flash_generic(const T *q, long q_stride, const T *k, long k_stride,
                                               const T *v, long v_stride, T *out, long o_stride,
                                               int tq, int tk, int nh, int nkv, int dk, int dv,
-                                              float scale, int window) {
+                                              float scale, int window, const float *sinks) {
     constexpr int R = GEN_MAX_D / 32;
     const int lane = threadIdx.x & 31;
     // Consecutive warps take the heads of one query: a block's warps share KV rows in cache.
@@ -84,20 +109,22 @@ __device__ __forceinline__ void flash_generic(const T *q, long q_stride, const T
         }
     }
     T *op = out + i * o_stride + (long)h * dv;
+    // m is in natural-log units here: o and l are relative to e^m = 2^(m log2 e).
+    const float inv = sink_factor(l, m * 1.4426950408889634f, sinks != nullptr, sink_log2(sinks, h));
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int d = lane + 32 * r;
-        if (d < dv) op[d] = from_f32<T>(o[r] / l);
+        if (d < dv) op[d] = from_f32<T>(sinks == nullptr ? o[r] / l : o[r] * inv);
     }
 }
 
 #define FLASH_GENERIC(T, SUFFIX)                                                                  \
     extern "C" __global__ void __launch_bounds__(GEN_WARPS * 32) flash_attn_generic_##SUFFIX(     \
         const T *q, long q_stride, const T *k, long k_stride, const T *v, long v_stride, T *out,  \
-        long o_stride, int tq, int tk, int nh, int nkv, int dk, int dv, float scale,              \
-        int window) {                                                                             \
+        long o_stride, int tq, int tk, int nh, int nkv, int dk, int dv, float scale, int window,   \
+        const float *sinks) {                                                                     \
         flash_generic<T>(q, q_stride, k, k_stride, v, v_stride, out, o_stride, tq, tk, nh, nkv,   \
-                         dk, dv, scale, window);                                                  \
+                         dk, dv, scale, window, sinks);                                           \
     }
 EAGLE_FOR_EACH_FLOAT(FLASH_GENERIC)
 
@@ -128,7 +155,8 @@ __device__ __forceinline__ void flash_tc(const T *__restrict__ q, long q_stride,
                                          const T *__restrict__ k, long k_stride,
                                          const T *__restrict__ v, long v_stride,
                                          T *__restrict__ out, long o_stride, int tq, int tk,
-                                         int nh, int nkv, float scale, int window) {
+                                         int nh, int nkv, float scale, int window,
+                                         const float *sinks) {
     constexpr int BM = 16 * MT * NW, NT = 32 * NW;
     constexpr int SK = Padded<DK>::STRIDE, SV = Padded<DV>::STRIDE;
     static_assert(DK % 16 == 0 && DV % 16 == 0 && BN % 16 == 0, "tile shape");
@@ -291,6 +319,8 @@ __device__ __forceinline__ void flash_tc(const T *__restrict__ q, long q_stride,
     }
     cp_async_wait<0>();
 
+    const bool has_sink = sinks != nullptr;
+    const float sl = sink_log2(sinks, h);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -298,7 +328,9 @@ __device__ __forceinline__ void flash_tc(const T *__restrict__ q, long q_stride,
             float l = row_sum[mt][hf];
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            // row_max is a raw score; the exponents subtracted mu = row_max * scale_log2.
+            const float rm = row_max[mt][hf];
+            const float inv = sink_factor(l, rm == -INFINITY ? 0.f : rm * scale_log2, has_sink, sl);
             const int row = q0 + wrow + mt * 16 + (lane >> 2) + hf * 8;
             if (row < tq) {
                 T *op = out + (long)row * o_stride + (long)h * DV + (lane & 3) * 2;
@@ -511,7 +543,8 @@ __device__ __forceinline__ void flash_tc2(const T *__restrict__ q, long q_stride
                                           const T *__restrict__ k, long k_stride,
                                           const T *__restrict__ v, long v_stride,
                                           T *__restrict__ out, long o_stride, int tq, int tk,
-                                          int nh, int nkv, float scale, int window) {
+                                          int nh, int nkv, float scale, int window,
+                                          const float *sinks) {
     constexpr int BM = 16 * MT * NW, NT = 32 * NW, E = (int)sizeof(T);
     constexpr int SK = Padded<DK>::STRIDE, SV = Padded<DV>::STRIDE;
     constexpr int STAGE = BN * (SK + SV) * E; // bytes of one K + V stage
@@ -639,6 +672,8 @@ __device__ __forceinline__ void flash_tc2(const T *__restrict__ q, long q_stride
     }
     cp_async_wait<0>();
 
+    const bool has_sink = sinks != nullptr;
+    const float sl = sink_log2(sinks, h);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -646,7 +681,9 @@ __device__ __forceinline__ void flash_tc2(const T *__restrict__ q, long q_stride
             float sum = l[mt][hf];
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            // m is the reference max in log2 units (-inf: the exponents subtracted 0).
+            const float mu = m[mt][hf] == -INFINITY ? 0.f : m[mt][hf];
+            const float inv = sink_factor(sum, mu, has_sink, sl);
             const int row = w_first + mt * 16 + (lane >> 2) + hf * 8;
             if (row < tq) {
                 T *op = out + (long)row * o_stride + (long)h * DV + (lane & 3) * 2;
@@ -665,9 +702,10 @@ __device__ __forceinline__ void flash_tc2(const T *__restrict__ q, long q_stride
 #define FLASH_TC(T, SUFFIX, TAG, DK, DV, MT, NW, BN)                                              \
     extern "C" __global__ void __launch_bounds__(NW * 32) flash_attn_tc_##TAG##_##SUFFIX(         \
         const T *q, long q_stride, const T *k, long k_stride, const T *v, long v_stride, T *out,  \
-        long o_stride, int tq, int tk, int nh, int nkv, float scale, int window) {                \
+        long o_stride, int tq, int tk, int nh, int nkv, float scale, int window,                  \
+        const float *sinks) {                                                                     \
         flash_tc<T, DK, DV, MT, NW, BN>(q, q_stride, k, k_stride, v, v_stride, out, o_stride, tq, \
-                                        tk, nh, nkv, scale, window);                              \
+                                        tk, nh, nkv, scale, window, sinks);                       \
     }
 #define FLASH_TC_TYPES(TAG, DK, DV, MT, NW, BN)                                                   \
     FLASH_TC(__nv_bfloat16, bf16, TAG, DK, DV, MT, NW, BN)                                        \
@@ -683,10 +721,11 @@ FLASH_TC_TYPES(d192_v128, 192, 128, 1, 4, 64)
 #define FLASH_TC2(T, SUFFIX, TAG, DK, DV, MT, NW, BN, BC, ST, PIPE, MINB)                         \
     extern "C" __global__ void __launch_bounds__(NW * 32, MINB) flash_attn_tc_##TAG##_##SUFFIX(   \
         const T *q, long q_stride, const T *k, long k_stride, const T *v, long v_stride, T *out,  \
-        long o_stride, int tq, int tk, int nh, int nkv, float scale, int window) {                \
+        long o_stride, int tq, int tk, int nh, int nkv, float scale, int window,                  \
+        const float *sinks) {                                                                     \
         flash_tc2<T, DK, DV, MT, NW, BN, BC, ST, PIPE>(q, q_stride, k, k_stride, v, v_stride,     \
                                                        out, o_stride, tq, tk, nh, nkv, scale,     \
-                                                       window);                                   \
+                                                       window, sinks);                            \
     }
 #define FLASH_TC2_TYPES(TAG, DK, DV, MT, NW, BN, BC, ST, PIPE, MINB)                              \
     FLASH_TC2(__nv_bfloat16, bf16, TAG, DK, DV, MT, NW, BN, BC, ST, PIPE, MINB)                   \

@@ -11,6 +11,9 @@
 // (window == 0 || p - j < window). Softmax of scale * q.k in f32 (running max and sum), P
 // rounded to T for P V (as FA2/FA3 and attention.cu's tensor-core path), output rounded once.
 // (DK, DV) in {(128, 128), (192, 128)}: DK and DV multiples of 64.
+//   sinks [nh] f32 or null: gpt-oss's attention sinks as in attention.cu (one logit per query
+// head in every row's softmax denominator, no value; transformers 5.24
+// models/gpt_oss/modeling_gpt_oss.py `eager_attention_forward`), added once in the epilogue.
 //
 // The maps (cuda.rs `tensor_map`) describe q, k and v as 2-D tensors of T (inner dimension: the
 // columns of the heads, nh * DK or nkv * DK or nkv * DV; outer: the rows, with the caller's row
@@ -52,6 +55,18 @@ constexpr int BM = 128;      // query rows per block (two consumer warpgroups of
 constexpr int BN = 128;      // keys per K/V tile
 constexpr int SLAB = 64;     // columns per 128-byte swizzled slab
 constexpr float TAU = 8.f;   // lazy rescaling threshold, log2 units
+
+// 1 / l, or with a sink 1 / (l + 2^(sink log2 e - mu)) taken relative to max(mu, sink):
+// attention.cu's `sink_factor` (l: the row's sum of 2^(score - mu), mu and the sink sl in
+// log2 units).
+__device__ __forceinline__ float sink_factor(float l, float mu, bool has_sink, float sl) {
+    if (!has_sink) return l > 0.f ? 1.f / l : 0.f;
+    const float top = fmaxf(mu, sl);
+    if (top == -INFINITY) return 0.f;
+    const float c = exp2f(mu - top);
+    const float den = l * c + exp2f(sl - top);
+    return den > 0.f ? c / den : 0.f;
+}
 
 #define EAGLE_ACC4(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3])
 #define EAGLE_ACC16(b) EAGLE_ACC4(b), EAGLE_ACC4(b + 4), EAGLE_ACC4(b + 8), EAGLE_ACC4(b + 12)
@@ -189,7 +204,7 @@ template <typename T, int DK, int DV, int ST>
 __device__ __forceinline__ void flash_wg(const CUtensorMap *q_map, const CUtensorMap *k_map,
                                          const CUtensorMap *v_map, T *__restrict__ out,
                                          long o_stride, int tq, int tk, int nh, int nkv,
-                                         float scale, int window) {
+                                         float scale, int window, const float *sinks) {
 #ifdef EAGLE_SM90A
     static_assert(DK % 64 == 0 && DV == 128, "head dims");
     using S = Smem<DK, DV, ST>;
@@ -318,12 +333,14 @@ __device__ __forceinline__ void flash_wg(const CUtensorMap *q_map, const CUtenso
             mbar_arrive(empty(st));
         }
 
+        const bool has_sink = sinks != nullptr;
+        const float sl = has_sink ? sinks[h] * 1.4426950408889634f : -INFINITY;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             float sum = l[hf];
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            const float inv = sink_factor(sum, m[hf] == -INFINITY ? 0.f : m[hf], has_sink, sl);
             const int row = c_first + warp * 16 + (lane >> 2) + hf * 8;
             if (row < tq) {
                 T *op = out + (long)row * o_stride + (long)h * DV + (lane & 3) * 2;
@@ -403,9 +420,9 @@ __device__ __forceinline__ void tile_check(const CUtensorMap *q_map, const CUten
     extern "C" __global__ void __launch_bounds__(384, 1) flash_attn_wg_##TAG##_##SUFFIX(          \
         const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,     \
         const __grid_constant__ CUtensorMap v_map, T *out, long o_stride, int tq, int tk,         \
-        int nh, int nkv, float scale, int window) {                                               \
+        int nh, int nkv, float scale, int window, const float *sinks) {                           \
         sm90::flash_wg<T, DK, DV, ST>(&q_map, &k_map, &v_map, out, o_stride, tq, tk, nh, nkv,     \
-                                      scale, window);                                             \
+                                      scale, window, sinks);                                      \
     }
 #define FLASH_WG_TYPES(TAG, DK, DV, ST)                                                           \
     FLASH_WG(__nv_bfloat16, bf16, TAG, DK, DV, ST)                                                \

@@ -27,11 +27,13 @@ for tag in "${tags[@]}"; do
     mode=(random lazy eager)
     i=0
     for dtype in bf16 f16; do
-        # tq tk window scale ramp   (the device test's shapes, then the extra ones)
-        for shape in "1 1 0 0 0" "37 37 0 0 0" "129 129 0 0 0" "70 300 0 0 0" "200 200 33 0 0" \
-            "300 300 0 0.5 1" "100 600 150 0 0" "257 257 70 0.5 1"; do
+        # tq tk window scale ramp sinks   (the device test's shapes, then the extra ones, then
+        # gpt-oss attention sinks with and without a window)
+        for shape in "1 1 0 0 0 0" "37 37 0 0 0 0" "129 129 0 0 0 0" "70 300 0 0 0 0" \
+            "200 200 33 0 0 0" "300 300 0 0.5 1 0" "100 600 150 0 0 0" "257 257 70 0.5 1 0" \
+            "1 1 0 0 0 1" "70 300 0 0 0 1" "200 200 33 0 0 1" "257 257 70 0.5 1 1"; do
             set -- $shape
-            run "$tag" "$dtype" "$1" "$2" "$nh" "$nkv" "$3" "$4" "$5" $((i + 7)) "${mode[$((i % 3))]}"
+            run "$tag" "$dtype" "$1" "$2" "$nh" "$nkv" "$3" "$4" "$5" $((i + 7)) "${mode[$((i % 3))]}" "$6"
             i=$((i + 1))
         done
     done

@@ -399,3 +399,129 @@ fn shrunk_real_moe_checkpoints_load_and_match_transformers() {
         }
     }
 }
+
+/// A spec for fixture `name` capturing boundaries `b` (width 64: every fixture's hidden size).
+fn spec_for(dir: &Path, name: &str, layers: usize, b: [usize; 3]) -> std::path::PathBuf {
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(
+        &path,
+        format!(
+            "name: {name}\nengine: sglang\ntarget: {{ num_hidden_layers: {layers}, hidden_size: 64 }}\n\
+             capture:\n  boundaries: [{}, {}, {}]\nfc: {{ in_features: 192 }}\n",
+            b[0], b[1], b[2]
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// A training-data file of HF's own boundaries `b` of fixture `name` on its reference tokens
+/// (`input_ids` [1, T], `aux_hidden_states` [1, T, 3H]).
+fn captures_of(dir: &Path, name: &str, b: [usize; 3]) -> std::path::PathBuf {
+    let r = reference(name);
+    let parts: Vec<&Tensor> = b
+        .iter()
+        .map(|b| &r[&format!("hidden_states.{b}")])
+        .collect();
+    let aux = Tensor::cat(&parts, 1).unwrap().unsqueeze(0).unwrap();
+    let sub = dir.join(format!("captures-{name}-{}-{}-{}", b[0], b[1], b[2]));
+    std::fs::create_dir_all(&sub).unwrap();
+    let tensors = HashMap::from([
+        (
+            "input_ids".to_string(),
+            r["input_ids"].unsqueeze(0).unwrap(),
+        ),
+        ("aux_hidden_states".to_string(), aux),
+    ]);
+    candle_core::safetensors::save(&tensors, sub.join("data_0.safetensors")).unwrap();
+    sub
+}
+
+/// `run`, `diff` and `probe` through the binary on every family's tiny checkpoint, with the
+/// tiny EAGLE-3 draft of fixtures/models/qwen3-draft (hidden 64, vocab 256, ids [0, 1, 2]).
+#[test]
+fn run_diff_and_probe_work_on_every_moe_family() {
+    use crate::support::{eagle_check, p};
+    let dir = scratch("moe-cli");
+    let draft = fixture("models/qwen3-draft");
+    let probe_tokens: Vec<String> = (0..160u64)
+        .map(|i| (((1103515245 * i + 12345) % (1 << 31)) % 256).to_string())
+        .collect();
+    let probe_tokens = probe_tokens.join(",");
+    for (name, hf) in FAMILIES {
+        let target = fixture(&format!("models/{name}"));
+        let l = ModelConfig::load(&target).unwrap().num_layers;
+        // run: the draft's ids [0, 1, 2] are b = [1, 2, 3] on sglang, a consistent bundle on a
+        // target deep enough that b = 3 is inside it.
+        let spec = spec_for(&dir, name, l, [1, 2, 3]);
+        let tokens = ids(&reference(name))
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
+        let args = |cmd: &str| {
+            vec![
+                cmd.to_string(),
+                "--target".into(),
+                p(&target),
+                "--draft".into(),
+                p(&draft),
+                "--spec".into(),
+                p(&spec),
+                "--format".into(),
+                "json".into(),
+            ]
+        };
+        let mut run = args("run");
+        run.extend(["--tokens".into(), tokens]);
+        let out = eagle_check(run);
+        let want = if l > 3 { 0 } else { 1 };
+        assert_eq!(
+            out.code, want,
+            "run {name} ({hf}): {}\n{}",
+            out.stdout, out.stderr
+        );
+        // diff: HF's own boundaries are identified as what they are, a shifted capture is not.
+        let spec = spec_for(&dir, &format!("{name}-diff"), l, [1, 2, l - 1]);
+        for (b, code) in [([1, 2, l - 1], 0), ([0, 1, l - 2], 1)] {
+            let out = eagle_check([
+                "diff",
+                "--spec",
+                &p(&spec),
+                "--target",
+                &p(&target),
+                "--captures",
+                &p(&captures_of(&dir, name, b)),
+                "--format",
+                "json",
+            ]);
+            assert_eq!(
+                out.code, code,
+                "diff {name} {b:?}: {}\n{}",
+                out.stdout, out.stderr
+            );
+        }
+        // probe (no spec: every engine's layout and the usual suspects; a 2-layer target is
+        // too shallow for any engine to feed three slots, so a spec names [0, 1, 2] there):
+        // each layout's acceptance measured through the target and the draft.
+        let mut probe = vec![
+            "probe".to_string(),
+            "--target".into(),
+            p(&target),
+            "--draft".into(),
+            p(&draft),
+            "--tokens".into(),
+            probe_tokens.clone(),
+            "--format".into(),
+            "json".into(),
+        ];
+        if l < 3 {
+            let shallow = spec_for(&dir, &format!("{name}-probe"), l, [0, 1, l]);
+            probe.extend(["--spec".into(), p(&shallow)]);
+        }
+        let out = eagle_check(probe);
+        assert_ne!(out.code, 2, "probe {name}: {}\n{}", out.stdout, out.stderr);
+        let rows = out.json()["probe"].as_array().map_or(0, Vec::len);
+        assert!(rows > 0, "probe {name}: no layout measured: {}", out.stdout);
+    }
+}

@@ -2,13 +2,14 @@
 // entry point of attention.cu on the host, every block and every thread of its grid, against a
 // float64 reference, with the tolerances of src/kernels/attention.rs `check`.
 //
-//   attention_emu TAG DTYPE TQ TK NH NKV WINDOW [SCALE RAMP SEED MODE]
+//   attention_emu TAG DTYPE TQ TK NH NKV WINDOW [SCALE RAMP SEED MODE SINKS]
 //     TAG    a tensor-core tile tag (the table below repeats cuda.rs TC_CONFIGS)
 //     DTYPE  bf16 | f16
 //     WINDOW 0 for none
 //     SCALE  softmax scale; 0 (default) for dk^-0.5
 //     RAMP   1: key j scaled by (1 + j / 32), so row maxima keep growing (the rescale path)
 //     MODE   eager | lazy | random: when cp.async data lands (default random)
+//     SINKS  1: gpt-oss attention sinks, head h's logit 3 * (h % 3) - 2 + h / 8 (default 0: none)
 // Exit status 0 when every output is within tolerance, 1 when not, 2 on an emulation fault
 // (out-of-bounds access, divergent collective, deadlock).
 #include "attention.cu"
@@ -20,7 +21,7 @@ alignas(128) unsigned char fa_smem[256 * 1024];
 
 template <typename T>
 using Kernel = void (*)(const T *, long, const T *, long, const T *, long, T *, long, int, int,
-                        int, int, float, int);
+                        int, int, float, int, const float *);
 
 struct Config {
     const char *tag;
@@ -109,7 +110,7 @@ struct Rng { // xorshift, values in [-1, 1) with |v| >= 1/64 (as src/kernels/tes
 
 template <typename T>
 int run(const Config &c, Kernel<T> kernel, int tq, int tk, int nh, int nkv, int window,
-        double scale, bool ramp, uint64_t seed) {
+        double scale, bool ramp, uint64_t seed, bool with_sinks) {
     const int dk = c.dk, dv = c.dv, width = nh * dk + nkv * dk + nkv * dv;
     // q, k, v: column windows of one fused [tk, width] QKV buffer (q: its last tq rows).
     std::vector<T> qkv((size_t)tk * width + 64); // + a guard: reads past it would fault here
@@ -127,8 +128,14 @@ int run(const Config &c, Kernel<T> kernel, int tq, int tk, int nh, int nkv, int 
     for (auto &o : out) o.x = 0xffff; // NaN: an unwritten output fails
     const uint16_t guard = 0x1234;
     for (size_t i = (size_t)tq * o_stride; i < out.size(); ++i) out[i].x = guard;
+    // Sinks below, near and above the scores' range (|q.k| scale is about 1 here).
+    std::vector<float> sinks(nh);
+    for (int h = 0; h < nh; ++h) sinks[h] = 3.f * (h % 3) - 2.f + h / 8.f;
     emu::M.readable = {{reinterpret_cast<const unsigned char *>(base),
-                        reinterpret_cast<const unsigned char *>(base + (size_t)tk * width)}};
+                        reinterpret_cast<const unsigned char *>(base + (size_t)tk * width)},
+                       {reinterpret_cast<const unsigned char *>(sinks.data()),
+                        reinterpret_cast<const unsigned char *>(sinks.data() + nh)}};
+    const float *sinks_arg = with_sinks ? sinks.data() : nullptr;
 
     const int bm = 16 * c.mt * c.nw, threads = 32 * c.nw;
     emu::M.smem_bytes = (size_t)(bm * (dk + 8) + c.stages * c.bn * (dk + dv + 16)) * sizeof(T);
@@ -140,7 +147,7 @@ int run(const Config &c, Kernel<T> kernel, int tq, int tk, int nh, int nkv, int 
             emu::M.bid = {bx, by, 0};
             run_block(threads, [&] {
                 kernel(q, width, k, width, v, width, out.data(), o_stride, tq, tk, nh, nkv,
-                       (float)scale, window);
+                       (float)scale, window, sinks_arg);
             });
         }
     for (size_t i = (size_t)tq * o_stride; i < out.size(); ++i)
@@ -165,7 +172,9 @@ int run(const Config &c, Kernel<T> kernel, int tq, int tk, int nh, int nkv, int 
                 s[j] = d * (double)(float)scale;
                 mx = std::max(mx, s[j]);
             }
-            double sum = 0;
+            // The sink joins the max and the denominator (modeling_gpt_oss.py eager_attention_forward).
+            if (with_sinks) mx = std::max(mx, (double)sinks[h]);
+            double sum = with_sinks ? std::exp((double)sinks[h] - mx) : 0;
             std::fill(acc.begin(), acc.end(), 0.0);
             for (int j = lo; j <= pos; ++j) {
                 const double p = std::exp(s[j] - mx);
@@ -183,9 +192,9 @@ int run(const Config &c, Kernel<T> kernel, int tq, int tk, int nh, int nkv, int 
             }
         }
     }
-    std::printf("%-20s %s tq %4d tk %4d nh %3d nkv %3d window %4d ramp %d: max |err| %.3g, "
-                "%.2fx the tolerance, %ld bad, %ld warp collectives -> %s\n",
-                c.tag, bf ? "bf16" : "f16", tq, tk, nh, nkv, window, ramp, max_err, worst, bad,
+    std::printf("%-20s %s tq %4d tk %4d nh %3d nkv %3d window %4d ramp %d sinks %d: max |err| "
+                "%.3g, %.2fx the tolerance, %ld bad, %ld warp collectives -> %s\n",
+                c.tag, bf ? "bf16" : "f16", tq, tk, nh, nkv, window, ramp, with_sinks, max_err, worst, bad,
                 emu::M.collectives, bad == 0 ? "ok" : "FAIL");
     return bad == 0 ? 0 : 1;
 }
@@ -204,13 +213,14 @@ int main(int argc, char **argv) {
     const bool ramp = argc > 9 && std::atoi(argv[9]) != 0;
     const uint64_t seed = argc > 10 ? std::strtoull(argv[10], nullptr, 10) : 1;
     const std::string mode = argc > 11 ? argv[11] : "random";
+    const bool sinks = argc > 12 && std::atoi(argv[12]) != 0;
     emu::M.mode = mode == "eager" ? emu::COPY_EAGER : mode == "lazy" ? emu::COPY_LAZY : emu::COPY_RANDOM;
     emu::M.rng.seed(seed);
     for (const Config &c : CONFIGS) {
         if (tag != c.tag) continue;
         if (scale == 0) scale = 1.0 / std::sqrt((double)c.dk);
-        if (dtype == "bf16") return run<__nv_bfloat16>(c, c.bf16, tq, tk, nh, nkv, window, scale, ramp, seed);
-        if (dtype == "f16") return run<__half>(c, c.f16, tq, tk, nh, nkv, window, scale, ramp, seed);
+        if (dtype == "bf16") return run<__nv_bfloat16>(c, c.bf16, tq, tk, nh, nkv, window, scale, ramp, seed, sinks);
+        if (dtype == "f16") return run<__half>(c, c.f16, tq, tk, nh, nkv, window, scale, ramp, seed, sinks);
         emu::fail("dtype is bf16 or f16");
     }
     emu::fail("no such tile tag");

@@ -1,6 +1,7 @@
-//! Causal flash attention (kernels/attention.cu) with grouped KV heads and an optional sliding
-//! window, reading q, k and v where they lie (column windows of one fused QKV output work as
-//! they are) and writing `[tq, nh * dv]`: the layout `o_proj` reads.
+//! Causal flash attention (kernels/attention.cu) with grouped KV heads, an optional sliding
+//! window and optional attention sinks (gpt-oss), reading q, k and v where they lie (column
+//! windows of one fused QKV output work as they are) and writing `[tq, nh * dv]`: the layout
+//! `o_proj` reads.
 
 use super::{Elem, Matrix, with_float_type};
 use candle_core::backend::BackendStorage;
@@ -63,6 +64,23 @@ pub struct Rows<'a, T> {
 /// weighted sum of values in f32, rounded to `T` once. Returns `[tq, nh * dv]`. Heads are
 /// spread over the available cores (the device tests check T = 2048 shapes against it).
 pub fn flash_attention_ref<T: Elem>(q: Rows<T>, k: Rows<T>, v: Rows<T>, p: &AttnParams) -> Vec<T> {
+    flash_attention_sinks_ref(q, k, v, p, None)
+}
+
+/// [`flash_attention_ref`] with gpt-oss's attention sinks: `sinks[h]` (`[nh]`, natural-log
+/// units, not multiplied by the softmax scale) joins every row of head h as one more logit
+/// with no value. As transformers 5.24 models/gpt_oss/modeling_gpt_oss.py
+/// `eager_attention_forward`: the sink column is concatenated to the masked scores, the row
+/// max is taken over both, softmax, the sink column dropped; so a row's weights are
+/// `e^(s_j - m) / (sum_i e^(s_i - m) + e^(sink - m))` with `m` the max over scores and sink.
+/// A sliding window masks keys only; the sink is in every row.
+pub fn flash_attention_sinks_ref<T: Elem>(
+    q: Rows<T>,
+    k: Rows<T>,
+    v: Rows<T>,
+    p: &AttnParams,
+    sinks: Option<&[f32]>,
+) -> Vec<T> {
     let (tq, tk) = (q.rows, k.rows);
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
@@ -74,7 +92,10 @@ pub fn flash_attention_ref<T: Elem>(q: Rows<T>, k: Rows<T>, v: Rows<T>, p: &Attn
             .map(|h0| {
                 s.spawn(move || {
                     (h0..(h0 + per_thread).min(p.nh))
-                        .map(|h| (h, attend_head(q, k, v, p, h, tq, tk)))
+                        .map(|h| {
+                            let sink = sinks.map(|s| s[h]);
+                            (h, attend_head(q, k, v, p, h, sink, tq, tk))
+                        })
                         .collect()
                 })
             })
@@ -95,13 +116,15 @@ pub fn flash_attention_ref<T: Elem>(q: Rows<T>, k: Rows<T>, v: Rows<T>, p: &Attn
     out
 }
 
-/// One head's `[tq, dv]` output in f32.
+/// One head's `[tq, dv]` output in f32; `sink`: the head's sink logit.
+#[allow(clippy::too_many_arguments)]
 fn attend_head<T: Elem>(
     q: Rows<T>,
     k: Rows<T>,
     v: Rows<T>,
     p: &AttnParams,
     h: usize,
+    sink: Option<f32>,
     tq: usize,
     tk: usize,
 ) -> Vec<f32> {
@@ -124,10 +147,14 @@ fn attend_head<T: Elem>(
             scores.push(dot * scale);
         }
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let max = sink.map_or(max, |s| max.max(s));
         let mut sum = 0f32;
         for s in scores.iter_mut() {
             *s = (*s - max).exp();
             sum += *s;
+        }
+        if let Some(s) = sink {
+            sum += (s - max).exp();
         }
         let o = &mut out[i * p.dv..][..p.dv];
         for (j, &w) in (lo..=pos).zip(&scores) {
@@ -167,6 +194,8 @@ fn shapes(p: &AttnParams, ql: &Layout, kl: &Layout, vl: &Layout) -> Result<[Matr
 
 struct FlashAttention {
     p: AttnParams,
+    /// `[nh]` f32, contiguous, on the inputs' device.
+    sinks: Option<Tensor>,
     /// A tensor-core tile by tag, or "generic", instead of the default choice (tests, benches).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     path: Option<&'static str>,
@@ -187,12 +216,18 @@ impl CustomOp3 for FlashAttention {
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let [qm, km, vm] = shapes(&self.p, ql, kl, vl)?;
+        let sinks = self
+            .sinks
+            .as_ref()
+            .map(Tensor::to_vec1::<f32>)
+            .transpose()?;
         with_float_type!(q.dtype(), T => {
-            let out = flash_attention_ref(
+            let out = flash_attention_sinks_ref(
                 cpu_rows::<T>(q, &qm, "q")?,
                 cpu_rows::<T>(k, &km, "k")?,
                 cpu_rows::<T>(v, &vm, "v")?,
                 &self.p,
+                sinks.as_deref(),
             );
             Ok((T::to_cpu_storage_owned(out), Shape::from((qm.rows, self.p.nh * self.p.dv))))
         })
@@ -244,7 +279,8 @@ impl CustomOp3 for FlashAttention {
                 }
             },
         };
-        cuda::flash_attn_on(&q.device, kd, &args, path)?;
+        let sinks = self.sinks.as_ref().map(cuda::tensor_ptr).transpose()?;
+        cuda::flash_attn_sinks_on(&q.device, kd, &args, sinks, path)?;
         Ok((out, Shape::from((qm.rows, p.nh * p.dv))))
     }
 }
@@ -256,6 +292,21 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, p: &AttnParams) -> Re
     flash_attention_on(q, k, v, p, None)
 }
 
+/// [`flash_attention`] with gpt-oss's attention sinks: `sinks` `[nh]` (any float dtype, read
+/// as f32; on `q`'s device), one logit per query head that joins every softmax row's
+/// denominator and has no value ([`flash_attention_sinks_ref`]). `None` is [`flash_attention`].
+/// Works with a sliding window (gpt-oss alternates windowed and full layers) on every path.
+/// Sinks already f32 and contiguous are used as they are (no cast op per call).
+pub fn flash_attention_with_sinks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    p: &AttnParams,
+    sinks: Option<&Tensor>,
+) -> Result<Tensor> {
+    flash_attention_sinks_on(q, k, v, p, sinks, None)
+}
+
 /// [`flash_attention`] on a chosen kernel (a tensor-core tile tag from `cuda::TC_CONFIGS`, a
 /// Hopper kernel's from `cuda::WG_CONFIGS`, or "generic"); the CPU ignores the choice.
 pub fn flash_attention_on(
@@ -265,6 +316,37 @@ pub fn flash_attention_on(
     p: &AttnParams,
     path: Option<&'static str>,
 ) -> Result<Tensor> {
+    flash_attention_sinks_on(q, k, v, p, None, path)
+}
+
+/// [`flash_attention_with_sinks`] on a chosen kernel, as [`flash_attention_on`].
+pub fn flash_attention_sinks_on(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    p: &AttnParams,
+    sinks: Option<&Tensor>,
+    path: Option<&'static str>,
+) -> Result<Tensor> {
+    let sinks = sinks
+        .map(|s| -> Result<Tensor> {
+            if s.dims() != [p.nh] {
+                candle_core::bail!(
+                    "attention: sinks {:?}, expected one per query head [{}]",
+                    s.dims(),
+                    p.nh
+                );
+            }
+            if !s.device().same_device(q.device()) {
+                candle_core::bail!(
+                    "attention: sinks on {:?}, q on {:?}",
+                    s.device().location(),
+                    q.device().location()
+                );
+            }
+            super::to_dtype(s, candle_core::DType::F32)?.contiguous()
+        })
+        .transpose()?;
     if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
         candle_core::bail!(
             "attention: mixed dtypes q {:?} k {:?} v {:?}",
@@ -273,7 +355,7 @@ pub fn flash_attention_on(
             v.dtype()
         );
     }
-    q.apply_op3_no_bwd(k, v, &FlashAttention { p: *p, path })
+    q.apply_op3_no_bwd(k, v, &FlashAttention { p: *p, sinks, path })
 }
 
 #[cfg(test)]
@@ -373,6 +455,138 @@ mod tests {
         );
     }
 
+    /// Sinks for `nh` heads: below, near and above the scores' range (|scale q.k| stays
+    /// within a few units for these inputs), so that some rows are dominated by the sink.
+    fn test_sinks(nh: usize) -> Tensor {
+        let s: Vec<f32> = (0..nh)
+            .map(|h| 3.0 * (h % 3) as f32 - 2.0 + h as f32 / 8.0)
+            .collect();
+        Tensor::from_vec(s, nh, &Device::Cpu).unwrap()
+    }
+
+    /// transformers' `eager_attention_forward` for gpt-oss (models/gpt_oss/modeling_gpt_oss.py)
+    /// on candle ops in f32: masked scores, the sink column concatenated, the row max over both
+    /// subtracted, softmax, the sink column dropped, weights times values. `q`, `k`, `v` as
+    /// `[heads, t, d]`; returns `[tq, nh * dv]`.
+    fn eager_with_sinks(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        sinks: &Tensor,
+        scale: f64,
+    ) -> Tensor {
+        let (nh, tq, _) = q.dims3().unwrap();
+        let nkv = k.dims3().unwrap().0;
+        let rep = |x: &Tensor| {
+            let parts: Vec<Tensor> = (0..nh)
+                .map(|h| x.narrow(0, h / (nh / nkv), 1).unwrap())
+                .collect();
+            Tensor::cat(&parts, 0).unwrap()
+        };
+        let (k, v) = (rep(k), rep(v));
+        let scores = (q.matmul(&k.t().unwrap()).unwrap() * scale)
+            .unwrap()
+            .broadcast_add(mask)
+            .unwrap();
+        let sink_col = sinks
+            .reshape((nh, 1, 1))
+            .unwrap()
+            .repeat((1, tq, 1))
+            .unwrap();
+        let combined = Tensor::cat(&[&scores, &sink_col], 2).unwrap();
+        let combined = combined
+            .broadcast_sub(&combined.max_keepdim(2).unwrap())
+            .unwrap();
+        let e = combined.exp().unwrap();
+        let probs = e.broadcast_div(&e.sum_keepdim(2).unwrap()).unwrap();
+        let tk = scores.dims3().unwrap().2;
+        let out = probs.narrow(2, 0, tk).unwrap().matmul(&v).unwrap();
+        let dv = out.dims3().unwrap().2;
+        out.transpose(0, 1).unwrap().reshape((tq, nh * dv)).unwrap()
+    }
+
+    /// The reference with sinks against transformers' formulation ([`eager_with_sinks`]) on
+    /// the small shapes (windows, tq < tk, GQA); and the same inputs without sinks are far
+    /// outside the tolerance, so a reference that ignored its sinks would fail here.
+    #[test]
+    fn sinks_reference_matches_eager_softmax_with_sink() {
+        let dev = Device::Cpu;
+        for &(tq, tk, nh, nkv, dk, dv, window) in SMALL {
+            let p = params(nh, nkv, dk, dv, window);
+            let width = nh * dk + nkv * dk + nkv * dv;
+            let qkv = random(&[tk, width], DType::F32, 2, &dev);
+            let q = qkv
+                .narrow(0, tk - tq, tq)
+                .unwrap()
+                .narrow(1, 0, nh * dk)
+                .unwrap();
+            let k = qkv.narrow(1, nh * dk, nkv * dk).unwrap();
+            let v = qkv.narrow(1, nh * dk + nkv * dk, nkv * dv).unwrap();
+            let sinks = test_sinks(nh);
+            let got = flash_attention_with_sinks(&q, &k, &v, &p, Some(&sinks)).unwrap();
+            let mut mask = vec![0f32; tq * tk];
+            for i in 0..tq {
+                let pos = i + tk - tq;
+                for j in 0..tk {
+                    if j > pos || window.is_some_and(|w| pos - j >= w) {
+                        mask[i * tk + j] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let mask = Tensor::from_vec(mask, (tq, tk), &dev).unwrap();
+            let want = eager_with_sinks(
+                &heads_first(&q, nh),
+                &heads_first(&k, nkv),
+                &heads_first(&v, nkv),
+                &mask,
+                &sinks,
+                p.scale,
+            );
+            let what = format!("{tq}x{tk} {p:?}");
+            // f32 both ways, sums in other orders: a few ulps, as `reference_matches_candle`.
+            let (atol, rtol) = (1e-6, 1e-5);
+            assert_close(&values(&got), &values(&want), atol, rtol, &what);
+            // The planted bug: the sink ignored. Some head's sink (up to 4.x) dominates its
+            // rows, so outputs move by far more than the tolerance.
+            let no_sink = values(&flash_attention(&q, &k, &v, &p).unwrap());
+            let worst = no_sink
+                .iter()
+                .zip(values(&want))
+                .map(|(a, b)| (a - b).abs() / (atol + rtol * b.abs()))
+                .fold(0f32, f32::max);
+            assert!(
+                worst > 100.0,
+                "{what}: ignoring the sinks moved outputs by only {worst}x the tolerance"
+            );
+        }
+        // Sinks of the wrong length or on another device are refused.
+        let x = random(&[4, 16], DType::F32, 1, &dev);
+        let bad = Tensor::zeros(2, DType::F32, &dev).unwrap();
+        let p = params(1, 1, 16, 16, None);
+        assert!(flash_attention_with_sinks(&x, &x, &x, &p, Some(&bad)).is_err());
+    }
+
+    /// A sink of -inf is no sink at all (e^-inf = 0); a huge sink takes the whole row's mass
+    /// (the output goes to 0) without overflowing: the max is taken with the sink.
+    #[test]
+    fn sink_extremes() {
+        let dev = Device::Cpu;
+        let (t, nh, d) = (9, 2, 16);
+        let x = random(&[t, nh * d], DType::F32, 3, &dev);
+        let p = params(nh, nh, d, d, Some(4));
+        let plain = values(&flash_attention(&x, &x, &x, &p).unwrap());
+        let minus_inf = Tensor::new(&[f32::NEG_INFINITY; 2], &dev).unwrap();
+        let got = values(&flash_attention_with_sinks(&x, &x, &x, &p, Some(&minus_inf)).unwrap());
+        assert_eq!(got, plain);
+        let huge = Tensor::new(&[1e30f32, 200.0], &dev).unwrap();
+        let got = values(&flash_attention_with_sinks(&x, &x, &x, &p, Some(&huge)).unwrap());
+        assert!(
+            got.iter().all(|v| v.is_finite() && v.abs() < 1e-30),
+            "{got:?}"
+        );
+    }
+
     #[cfg(feature = "cuda")]
     mod device {
         use super::*;
@@ -394,18 +608,20 @@ mod tests {
         /// Runs `path` on the GPU and the reference on the CPU; `q`, `k`, `v` are windows of a
         /// fused QKV made in `dtype`.
         fn check(gpu: &Device, dtype: DType, case: Case, path: Option<&'static str>) {
-            check_inputs(gpu, dtype, case, path, false);
+            check_inputs(gpu, dtype, case, path, false, false);
         }
 
         /// [`check`]; with `ramp`, key j is scaled by 1 + j / 32 and the softmax scale is 0.5,
         /// so every row's maximum keeps growing along the keys (by tens of log2 units over
         /// 300 keys): the path where flash_tc2's lazy rescaling moves its reference maximum.
+        /// With `sinks`, both sides take [`test_sinks`].
         fn check_inputs(
             gpu: &Device,
             dtype: DType,
             (tq, tk, nh, nkv, dk, dv, window): Case,
             path: Option<&'static str>,
             ramp: bool,
+            sinks: bool,
         ) {
             let mut p = params(nh, nkv, dk, dv, window);
             let width = nh * dk + nkv * dk + nkv * dv;
@@ -437,10 +653,12 @@ mod tests {
                 )
             };
             let (q, k, v) = split(&qkv);
-            let want = flash_attention(&q, &k, &v, &p).unwrap();
+            let sinks = sinks.then(|| test_sinks(nh));
+            let want = flash_attention_with_sinks(&q, &k, &v, &p, sinks.as_ref()).unwrap();
             let qkv_gpu = qkv.to_device(gpu).unwrap();
             let (q, k, v) = split(&qkv_gpu);
-            let got = flash_attention_on(&q, &k, &v, &p, path).unwrap();
+            let gsinks = sinks.map(|s| s.to_device(gpu).unwrap());
+            let got = flash_attention_sinks_on(&q, &k, &v, &p, gsinks.as_ref(), path).unwrap();
             // Tolerances: the reference rounds once from f32. The generic kernel differs only in
             // summation order (a few f32 ulps), so one ulp of the dtype. The tensor-core path
             // also rounds P to the dtype for P.V (as FA2): each weight off by up to 2^-9 (bf16)
@@ -454,7 +672,10 @@ mod tests {
                 (DType::BF16, true) => (1.0 / 256.0, 1.0 / 128.0),
                 _ => (1.0 / 2048.0, 1.0 / 1024.0),
             };
-            let what = format!("{dtype:?} {path:?} tq {tq} tk {tk} ramp {ramp} {p:?}");
+            let what = format!(
+                "{dtype:?} {path:?} tq {tq} tk {tk} ramp {ramp} sinks {} {p:?}",
+                gsinks.is_some()
+            );
             assert_close(&values(&got), &values(&want), atol, rtol, &what);
         }
 
@@ -580,6 +801,7 @@ mod tests {
                         (tq, tk, nh, nkv, dk, dv, window),
                         Some(tag),
                         ramp,
+                        false,
                     );
                 }
             }
@@ -696,6 +918,57 @@ mod tests {
             );
             // The default path, which is the Hopper kernel here.
             realistic_cases(&gpu, |_, _| None);
+        }
+
+        /// gpt-oss's attention sinks on every path against the CPU reference with sinks: the
+        /// generic kernel (f32, bf16), every tensor-core tile and, on an sm_90 device, every
+        /// Hopper kernel; full and sliding-window rows (gpt-oss alternates them, window 128),
+        /// tq < tk, a window over several tiles, growing row maxima, and gpt-oss-20b's heads
+        /// (64 query heads of 64 over 8 KV heads) at T = 1024 on the default path. Prints one
+        /// line per path.
+        #[test]
+        fn device_sinks_match_reference() {
+            let Some(gpu) = crate::kernels::testing::cuda_device() else {
+                return;
+            };
+            let shapes = [
+                (1, 1, None, false),
+                (37, 37, None, false),
+                (200, 200, Some(33), false),
+                (100, 600, Some(150), false),
+                (257, 257, Some(70), true),
+            ];
+            let run = |path: Option<&'static str>, dk: usize, dv: usize, dtypes: &[DType]| {
+                let (nh, nkv) = if dk != dv { (16, 16) } else { (8, 2) };
+                for &(tq, tk, window, ramp) in &shapes {
+                    for &dtype in dtypes {
+                        let case = (tq, tk, nh, nkv, dk, dv, window);
+                        check_inputs(&gpu, dtype, case, path, ramp, true);
+                    }
+                }
+                eprintln!("sinks: {path:?} (dk {dk}, dv {dv}) pass");
+            };
+            run(Some("generic"), 64, 64, &[DType::F32, DType::BF16]);
+            run(Some("generic"), 128, 128, &[DType::BF16]);
+            for c in TC_CONFIGS {
+                run(Some(c.tag), c.dk, c.dv, &[DType::BF16, DType::F16]);
+            }
+            if hopper_device().is_some() {
+                for c in WG_CONFIGS {
+                    run(Some(c.tag), c.dk, c.dv, &[DType::BF16, DType::F16]);
+                }
+            }
+            for window in [None, Some(128)] {
+                check_inputs(
+                    &gpu,
+                    DType::BF16,
+                    (1024, 1024, 64, 8, 64, 64, window),
+                    None,
+                    false,
+                    true,
+                );
+            }
+            eprintln!("sinks: gpt-oss-20b heads at T = 1024, default path: pass");
         }
 
         /// Throughput of every tensor-core tile on Llama-3.1-8B heads (nh 32, nkv 8, hd 128) and

@@ -21,8 +21,10 @@ pub type DevPtr = u64;
 enum Module {
     Attention,
     AttentionSm90,
+    ExpertAct,
     Fp8,
     MoeGemmSm90,
+    Mxfp4,
     Gather,
     Moe,
     Rmsnorm,
@@ -37,7 +39,9 @@ impl Module {
         match self {
             Module::Attention => "eagle_check_attention",
             Module::AttentionSm90 => "eagle_check_attention_sm90",
+            Module::ExpertAct => "eagle_check_expert_act",
             Module::Fp8 => "eagle_check_fp8_dequant",
+            Module::Mxfp4 => "eagle_check_mxfp4",
             Module::MoeGemmSm90 => "eagle_check_moe_gemm_sm90",
             Module::Gather => "eagle_check_gather",
             Module::Moe => "eagle_check_moe",
@@ -54,7 +58,9 @@ impl Module {
             Module::AttentionSm90 => {
                 include_str!(concat!(env!("OUT_DIR"), "/attention_sm90.ptx"))
             }
+            Module::ExpertAct => include_str!(concat!(env!("OUT_DIR"), "/expert_act.ptx")),
             Module::Fp8 => include_str!(concat!(env!("OUT_DIR"), "/fp8_dequant.ptx")),
+            Module::Mxfp4 => include_str!(concat!(env!("OUT_DIR"), "/mxfp4.ptx")),
             Module::MoeGemmSm90 => include_str!(concat!(env!("OUT_DIR"), "/moe_gemm_sm90.ptx")),
             Module::Gather => include_str!(concat!(env!("OUT_DIR"), "/gather.ptx")),
             Module::Moe => include_str!(concat!(env!("OUT_DIR"), "/moe.ptx")),
@@ -677,7 +683,22 @@ pub fn flash_attn_on(
     a: &FlashArgs,
     path: FlashPath,
 ) -> Result<()> {
+    flash_attn_sinks_on(dev, dtype, a, None, path)
+}
+
+/// [`flash_attn_on`] with gpt-oss's attention sinks: `sinks` `[nh]` f32 on the device (one
+/// logit per query head in every row's softmax denominator; kernels/attention.cu), or `None`.
+/// Every path takes them.
+pub fn flash_attn_sinks_on(
+    dev: &CudaDevice,
+    dtype: KernelDType,
+    a: &FlashArgs,
+    sinks: Option<DevPtr>,
+    path: FlashPath,
+) -> Result<()> {
     check_flash(a)?;
+    // The kernels read a null pointer as "no sinks".
+    let sinks: DevPtr = sinks.unwrap_or(0);
     if a.tq == 0 || a.nh == 0 {
         return Ok(());
     }
@@ -732,6 +753,7 @@ pub fn flash_attn_on(
                     to_i32(a.dv, "dv")?,
                     a.scale,
                     to_i32(a.window, "window")?,
+                    sinks,
                 ]
             );
         }
@@ -781,6 +803,7 @@ pub fn flash_attn_on(
                     nkv,
                     a.scale,
                     to_i32(a.window, "window")?,
+                    sinks,
                 ]
             );
         }
@@ -834,6 +857,7 @@ pub fn flash_attn_on(
                     nkv,
                     a.scale,
                     to_i32(a.window, "window")?,
+                    sinks,
                 ]
             );
         }
@@ -1557,6 +1581,153 @@ pub fn score(dev: &CudaDevice, a: &ScoreArgs, kernel: ScoreKernel) -> Result<Sco
         ]
     );
     Ok(kernel)
+}
+
+// ---------------------------------------------------------------------------- expert_act.cu
+
+/// The activation [`expert_act`] applies (the `act` argument of kernels/expert_act.cu).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ExpertActKind {
+    SiluMul,
+    ClampedSwiglu { alpha: f32, limit: f32 },
+}
+
+/// `expert_act_*`: see kernels/expert_act.cu. `gu` `[rows, *]` (gate columns `0..inter`, up
+/// columns `inter..2 inter`, row stride `gu_stride`), `bias` `[experts * 2 inter]` or none
+/// (each expert's gate biases, then its up biases), `offsets` `[experts + 1]` u32 on the
+/// device, `out` `[rows, inter]` at row stride `o_stride`; one dtype for gu, bias and out.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertActArgs {
+    pub gu: DevPtr,
+    pub gu_stride: usize,
+    pub bias: Option<DevPtr>,
+    pub offsets: DevPtr,
+    pub experts: usize,
+    pub out: DevPtr,
+    pub o_stride: usize,
+    pub rows: usize,
+    pub inter: usize,
+    pub act: ExpertActKind,
+}
+
+pub fn expert_act(dev: &CudaDevice, dtype: KernelDType, a: &ExpertActArgs) -> Result<()> {
+    if a.rows == 0 || a.inter == 0 {
+        return Ok(());
+    }
+    if a.experts == 0 || a.gu_stride < 2 * a.inter || a.o_stride < a.inter {
+        candle_core::bail!(
+            "expert_act: {} experts, gu stride {} and out stride {} for {} columns",
+            a.experts,
+            a.gu_stride,
+            a.o_stride,
+            a.inter
+        );
+    }
+    let name = format!("expert_act_{}", dtype.suffix());
+    let func = function(dev, Module::ExpertAct, &name)?;
+    let config = cfg((grid_dim(a.rows, &name)?, 1, 1), row_threads(a.inter, 4), 0)?;
+    let (act, alpha, limit) = match a.act {
+        ExpertActKind::SiluMul => (0i32, 0f32, 0f32),
+        ExpertActKind::ClampedSwiglu { alpha, limit } => (1, alpha, limit),
+    };
+    launch!(
+        dev,
+        func,
+        name,
+        config,
+        [
+            a.gu,
+            to_i64(a.gu_stride, "gu stride")?,
+            a.bias.unwrap_or(0),
+            a.offsets,
+            to_i32(a.experts, "experts")?,
+            a.out,
+            to_i64(a.o_stride, "out stride")?,
+            to_i32(a.rows, "rows")?,
+            to_i32(a.inter, "inter")?,
+            act,
+            alpha,
+            limit,
+        ]
+    );
+    Ok(())
+}
+
+/// `expert_bias_add_*`: see kernels/expert_act.cu. `y` `[rows, cols]` at row stride
+/// `y_stride`, updated in place; `bias` `[experts * cols]`; `offsets` as [`ExpertActArgs`].
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertBiasArgs {
+    pub y: DevPtr,
+    pub y_stride: usize,
+    pub bias: DevPtr,
+    pub offsets: DevPtr,
+    pub experts: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+pub fn expert_bias_add(dev: &CudaDevice, dtype: KernelDType, a: &ExpertBiasArgs) -> Result<()> {
+    if a.rows == 0 || a.cols == 0 {
+        return Ok(());
+    }
+    if a.experts == 0 || a.y_stride < a.cols {
+        candle_core::bail!(
+            "expert_bias_add: {} experts, row stride {} for {} columns",
+            a.experts,
+            a.y_stride,
+            a.cols
+        );
+    }
+    let name = format!("expert_bias_add_{}", dtype.suffix());
+    let func = function(dev, Module::ExpertAct, &name)?;
+    let config = cfg((grid_dim(a.rows, &name)?, 1, 1), row_threads(a.cols, 4), 0)?;
+    launch!(
+        dev,
+        func,
+        name,
+        config,
+        [
+            a.y,
+            to_i64(a.y_stride, "y stride")?,
+            a.bias,
+            a.offsets,
+            to_i32(a.experts, "experts")?,
+            to_i32(a.rows, "rows")?,
+            to_i32(a.cols, "cols")?,
+        ]
+    );
+    Ok(())
+}
+
+// -------------------------------------------------------------------------------- mxfp4.cu
+
+/// `mxfp4_dequant_*`: see kernels/mxfp4.cu. `blocks` `[groups, 16]` bytes, `scales`
+/// `[groups]` bytes, `out` `[groups, 32]`; contiguous.
+#[derive(Clone, Copy, Debug)]
+pub struct Mxfp4Args {
+    pub blocks: DevPtr,
+    pub scales: DevPtr,
+    pub out: DevPtr,
+    pub groups: usize,
+}
+
+pub fn mxfp4_dequant(dev: &CudaDevice, dtype: KernelDType, a: &Mxfp4Args) -> Result<()> {
+    if a.groups == 0 {
+        return Ok(());
+    }
+    let name = format!("mxfp4_dequant_{}", dtype.suffix());
+    let func = function(dev, Module::Mxfp4, &name)?;
+    // One thread per group, a grid-stride loop past 2^16 blocks of 256.
+    let blocks = a.groups.div_ceil(256).min(1 << 16);
+    let config = cfg((grid_dim(blocks, &name)?, 1, 1), 256, 0)?;
+    launch!(
+        dev,
+        func,
+        name,
+        config,
+        [a.blocks, a.scales, a.out, to_i64(a.groups, "groups")?]
+    );
+    Ok(())
 }
 
 // -------------------------------------------------------------------------- fp8_dequant.cu

@@ -17,6 +17,7 @@ pub mod attention;
 pub mod fp8;
 pub mod gather;
 pub mod moe;
+pub mod mxfp4;
 pub mod rmsnorm;
 pub mod rope;
 pub mod score;
@@ -30,13 +31,15 @@ pub mod gemm;
 #[cfg(test)]
 pub(crate) mod testing;
 
-pub use attention::{AttnParams, flash_attention};
+pub use attention::{AttnParams, flash_attention, flash_attention_with_sinks};
 pub use fp8::fp8_dequant;
 pub use gather::gather_rows;
+pub use moe::{ExpertAct, stack_gpt_oss_experts};
 pub use moe::{
     ExpertsPath, MoePlan, MoeRouting, RouteParams, StackedExperts, moe_combine, moe_experts,
     moe_plan, moe_route,
 };
+pub use mxfp4::mxfp4_dequant;
 pub use rmsnorm::{add_rms_norm, rms_norm};
 pub use rope::{RopeParams, rope, rope_in_place};
 pub use score::{PairSums, score_slots};

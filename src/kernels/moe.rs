@@ -335,23 +335,57 @@ pub fn moe_combine(
 pub enum ExpertsPath {
     /// [`moe_experts_ref`] (the CPU).
     Reference,
-    /// kernels/moe_gemm_sm90.cu: two launches, the offsets read on the device.
+    /// kernels/moe_gemm_sm90.cu: two launches (with kernels/expert_act.cu's between and after
+    /// them for biases or the clamped SwiGLU), the offsets read on the device.
     Hopper,
-    /// cuBLAS grouped GEMMs per projection and kernels/silu_mul.cu; the host reads the counts.
+    /// cuBLAS grouped GEMMs per projection and kernels/silu_mul.cu (or expert_act.cu); the
+    /// host reads the counts.
     Grouped,
+}
+
+/// The activation between an expert's gate/up and down projections.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ExpertAct {
+    /// `T(silu(g) * u)` in f32, rounded once (DeepSeek, Qwen MoE, Mixtral).
+    SiluMul,
+    /// gpt-oss's clamped SwiGLU (transformers 5.24 models/gpt_oss/modeling_gpt_oss.py
+    /// `GptOssExperts._apply_gate`): `g = min(g, limit)`, `u = clamp(u, -limit, limit)`,
+    /// `glu = g * sigmoid(g * alpha)`, `out = (u + 1) * glu`; each op rounded to the dtype, as
+    /// transformers' eager ops in that dtype are ([`clamped_swiglu`]). `swiglu_alpha` 1.702
+    /// and `swiglu_limit` 7.0 in gpt-oss's configs.
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 /// The routed experts' weights stacked as the kernels read them: `gate_up` `[E * 2I, H]` (each
 /// expert's I gate rows, then its I up rows: transformers 5's `experts.gate_up_proj` [E, 2I, H]
-/// as a matrix) and `down` `[E * H, I]`, both contiguous.
+/// as a matrix) and `down` `[E * H, I]`, both contiguous; the activation between them; and the
+/// optional biases in the same row order: `gate_up_bias` `[E * 2I]` (each expert's I gate
+/// biases, then its I up biases), `down_bias` `[E * H]`, in the weights' dtype. Build with
+/// [`StackedExperts::new`] (SiLU-mul, no biases) or [`stack_gpt_oss_experts`].
 #[derive(Clone, Debug)]
 pub struct StackedExperts {
     pub experts: usize,
     pub gate_up: Tensor,
     pub down: Tensor,
+    pub act: ExpertAct,
+    pub gate_up_bias: Option<Tensor>,
+    pub down_bias: Option<Tensor>,
 }
 
 impl StackedExperts {
+    /// SwiGLU experts without biases (DeepSeek, Qwen MoE): the defaults in one place.
+    pub fn new(experts: usize, gate_up: Tensor, down: Tensor) -> StackedExperts {
+        StackedExperts {
+            experts,
+            gate_up,
+            down,
+            act: ExpertAct::SiluMul,
+            gate_up_bias: None,
+            down_bias: None,
+        }
+    }
+
+    /// `(H, I)`, after checking every tensor's shape against the experts.
     fn dims(&self) -> Result<(usize, usize)> {
         let (rows_gu, h) = self.gate_up.dims2()?;
         let (rows_d, inter) = self.down.dims2()?;
@@ -363,7 +397,24 @@ impl StackedExperts {
                 self.down.dims()
             );
         }
+        for (bias, want, what) in [
+            (&self.gate_up_bias, e * 2 * inter, "gate_up_bias"),
+            (&self.down_bias, e * h, "down_bias"),
+        ] {
+            if let Some(b) = bias
+                && b.dims() != [want]
+            {
+                candle_core::bail!("moe experts: {what} {:?}, expected [{want}]", b.dims());
+            }
+        }
         Ok((h, inter))
+    }
+
+    /// Whether these are plain SwiGLU experts without biases: the fused gate/up epilogue of
+    /// kernels/moe_gemm_sm90.cu and the grouped path's silu_mul take them as they are.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn plain(&self) -> bool {
+        self.act == ExpertAct::SiluMul && self.gate_up_bias.is_none() && self.down_bias.is_none()
     }
 
     /// Expert e's gate, up and down weights (views).
@@ -375,14 +426,137 @@ impl StackedExperts {
             self.down.narrow(0, e * h, h)?,
         ])
     }
+
+    /// The tensors on `device` (the same layout).
+    pub fn to_device(&self, device: &Device) -> Result<StackedExperts> {
+        let move_opt = |t: &Option<Tensor>| t.as_ref().map(|t| t.to_device(device)).transpose();
+        Ok(StackedExperts {
+            experts: self.experts,
+            gate_up: self.gate_up.to_device(device)?,
+            down: self.down.to_device(device)?,
+            act: self.act,
+            gate_up_bias: move_opt(&self.gate_up_bias)?,
+            down_bias: move_opt(&self.down_bias)?,
+        })
+    }
 }
 
-/// The CPU reference of the experts: for each expert e and each of its rows x,
-/// `T(T(silu(g) * u) . down_j)` with `g = T(x . gate_j)` and `u = T(x . up_j)`, every product in
-/// f32 and every projection's output rounded to T (the unfused forward's values).
+/// gpt-oss's experts in the stacked layout, on the tensors' device: transformers 5.24
+/// `GptOssExperts` (models/gpt_oss/modeling_gpt_oss.py) holds `gate_up_proj` `[E, H, 2I]`
+/// (multiplied as `x @ gate_up_proj[e]`, gate = columns `::2`, up = columns `1::2`),
+/// `gate_up_proj_bias` `[E, 2I]` (interleaved the same way), `down_proj` `[E, I, H]` (`x @
+/// down_proj[e]`) and `down_proj_bias` `[E, H]`. This de-interleaves and transposes them into
+/// [`StackedExperts`]' rows: `gate_up` row `e * 2I + j` is column `2j` of `gate_up_proj[e]`
+/// and row `e * 2I + I + j` column `2j + 1`; the bias likewise; `down` row `e * H + h` is
+/// column h of `down_proj[e]`. `alpha`, `limit`: the config's `swiglu_alpha`, `swiglu_limit`.
+pub fn stack_gpt_oss_experts(
+    gate_up: &Tensor,
+    gate_up_bias: &Tensor,
+    down: &Tensor,
+    down_bias: &Tensor,
+    alpha: f32,
+    limit: f32,
+) -> Result<StackedExperts> {
+    let (e, h, two_i) = gate_up.dims3()?;
+    let inter = two_i / 2;
+    let fits = two_i.is_multiple_of(2)
+        && gate_up_bias.dims() == [e, two_i]
+        && down.dims() == [e, inter, h]
+        && down_bias.dims() == [e, h];
+    if !fits {
+        candle_core::bail!(
+            "gpt-oss experts: gate_up_proj {:?}, gate_up_proj_bias {:?}, down_proj {:?}, \
+             down_proj_bias {:?} are not [E, H, 2I], [E, 2I], [E, I, H], [E, H]",
+            gate_up.dims(),
+            gate_up_bias.dims(),
+            down.dims(),
+            down_bias.dims()
+        );
+    }
+    // [E, H, I, 2] -> [E, 2, I, H]: (e, p, i, h) is gate_up[e, h, 2i + p], p = 0 gate, 1 up.
+    let gu = gate_up
+        .reshape((e, h, inter, 2))?
+        .permute((0, 3, 2, 1))?
+        .contiguous()?
+        .reshape((e * two_i, h))?;
+    let gub = gate_up_bias
+        .reshape((e, inter, 2))?
+        .permute((0, 2, 1))?
+        .contiguous()?
+        .reshape(e * two_i)?;
+    let d = down
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((e * h, inter))?;
+    Ok(StackedExperts {
+        experts: e,
+        gate_up: gu,
+        down: d,
+        act: ExpertAct::ClampedSwiglu { alpha, limit },
+        gate_up_bias: Some(gub),
+        down_bias: Some(down_bias.contiguous()?.reshape(e * h)?),
+    })
+}
+
+/// gpt-oss's clamped SwiGLU of one element, `g`, `u` already in `T` (the gate/up projection
+/// plus bias): the ops of `GptOssExperts._apply_gate` (models/gpt_oss/modeling_gpt_oss.py)
+/// each rounded to `T`, as torch's eager ops in `T` round them: `gc = min(g, limit)` and
+/// `uc = clamp(u, -limit, limit)` (exact; NaN stays NaN), `a = T(gc * alpha)`,
+/// `s = T(1 / (1 + exp(-a)))`, `glu = T(gc * s)`, `u1 = T(uc + 1)`, `T(u1 * glu)`.
+/// kernels/expert_act.cu computes the same.
+pub fn clamped_swiglu<T: Elem>(g: f32, u: f32, alpha: f32, limit: f32) -> T {
+    use super::round_to;
+    let gc = if g > limit { limit } else { g };
+    let uc = if u > limit {
+        limit
+    } else if u < -limit {
+        -limit
+    } else {
+        u
+    };
+    let a = round_to::<T>(gc * alpha);
+    let s = round_to::<T>(1.0 / (1.0 + (-a).exp()));
+    let glu = round_to::<T>(gc * s);
+    let u1 = round_to::<T>(uc + 1.0);
+    T::from_f32(u1 * glu)
+}
+
+/// [`clamped_swiglu`] over two `[rows, cols]` CPU tensors of one dtype.
+fn clamped_swiglu_cpu(g: &Tensor, u: &Tensor, alpha: f32, limit: f32) -> Result<Tensor> {
+    let dims = g.dims().to_vec();
+    with_float_type!(g.dtype(), T => {
+        let gv = g.flatten_all()?.to_vec1::<T>()?;
+        let uv = u.flatten_all()?.to_vec1::<T>()?;
+        let out: Vec<T> = gv
+            .iter()
+            .zip(&uv)
+            .map(|(g, u)| clamped_swiglu::<T>(g.to_f32(), u.to_f32(), alpha, limit))
+            .collect();
+        Tensor::from_vec(out, dims, &Device::Cpu)
+    })
+}
+
+/// The CPU reference of the experts: for each expert e and each of its rows x, with
+/// `g = T(x . gate_j)` and `u = T(x . up_j)` (every product in f32, every projection's output
+/// rounded to T, the unfused forward's values), the biases added in f32 and rounded
+/// (`g = T(g + b)`: transformers' `x @ W + b` as two ops), the activation ([`ExpertAct`]),
+/// then `T(T(act . down_j) + down_bias)`.
 pub fn moe_experts_ref(sorted: &Tensor, offsets: &[u32], w: &StackedExperts) -> Result<Tensor> {
     let dtype = sorted.dtype();
+    let (h, inter) = w.dims()?;
     let f32s = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+    let gu_bias = w.gate_up_bias.as_ref().map(f32s).transpose()?;
+    let d_bias = w.down_bias.as_ref().map(f32s).transpose()?;
+    // y + bias[at..at + n] in f32, rounded to the dtype.
+    let plus = |y: Tensor, bias: &Option<Tensor>, at: usize, n: usize| -> Result<Tensor> {
+        match bias {
+            None => Ok(y),
+            Some(b) => y
+                .to_dtype(DType::F32)?
+                .broadcast_add(&b.narrow(0, at, n)?)?
+                .to_dtype(dtype),
+        }
+    };
     let mut parts = Vec::new();
     for e in 0..w.experts {
         let (lo, hi) = (offsets[e] as usize, offsets[e + 1] as usize);
@@ -392,18 +566,27 @@ pub fn moe_experts_ref(sorted: &Tensor, offsets: &[u32], w: &StackedExperts) -> 
         let x = f32s(&sorted.narrow(0, lo, hi - lo)?)?;
         let [g, u, d] = w.expert(e)?;
         let proj = |x: &Tensor, w: &Tensor| x.matmul(&f32s(w)?.t()?)?.to_dtype(dtype);
-        let act = super::silu_mul(&proj(&x, &g)?, &proj(&x, &u)?)?;
-        parts.push(proj(&f32s(&act)?, &d)?);
+        let g = plus(proj(&x, &g)?, &gu_bias, e * 2 * inter, inter)?;
+        let u = plus(proj(&x, &u)?, &gu_bias, e * 2 * inter + inter, inter)?;
+        let act = match w.act {
+            ExpertAct::SiluMul => super::silu_mul(&g, &u)?,
+            ExpertAct::ClampedSwiglu { alpha, limit } => clamped_swiglu_cpu(&g, &u, alpha, limit)?,
+        };
+        parts.push(plus(proj(&f32s(&act)?, &d)?, &d_bias, e * h, h)?);
     }
     if parts.is_empty() {
-        return Tensor::zeros((0, w.dims()?.0), dtype, &Device::Cpu);
+        return Tensor::zeros((0, h), dtype, &Device::Cpu);
     }
     Tensor::cat(&parts, 0)
 }
 
 /// The routed experts on rows sorted by expert: `sorted` `[R, H]`, `offsets` `[E + 1]` u32 on
 /// `sorted`'s device (expert e owns rows `offsets[e]..offsets[e + 1]`, `offsets[E] == R`).
-/// Returns `[R, H]` and the way it ran.
+/// Returns `[R, H]` and the way it ran. Experts with biases or gpt-oss's activation run as a
+/// plain gate/up GEMM (`[R, 2I]`), kernels/expert_act.cu (each row's expert bias, read from
+/// `offsets` on the device, and the activation), the down GEMM and expert_act.cu's bias add;
+/// on an sm_90 device both GEMMs are kernels/moe_gemm_sm90.cu's `down` GEMM, else cuBLAS
+/// grouped GEMMs.
 pub fn moe_experts(
     sorted: &Tensor,
     offsets: &Tensor,
@@ -420,9 +603,14 @@ pub fn moe_experts(
             w.experts
         );
     }
-    if w.gate_up.dtype() != sorted.dtype() || w.down.dtype() != sorted.dtype() {
+    let biases = w.gate_up_bias.iter().chain(&w.down_bias);
+    if [&w.gate_up, &w.down]
+        .into_iter()
+        .chain(biases)
+        .any(|t| t.dtype() != sorted.dtype())
+    {
         candle_core::bail!(
-            "moe experts: weights {:?} for rows of {:?}",
+            "moe experts: weights {:?} (and biases) for rows of {:?}",
             w.gate_up.dtype(),
             sorted.dtype()
         );
@@ -442,6 +630,7 @@ pub fn moe_experts(
             let args = |kind: MoeGemmKind,
                         x: &Tensor,
                         k: usize,
+                        weight: &Tensor,
                         out: &CudaStorage,
                         n_out: usize|
              -> Result<MoeGemmArgs> {
@@ -452,25 +641,40 @@ pub fn moe_experts(
                     k,
                     offsets: cuda::tensor_ptr(offsets)?,
                     experts: w.experts,
-                    w: cuda::tensor_ptr(match kind {
-                        MoeGemmKind::GateUp => &w.gate_up,
-                        MoeGemmKind::Down => &w.down,
-                    })?,
+                    w: cuda::tensor_ptr(weight)?,
                     out: cuda::storage_ptr(out, 0)?,
                     o_stride: n_out,
                     n_out,
                 })
             };
-            if cuda::hopper_experts(dev) {
+            if cuda::hopper_experts(dev) && w.plain() {
                 let act = cuda::alloc(dev, sorted.dtype(), rows * inter)?;
-                let first = args(MoeGemmKind::GateUp, &sorted, h, &act, inter)?;
+                let first = args(MoeGemmKind::GateUp, &sorted, h, &w.gate_up, &act, inter)?;
                 let act = cuda::tensor(act, (rows, inter));
                 let out = cuda::alloc(dev, sorted.dtype(), rows * h)?;
-                let down = args(MoeGemmKind::Down, &act, inter, &out, h)?;
+                let down = args(MoeGemmKind::Down, &act, inter, &w.down, &out, h)?;
                 if first.unsupported(dtype).is_none() && down.unsupported(dtype).is_none() {
                     cuda::moe_gemm_wg(dev, dtype, &first)?;
                     cuda::moe_gemm_wg(dev, dtype, &down)?;
                     return Ok((cuda::tensor(out, (rows, h)), ExpertsPath::Hopper));
+                }
+            } else if cuda::hopper_experts(dev) {
+                // The gate/up GEMM without its SiLU-mul epilogue: the `down` kernel over the
+                // 2I rows of each expert's gate_up block.
+                let gu = cuda::alloc(dev, sorted.dtype(), rows * 2 * inter)?;
+                let first = args(MoeGemmKind::Down, &sorted, h, &w.gate_up, &gu, 2 * inter)?;
+                let gu = cuda::tensor(gu, (rows, 2 * inter));
+                let act = cuda::alloc(dev, sorted.dtype(), rows * inter)?;
+                let act = cuda::tensor(act, (rows, inter));
+                let out = cuda::alloc(dev, sorted.dtype(), rows * h)?;
+                let down = args(MoeGemmKind::Down, &act, inter, &w.down, &out, h)?;
+                if first.unsupported(dtype).is_none() && down.unsupported(dtype).is_none() {
+                    cuda::moe_gemm_wg(dev, dtype, &first)?;
+                    expert_act_on_device(&gu, &act, offsets, w)?;
+                    cuda::moe_gemm_wg(dev, dtype, &down)?;
+                    let out = cuda::tensor(out, (rows, h));
+                    expert_down_bias_on_device(&out, offsets, w)?;
+                    return Ok((out, ExpertsPath::Hopper));
                 }
             }
             Ok((grouped_experts(&sorted, offsets, w)?, ExpertsPath::Grouped))
@@ -479,8 +683,81 @@ pub fn moe_experts(
     }
 }
 
+/// kernels/expert_act.cu's `expert_act`: `gu` `[R, 2I]` (gate | up) into `act` `[R, I]`, with
+/// the gate/up biases of each row's expert.
+#[cfg(feature = "cuda")]
+fn expert_act_on_device(
+    gu: &Tensor,
+    act: &Tensor,
+    offsets: &Tensor,
+    w: &StackedExperts,
+) -> Result<()> {
+    use super::cuda;
+    let candle_core::Device::Cuda(dev) = gu.device() else {
+        candle_core::bail!("expert_act runs on CUDA tensors");
+    };
+    let (rows, inter) = act.dims2()?;
+    let kind = match w.act {
+        ExpertAct::SiluMul => cuda::ExpertActKind::SiluMul,
+        ExpertAct::ClampedSwiglu { alpha, limit } => {
+            cuda::ExpertActKind::ClampedSwiglu { alpha, limit }
+        }
+    };
+    let bias = w
+        .gate_up_bias
+        .as_ref()
+        .map(Tensor::contiguous)
+        .transpose()?;
+    cuda::expert_act(
+        dev,
+        super::KernelDType::of(gu.dtype())?,
+        &cuda::ExpertActArgs {
+            gu: cuda::tensor_ptr(gu)?,
+            gu_stride: 2 * inter,
+            bias: bias.as_ref().map(cuda::tensor_ptr).transpose()?,
+            offsets: cuda::tensor_ptr(offsets)?,
+            experts: w.experts,
+            out: cuda::tensor_ptr(act)?,
+            o_stride: inter,
+            rows,
+            inter,
+            act: kind,
+        },
+    )
+}
+
+/// kernels/expert_act.cu's `expert_bias_add`: each row of `out` `[R, H]` plus its expert's
+/// down bias, in place (nothing without a down bias).
+#[cfg(feature = "cuda")]
+fn expert_down_bias_on_device(out: &Tensor, offsets: &Tensor, w: &StackedExperts) -> Result<()> {
+    use super::cuda;
+    let Some(bias) = &w.down_bias else {
+        return Ok(());
+    };
+    let candle_core::Device::Cuda(dev) = out.device() else {
+        candle_core::bail!("expert_bias_add runs on CUDA tensors");
+    };
+    let (rows, h) = out.dims2()?;
+    let bias = bias.contiguous()?;
+    cuda::expert_bias_add(
+        dev,
+        super::KernelDType::of(out.dtype())?,
+        &cuda::ExpertBiasArgs {
+            y: cuda::tensor_ptr(out)?,
+            y_stride: h,
+            bias: cuda::tensor_ptr(&bias)?,
+            offsets: cuda::tensor_ptr(offsets)?,
+            experts: w.experts,
+            rows,
+            cols: h,
+        },
+    )
+}
+
 /// [`moe_experts`] as cuBLAS grouped GEMMs: the host reads the offsets (a synchronisation),
-/// then one grouped call per projection, SiLU-mul between.
+/// then one grouped call per projection, SiLU-mul between (plain experts), or for experts with
+/// biases or gpt-oss's activation one grouped gate/up call into `[R, 2I]`, expert_act.cu, the
+/// grouped down call and the down bias.
 #[cfg(feature = "cuda")]
 fn grouped_experts(sorted: &Tensor, offsets: &Tensor, w: &StackedExperts) -> Result<Tensor> {
     use super::cuda;
@@ -491,18 +768,36 @@ fn grouped_experts(sorted: &Tensor, offsets: &Tensor, w: &StackedExperts) -> Res
     let rows = sorted.dims2()?.0;
     let offs = offsets.to_vec1::<u32>()?;
     let counts: Vec<usize> = offs.windows(2).map(|p| (p[1] - p[0]) as usize).collect();
-    let views = (0..w.experts)
-        .map(|e| w.expert(e))
-        .collect::<Result<Vec<_>>>()?;
-    let grouped = |a: &Tensor, which: usize, n: usize| -> Result<Tensor> {
+    let grouped = |a: &Tensor, ws: &[Tensor], n: usize| -> Result<Tensor> {
         // Uninitialised: the groups' rows (counts sum to `rows`) cover every row.
         let out = cuda::tensor(cuda::alloc(dev, a.dtype(), rows * n)?, (rows, n));
-        let ws: Vec<&Tensor> = views.iter().map(|v| &v[which]).collect();
+        let ws: Vec<&Tensor> = ws.iter().collect();
         super::gemm::grouped_gemm_into(&out, a, &ws, &counts)?;
         Ok(out)
     };
-    let act = super::silu_mul(&grouped(sorted, 0, inter)?, &grouped(sorted, 1, inter)?)?;
-    grouped(&act, 2, h)
+    let views = (0..w.experts)
+        .map(|e| w.expert(e))
+        .collect::<Result<Vec<_>>>()?;
+    let pick = |which: usize| -> Vec<Tensor> { views.iter().map(|v| v[which].clone()).collect() };
+    if w.plain() {
+        let act = super::silu_mul(
+            &grouped(sorted, &pick(0), inter)?,
+            &grouped(sorted, &pick(1), inter)?,
+        )?;
+        return grouped(&act, &pick(2), h);
+    }
+    let gate_up = (0..w.experts)
+        .map(|e| w.gate_up.narrow(0, e * 2 * inter, 2 * inter))
+        .collect::<Result<Vec<_>>>()?;
+    let gu = grouped(sorted, &gate_up, 2 * inter)?;
+    let act = cuda::tensor(
+        cuda::alloc(dev, sorted.dtype(), rows * inter)?,
+        (rows, inter),
+    );
+    expert_act_on_device(&gu, &act, offsets, w)?;
+    let out = grouped(&act, &pick(2), h)?;
+    expert_down_bias_on_device(&out, offsets, w)?;
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -776,11 +1071,11 @@ mod tests {
         let e = counts.len();
         let offsets = offsets_of(counts);
         let rows = *offsets.last().unwrap() as usize;
-        let w = StackedExperts {
-            experts: e,
-            gate_up: random(&[e * 2 * inter, h], dtype, 21, device),
-            down: random(&[e * h, inter], dtype, 22, device),
-        };
+        let w = StackedExperts::new(
+            e,
+            random(&[e * 2 * inter, h], dtype, 21, device),
+            random(&[e * h, inter], dtype, 22, device),
+        );
         (random(&[rows, h], dtype, 23, device), offsets, w)
     }
 
@@ -807,11 +1102,11 @@ mod tests {
             .flat_map(|m| [&m.gate.weight, &m.up.weight])
             .collect();
         let down: Vec<&Tensor> = mlps.iter().map(|m| &m.down.weight).collect();
-        let w = StackedExperts {
-            experts: counts.len(),
-            gate_up: Tensor::cat(&gate_up, 0).unwrap(),
-            down: Tensor::cat(&down, 0).unwrap(),
-        };
+        let w = StackedExperts::new(
+            counts.len(),
+            Tensor::cat(&gate_up, 0).unwrap(),
+            Tensor::cat(&down, 0).unwrap(),
+        );
         let rows: usize = counts.iter().sum();
         let x = random(&[rows, h], DType::F32, 60, &cpu);
         let offsets = offsets_of(&counts.map(|c| c as u32));
@@ -858,11 +1153,7 @@ mod tests {
             for dtype in [DType::BF16, DType::F16] {
                 let (x, offsets, w) = experts_case(counts, h, inter, dtype, &Device::Cpu);
                 let want = moe_experts_ref(&x, &offsets, &w).unwrap();
-                let gw = StackedExperts {
-                    experts: w.experts,
-                    gate_up: w.gate_up.to_device(&gpu).unwrap(),
-                    down: w.down.to_device(&gpu).unwrap(),
-                };
+                let gw = w.to_device(&gpu).unwrap();
                 let gx = x.to_device(&gpu).unwrap();
                 let goff = Tensor::new(offsets.as_slice(), &gpu).unwrap();
                 let what = format!("counts {counts:?} H {h} I {inter} {dtype:?}");
@@ -880,6 +1171,259 @@ mod tests {
                 assert_close(&values(&got), &values(&want), atol, rtol, &what);
                 let grouped = grouped_experts(&gx, &goff, &gw).unwrap();
                 assert_close(&values(&grouped), &values(&want), atol, rtol, &what);
+            }
+        }
+    }
+    /// gpt-oss's experts in transformers' layout (`GptOssExperts`): `[E, H, 2I]`, `[E, 2I]`,
+    /// `[E, I, H]`, `[E, H]` f32, the weights scaled by `w_scale` so that gate/up values pass
+    /// the clamp limit 7, biases of size ~1.
+    fn hf_experts(e: usize, h: usize, inter: usize, w_scale: f64) -> [Tensor; 4] {
+        let cpu = Device::Cpu;
+        let r = |shape: &[usize], seed| random(shape, DType::F32, seed, &cpu);
+        [
+            (r(&[e, h, 2 * inter], 71) * w_scale).unwrap(),
+            r(&[e, 2 * inter], 72),
+            (r(&[e, inter, h], 73) * (w_scale / 4.0)).unwrap(),
+            r(&[e, h], 74),
+        ]
+    }
+
+    /// transformers 5.24 `GptOssExperts.forward` for the rows of each expert, written out
+    /// directly in f32 on the HF layout (models/gpt_oss/modeling_gpt_oss.py):
+    /// `gate_up = x @ gate_up_proj[e] + gate_up_proj_bias[e]`, gate = `gate_up[..., ::2]`,
+    /// up = `gate_up[..., 1::2]`, `_apply_gate`, `@ down_proj[e] + down_proj_bias[e]`.
+    /// `clamp`, `bias`, `interleave`: switches for the planted bugs.
+    fn hf_expert_forward(
+        x: &[f32],
+        offsets: &[u32],
+        hf: &[Tensor; 4],
+        (alpha, limit): (f32, f32),
+        (clamp, bias, interleave): (bool, bool, bool),
+    ) -> Vec<f32> {
+        let (e_n, h, two_i) = hf[0].dims3().unwrap();
+        let inter = two_i / 2;
+        let [gu, gub, d, db] = hf.each_ref().map(values);
+        let mut out = Vec::new();
+        for e in 0..e_n {
+            for r in offsets[e] as usize..offsets[e + 1] as usize {
+                let xr = &x[r * h..][..h];
+                let mut gate_up = vec![0f32; two_i];
+                for (c, gu_c) in gate_up.iter_mut().enumerate() {
+                    let dot: f32 = (0..h).map(|k| xr[k] * gu[(e * h + k) * two_i + c]).sum();
+                    *gu_c = dot + if bias { gub[e * two_i + c] } else { 0.0 };
+                }
+                let act: Vec<f32> = (0..inter)
+                    .map(|j| {
+                        let (gi, ui) = if interleave {
+                            (2 * j, 2 * j + 1)
+                        } else {
+                            (j, inter + j)
+                        };
+                        let (mut g, mut u) = (gate_up[gi], gate_up[ui]);
+                        if clamp {
+                            g = g.min(limit);
+                            u = u.clamp(-limit, limit);
+                        }
+                        let glu = g * (1.0 / (1.0 + (-(g * alpha)).exp()));
+                        (u + 1.0) * glu
+                    })
+                    .collect();
+                for c in 0..h {
+                    let dot: f32 = (0..inter)
+                        .map(|j| act[j] * d[(e * inter + j) * h + c])
+                        .sum();
+                    out.push(dot + if bias { db[e * h + c] } else { 0.0 });
+                }
+            }
+        }
+        out
+    }
+
+    /// The de-interleave of [`stack_gpt_oss_experts`] on values that name their own index:
+    /// gate_up_proj[e, k, c] = 1000 e + 10 k + c, bias[e, c] = 100 e + c.
+    #[test]
+    fn gpt_oss_stacking_deinterleaves_gate_and_up() {
+        let cpu = Device::Cpu;
+        let (e, h, inter) = (2, 3, 2);
+        let gu: Vec<f32> = (0..e * h * 2 * inter)
+            .map(|i| {
+                let (ee, k, c) = (i / (h * 2 * inter), i / (2 * inter) % h, i % (2 * inter));
+                (1000 * ee + 10 * k + c) as f32
+            })
+            .collect();
+        let gub: Vec<f32> = (0..e * 2 * inter)
+            .map(|i| (100 * (i / (2 * inter)) + i % (2 * inter)) as f32)
+            .collect();
+        let down: Vec<f32> = (0..e * inter * h).map(|i| i as f32).collect();
+        let db: Vec<f32> = (0..e * h).map(|i| -(i as f32)).collect();
+        let t = |v: Vec<f32>, s: &[usize]| Tensor::from_vec(v, s, &cpu).unwrap();
+        let w = stack_gpt_oss_experts(
+            &t(gu, &[e, h, 2 * inter]),
+            &t(gub, &[e, 2 * inter]),
+            &t(down, &[e, inter, h]),
+            &t(db, &[e, h]),
+            1.702,
+            7.0,
+        )
+        .unwrap();
+        assert_eq!(w.gate_up.dims(), [e * 2 * inter, h]);
+        let rows = w.gate_up.to_vec2::<f32>().unwrap();
+        // Expert 1: gate rows are columns 0, 2; up rows columns 1, 3; each over k = 0..3.
+        assert_eq!(rows[4], [1000.0, 1010.0, 1020.0]);
+        assert_eq!(rows[5], [1002.0, 1012.0, 1022.0]);
+        assert_eq!(rows[6], [1001.0, 1011.0, 1021.0]);
+        assert_eq!(rows[7], [1003.0, 1013.0, 1023.0]);
+        let b = w.gate_up_bias.as_ref().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(b, [0.0, 2.0, 1.0, 3.0, 100.0, 102.0, 101.0, 103.0]);
+        // down_proj[e] is [I, H]; its transpose's rows: expert 1's row h = (6 + h, 9 + h).
+        let d = w.down.to_vec2::<f32>().unwrap();
+        assert_eq!(d[3..6], [[6.0, 9.0], [7.0, 10.0], [8.0, 11.0]]);
+        let db = w.down_bias.as_ref().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(db, [0.0, -1.0, -2.0, -3.0, -4.0, -5.0]);
+        assert_eq!(
+            w.act,
+            ExpertAct::ClampedSwiglu {
+                alpha: 1.702,
+                limit: 7.0
+            }
+        );
+        let bad = t(vec![0.0; 4], &[e, 2]);
+        assert!(stack_gpt_oss_experts(&w.gate_up, &bad, &w.down, &bad, 1.0, 1.0).is_err());
+    }
+
+    /// The reference on stacked gpt-oss experts against transformers' expert written out on its
+    /// own layout ([`hf_expert_forward`]), in f32 (every rounding to T is then a no-op): empty
+    /// experts, ragged counts, gate and up values past the limit on both sides. Planted bugs
+    /// (no clamp, no biases, gate/up read as halves instead of interleaved) each fail by far.
+    #[test]
+    fn gpt_oss_reference_is_the_hf_expert() {
+        let (h, inter, counts) = (24, 16, [3u32, 0, 5, 2]);
+        let (alpha, limit) = (1.702f32, 7.0f32);
+        let hf = hf_experts(counts.len(), h, inter, 4.0);
+        let w = stack_gpt_oss_experts(&hf[0], &hf[1], &hf[2], &hf[3], alpha, limit).unwrap();
+        let offsets = offsets_of(&counts);
+        let rows = *offsets.last().unwrap() as usize;
+        let x = random(&[rows, h], DType::F32, 75, &Device::Cpu);
+        let got = values(&moe_experts_ref(&x, &offsets, &w).unwrap());
+        let xv = values(&x);
+        let want = hf_expert_forward(&xv, &offsets, &hf, (alpha, limit), (true, true, true));
+        // f32 both ways; sums in another order (candle's matmul) and libm's exp: a few ulps of
+        // outputs of size ~10.
+        let (atol, rtol) = (1e-4, 1e-5);
+        assert_close(&got, &want, atol, rtol, "gpt-oss experts");
+        // The inputs exercise the clamp on both sides (else the first planted bug is invisible).
+        let gu = values(&x.matmul(&w.gate_up.t().unwrap()).unwrap());
+        assert!(gu.iter().any(|&v| v > limit) && gu.iter().any(|&v| v < -limit));
+        for (bug, flags) in [
+            ("clamp off", (false, true, true)),
+            ("biases off", (true, false, true)),
+            ("gate/up not interleaved", (true, true, false)),
+        ] {
+            let planted = hf_expert_forward(&xv, &offsets, &hf, (alpha, limit), flags);
+            let worst = got
+                .iter()
+                .zip(&planted)
+                .map(|(g, p)| (g - p).abs() / (atol + rtol * p.abs()))
+                .fold(0f32, f32::max);
+            assert!(worst > 100.0, "{bug}: only {worst}x the tolerance off");
+        }
+        // SiLU-mul experts with biases: the bias alone moves the output.
+        let mut silu = w.clone();
+        silu.act = ExpertAct::SiluMul;
+        let with_bias = values(&moe_experts_ref(&x, &offsets, &silu).unwrap());
+        silu.gate_up_bias = None;
+        silu.down_bias = None;
+        let plain = values(&moe_experts_ref(&x, &offsets, &silu).unwrap());
+        assert!(
+            with_bias
+                .iter()
+                .zip(&plain)
+                .any(|(a, b)| (a - b).abs() > 0.1)
+        );
+    }
+
+    /// In bf16, [`clamped_swiglu`] rounds after every op as transformers' eager bf16 ops do:
+    /// hand-checked values at the clamp and away from it.
+    #[test]
+    fn clamped_swiglu_rounds_each_op() {
+        use half::bf16;
+        let (alpha, limit) = (1.702f32, 7.0f32);
+        let r = |v: f32| bf16::from_f32(v).to_f32();
+        for (g, u) in [(9.0f32, -8.0f32), (0.5, 0.25), (-3.0, 7.5), (2.0, 1.0)] {
+            let (g, u) = (r(g), r(u));
+            let gc = g.min(limit);
+            let uc = u.clamp(-limit, limit);
+            let a = r(gc * alpha);
+            let s = r(1.0 / (1.0 + (-a).exp()));
+            let want = r(r(uc + 1.0) * r(gc * s));
+            let got = clamped_swiglu::<bf16>(g, u, alpha, limit).to_f32();
+            assert_eq!(got, want, "g {g} u {u}");
+        }
+        // At g = 9 > limit the gate is 7: 7 * sigmoid(11.914) ~ 7; u = -8 -> -7, (u + 1) = -6.
+        let v = clamped_swiglu::<f32>(9.0, -8.0, alpha, limit);
+        assert!((v - (-6.0 * 7.0 / (1.0 + (-7.0f32 * alpha).exp()))).abs() < 1e-5);
+        assert!(clamped_swiglu::<f32>(f32::NAN, 0.0, alpha, limit).is_nan());
+    }
+
+    /// gpt-oss experts (clamped SwiGLU, both biases) and SiLU-mul experts with biases on the
+    /// GPU against the reference: the Hopper path (the `down` GEMM for gate/up, expert_act.cu,
+    /// the `down` GEMM, the bias add) on sm_90 devices and the grouped cuBLAS path everywhere;
+    /// empty experts, an expert past one 96-row chunk, gpt-oss-20b's H 2880 / I 2880 (8 of its
+    /// 32 experts, to keep the CPU reference short). bf16 and f16. Prints one line per case.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_gpt_oss_experts_match_reference() {
+        let Some(gpu) = crate::kernels::testing::cuda_device() else {
+            return;
+        };
+        let Device::Cuda(dev) = &gpu else {
+            unreachable!("cuda_device is a CUDA device")
+        };
+        let hopper = crate::kernels::cuda::hopper_experts(dev);
+        if !hopper {
+            eprintln!("skipped the Hopper expert kernel: not an sm_90 device");
+        }
+        let spread: Vec<u32> = (0..8u32).map(|i| (i * 37 + 11) % 29).collect();
+        let cases: [(&[u32], usize, usize); 3] = [
+            (&[0, 1, 130, 17, 0, 64], 200, 72),
+            (&[16, 48, 81, 3], 256, 128),
+            (&spread, 2880, 2880),
+        ];
+        for (counts, h, inter) in cases {
+            // Weights scaled so that gate/up values reach the clamp at every H.
+            let hf = hf_experts(counts.len(), h, inter, 40.0 / (h as f64).sqrt());
+            let offsets = offsets_of(counts);
+            let rows = *offsets.last().unwrap() as usize;
+            for dtype in [DType::BF16, DType::F16] {
+                let hf_t = hf.each_ref().map(|t| t.to_dtype(dtype).unwrap());
+                let w = stack_gpt_oss_experts(&hf_t[0], &hf_t[1], &hf_t[2], &hf_t[3], 1.702, 7.0)
+                    .unwrap();
+                let mut silu = w.clone();
+                silu.act = ExpertAct::SiluMul;
+                for (name, w) in [("gpt-oss", w), ("silu+bias", silu)] {
+                    let x = random(&[rows, h], dtype, 76, &Device::Cpu);
+                    let want = moe_experts_ref(&x, &offsets, &w).unwrap();
+                    let gw = w.to_device(&gpu).unwrap();
+                    let gx = x.to_device(&gpu).unwrap();
+                    let goff = Tensor::new(offsets.as_slice(), &gpu).unwrap();
+                    let what = format!("{name} counts {counts:?} H {h} I {inter} {dtype:?}");
+                    // As `device_experts_match_reference`: a projection rounded the other way
+                    // moves what follows by a few of its ulps; the clamp and the extra rounding
+                    // steps add no error of their own (the same ops in the same order).
+                    let scale = values(&want).iter().fold(1f32, |m, v| m.max(v.abs()));
+                    let (atol, rtol) = (1e-2 * scale, 1.0 / 64.0);
+                    let (got, path) = moe_experts(&gx, &goff, &gw).unwrap();
+                    let want_path = if hopper {
+                        ExpertsPath::Hopper
+                    } else {
+                        ExpertsPath::Grouped
+                    };
+                    assert_eq!(path, want_path, "{what}");
+                    assert_close(&values(&got), &values(&want), atol, rtol, &what);
+                    let grouped = grouped_experts(&gx, &goff, &gw).unwrap();
+                    assert_close(&values(&grouped), &values(&want), atol, rtol, &what);
+                    eprintln!("{what}: {path:?} and grouped pass");
+                }
             }
         }
     }

@@ -149,7 +149,7 @@ impl Attention {
         };
         let out = match &self.sinks {
             None => kernels::flash_attention(&q, &k, &v, &params)?,
-            Some(_) => candle_core::bail!("attention sinks on the kernel path: SINKS-TODO"),
+            Some(sinks) => kernels::flash_attention_with_sinks(&q, &k, &v, &params, Some(sinks))?,
         };
         self.o.forward(&out)
     }

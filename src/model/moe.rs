@@ -11,7 +11,7 @@
 //! weights with no per-expert host loop).
 
 use crate::config::{ExpertsAct, ModelConfig, MoeConfig};
-use crate::error::{CandleContext, Result};
+use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, MoePlan, StackedExperts};
 use crate::model::nn::{Linear, Mlp};
 use crate::model::source::Vb;
@@ -405,11 +405,11 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
         let what = ex.path("gate_up_proj");
         let gate_up = ex.get("gate_up_proj", &[e, 2 * inter, h])?;
         let down = ex.get("down_proj", &[e, h, inter])?;
-        let stacked = StackedExperts {
-            experts: e,
-            gate_up: gate_up.reshape((e * 2 * inter, h)).ctx(|| what.clone())?,
-            down: down.reshape((e * h, inter)).ctx(|| ex.path("down_proj"))?,
-        };
+        let stacked = StackedExperts::new(
+            e,
+            gate_up.reshape((e * 2 * inter, h)).ctx(|| what.clone())?,
+            down.reshape((e * h, inter)).ctx(|| ex.path("down_proj"))?,
+        );
         return views(stacked, &what);
     }
     let names = if ex.contains("0.w1.weight") {
@@ -443,71 +443,77 @@ fn expert_mlp(vb: &Vb, h: usize, inter: usize, names: [&str; 3]) -> Result<Mlp> 
 /// [E, 2I] likewise, `down_proj` [E, I, H], `down_proj_bias` [E, H]: the weights multiply from
 /// the right (`hidden @ gate_up_proj[e]`). The released checkpoints ship the two weights as
 /// MXFP4 (`*_blocks` [E, rows, cols / 32, 16] u8 and `*_scales` [E, rows, cols / 32] u8, rows the
-/// output features), dequantised here (transformers integrations/mxfp4.py
-/// `convert_moe_packed_tensors`, which transposes the result into the layout above).
+/// output features), dequantised here on the model's device ([`kernels::mxfp4_dequant`];
+/// transformers integrations/mxfp4.py `convert_moe_packed_tensors` transposes the result into
+/// the layout above, and so do we). [`kernels::stack_gpt_oss_experts`] then de-interleaves them
+/// into the stacked rows every expert path reads; each expert's [`Mlp`] is views of them.
 fn load_gpt_oss_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
     let (e, inter) = (moe.n_routed_experts, moe.moe_intermediate_size);
-    // Both as [E, out, in]: gate_up [E, 2I, H] with interleaved rows, down [E, H, I].
+    let ExpertsAct::ClampedSwiglu { alpha, limit } = moe.act else {
+        return Err(Error::config(
+            ex.origin(),
+            "gpt-oss experts without the clamped SwiGLU".to_string(),
+        ));
+    };
     let (gate_up, down) = if ex.contains("gate_up_proj_blocks") {
         (
             mxfp4(ex, "gate_up_proj", e, 2 * inter, h)?,
             mxfp4(ex, "down_proj", e, h, inter)?,
         )
     } else {
-        let t = |name: &str, shape: &[usize]| -> Result<Tensor> {
-            ex.get(name, shape)?.transpose(1, 2).ctx(|| ex.path(name))
-        };
         (
-            t("gate_up_proj", &[e, h, 2 * inter])?,
-            t("down_proj", &[e, inter, h])?,
+            ex.get("gate_up_proj", &[e, h, 2 * inter])?,
+            ex.get("down_proj", &[e, inter, h])?,
         )
     };
     let gate_up_bias = ex.get("gate_up_proj_bias", &[e, 2 * inter])?;
     let down_bias = ex.get("down_proj_bias", &[e, h])?;
-    let split = || -> candle_core::Result<Vec<Mlp>> {
-        // Rows 2j are gate row j, rows 2j + 1 up row j.
-        let pairs = gate_up.reshape((e, inter, 2, h))?;
-        let bias_pairs = gate_up_bias.reshape((e, inter, 2))?;
-        (0..e)
+    let stack = || -> candle_core::Result<(StackedExperts, Vec<Mlp>)> {
+        let stacked = kernels::stack_gpt_oss_experts(
+            &gate_up,
+            &gate_up_bias,
+            &down,
+            &down_bias,
+            alpha,
+            limit,
+        )?;
+        let (gub, db) = match (&stacked.gate_up_bias, &stacked.down_bias) {
+            (Some(g), Some(d)) => (g.clone(), d.clone()),
+            _ => candle_core::bail!("stacked gpt-oss experts without their biases"),
+        };
+        let mlps = (0..e)
             .map(|i| {
-                let w = |half: usize| pairs.get(i)?.narrow(1, half, 1)?.squeeze(1)?.contiguous();
-                let b = |half: usize| {
-                    bias_pairs
-                        .get(i)?
-                        .narrow(1, half, 1)?
-                        .squeeze(1)?
-                        .contiguous()
-                };
+                let [gate, up, down] = stacked.expert(i)?;
                 Ok(Mlp {
-                    gate: linear(w(0)?, Some(b(0)?)),
-                    up: linear(w(1)?, Some(b(1)?)),
-                    down: linear(
-                        down.get(i)?.contiguous()?,
-                        Some(down_bias.get(i)?.contiguous()?),
-                    ),
+                    gate: linear(gate, Some(gub.narrow(0, i * 2 * inter, inter)?)),
+                    up: linear(up, Some(gub.narrow(0, i * 2 * inter + inter, inter)?)),
+                    down: linear(down, Some(db.narrow(0, i * h, h)?)),
                 })
             })
-            .collect()
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok((stacked, mlps))
     };
-    let mlps = split().ctx(|| ex.path("gate_up_proj"))?;
+    let (stacked, mlps) = stack().ctx(|| ex.path("gate_up_proj"))?;
     Ok(Experts {
         mlps,
         act: moe.act,
-        stacked: None,
+        stacked: (!ex.device.is_cpu()).then_some(stacked),
     })
 }
 
-/// An MXFP4 weight `{name}_blocks` / `{name}_scales` dequantised to `[E, rows, cols]` in the
-/// compute dtype.
+/// An MXFP4 weight `{name}_blocks` / `{name}_scales` of `[E, rows, cols]` output-by-input
+/// matrices, dequantised in the compute dtype and transposed to `[E, cols, rows]` (the layout
+/// of transformers' `GptOssExperts` parameters).
 fn mxfp4(ex: &Vb, name: &str, e: usize, rows: usize, cols: usize) -> Result<Tensor> {
     let (blocks, scales) = (format!("{name}_blocks"), format!("{name}_scales"));
     let groups = cols.div_ceil(32);
     ex.checked(&blocks, &[e, rows, groups, 16])?;
     ex.checked(&scales, &[e, rows, groups])?;
-    Err(crate::error::Error::weights(
-        ex.origin(),
-        format!("{}: MXFP4-TODO", ex.path(name)),
-    ))
+    let (b, s) = (ex.get_raw(&blocks)?, ex.get_raw(&scales)?);
+    let what = ex.path(name);
+    kernels::mxfp4_dequant(&b, &s, ex.dtype)
+        .and_then(|w| w.narrow(2, 0, cols)?.transpose(1, 2))
+        .ctx(|| format!("dequantising {what} (MXFP4)"))
 }
 
 /// Per-expert weights copied into their slots of the stacked matrices as each expert loads,
@@ -528,11 +534,7 @@ fn load_stacked(
         let s = cuda::alloc(dev, ex.dtype, rows * cols).ctx(|| format!("stacking {what}"))?;
         Ok(cuda::tensor(s, (rows, cols)))
     };
-    let stacked = StackedExperts {
-        experts: e,
-        gate_up: alloc(e * 2 * inter, h)?,
-        down: alloc(e * h, inter)?,
-    };
+    let stacked = StackedExperts::new(e, alloc(e * 2 * inter, h)?, alloc(e * h, inter)?);
     let ptrs = || -> candle_core::Result<_> {
         Ok((
             cuda::tensor_ptr(&stacked.gate_up)?,
