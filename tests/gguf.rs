@@ -98,6 +98,10 @@ fn gguf_name(hf: &str) -> String {
         "mlp.gate_proj.weight" => "ffn_gate.weight",
         "mlp.up_proj.weight" => "ffn_up.weight",
         "mlp.down_proj.weight" => "ffn_down.weight",
+        "mlp.gate.weight" => "ffn_gate_inp.weight",
+        "mlp.experts.gate_proj" => "ffn_gate_exps.weight",
+        "mlp.experts.up_proj" => "ffn_up_exps.weight",
+        "mlp.experts.down_proj" => "ffn_down_exps.weight",
         other => panic!("no GGUF name for {other}"),
     };
     format!("blk.{i}.{g}")
@@ -124,7 +128,11 @@ fn llama_cpp_permute(w: &Tensor, n_head: usize) -> Tensor {
 fn convert(name: &str, permute: bool) -> (ModelConfig, Parts) {
     let dir = fixture(&format!("models/{name}"));
     let cfg = ModelConfig::load(&dir).unwrap();
-    let arch = cfg.model_type.clone();
+    // llama.cpp's architecture names (gguf-py/gguf/constants.py MODEL_ARCH_NAMES).
+    let arch = match cfg.model_type.as_str() {
+        "qwen3_moe" => "qwen3moe".to_string(),
+        other => other.to_string(),
+    };
     let u = |x: usize| Value::U32(x as u32);
     let mut metadata = vec![
         (
@@ -151,12 +159,36 @@ fn convert(name: &str, permute: bool) -> (ModelConfig, Parts) {
         ),
         (a("vocab_size"), u(cfg.vocab_size)),
     ]);
+    if let Some(moe) = &cfg.moe {
+        metadata.extend([
+            (a("expert_count"), u(moe.n_routed_experts)),
+            (a("expert_used_count"), u(moe.k())),
+            (
+                a("expert_feed_forward_length"),
+                u(moe.moe_intermediate_size),
+            ),
+        ]);
+    }
     let weights =
         candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
     let mut names: Vec<&String> = weights.keys().collect();
     names.sort();
     let mut tensors = Vec::new();
-    for hf in names {
+    // Qwen3MoeModel.modify_tensors: each layer's experts stacked per projection, [E, rows, cols].
+    if let Some(moe) = &cfg.moe {
+        for l in (0..cfg.num_layers).filter(|&l| moe.is_moe_layer(l)) {
+            for part in ["gate_proj", "up_proj", "down_proj"] {
+                let per: Vec<Tensor> = (0..moe.n_routed_experts)
+                    .map(|e| {
+                        weights[&format!("model.layers.{l}.mlp.experts.{e}.{part}.weight")].clone()
+                    })
+                    .collect();
+                let name = gguf_name(&format!("model.layers.{l}.mlp.experts.{part}"));
+                tensors.push((name, Tensor::stack(&per, 0).unwrap()));
+            }
+        }
+    }
+    for hf in names.into_iter().filter(|n| !n.contains(".mlp.experts.")) {
         let mut t = weights[hf].clone();
         if arch == "llama" && permute {
             if hf.contains("q_proj") {
@@ -300,6 +332,26 @@ fn qwen2_gguf_with_bias_and_tied_embeddings_matches_transformers() {
 #[test]
 fn qwen3_gguf_with_qk_norm_matches_transformers() {
     converted_parity("qwen3");
+}
+
+/// qwen3moe (Qwen3-30B-A3B's llama.cpp architecture): stacked experts, the router, a dense
+/// block (no `ffn_gate_inp`), renormalised top-k, in f32 and with Q8_0 matrices.
+#[test]
+fn qwen3moe_gguf_matches_transformers() {
+    converted_parity("qwen3_moe");
+    let (_, path) = write_converted("qwen3_moe", true);
+    let (cfg, src) = open_gguf(&path).unwrap();
+    let moe = cfg.moe.as_ref().unwrap();
+    assert!(moe.routing.norm_topk);
+    assert!(
+        !moe.is_moe_layer(1) && moe.is_moe_layer(0),
+        "{:?}",
+        moe.layers
+    );
+    assert_eq!(
+        src.gguf_name("model.layers.0.mlp.experts.gate_proj"),
+        Some("blk.0.ffn_gate_exps.weight")
+    );
 }
 
 /// Guards the Q/K un-permutation: a llama file whose rows were never permuted is read as if

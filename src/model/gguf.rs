@@ -1,5 +1,8 @@
-//! GGUF targets (llama.cpp files of the `llama`, `qwen2` and `qwen3` architectures), dequantised
-//! to f32 on load, served under HF tensor names, with a [`ModelConfig`] resolved from the metadata.
+//! GGUF targets (llama.cpp files of the `llama`, `qwen2`, `qwen3` and `qwen3moe` architectures),
+//! dequantised to f32 on load, served under HF tensor names, with a [`ModelConfig`] resolved from
+//! the metadata. A `qwen3moe` file keeps each layer's experts stacked (`ffn_gate_exps` [E, I, H],
+//! `ffn_up_exps`, `ffn_down_exps` [E, H, I]) with the router as `ffn_gate_inp`; they are served
+//! as `mlp.experts.{gate,up,down}_proj` and `mlp.gate.weight`.
 //!
 //! Three things differ from an HF checkpoint, and each is undone here, once, at the edge:
 //! - **Names.** `token_embd` -> `model.embed_tokens`, `blk.{i}.attn_q` -> `model.layers.{i}.self_attn.q_proj`,
@@ -33,7 +36,12 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// `general.architecture` values this loader maps to HF names, with the HF `model_type` each becomes.
-const ARCHS: &[(&str, &str)] = &[("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")];
+const ARCHS: &[(&str, &str)] = &[
+    ("llama", "llama"),
+    ("qwen2", "qwen2"),
+    ("qwen3", "qwen3"),
+    ("qwen3moe", "qwen3_moe"),
+];
 
 /// The smallest GGUF: magic, version, two counts.
 const MIN_FILE_LEN: u64 = 4 + 4 + 8 + 8;
@@ -124,12 +132,12 @@ fn resolve(path: &Path, content: &Content, data: &[u8]) -> Result<Resolved> {
             // Folded into the config's rope scaling above.
             continue;
         }
-        let Some(hf) = hf_name(gguf_name, cfg.num_layers) else {
+        let Some(hf) = hf_name(gguf_name, cfg.num_layers, cfg.moe.is_some()) else {
             return Err(Error::weights(
                 path,
                 format!(
-                    "GGUF tensor `{gguf_name}` has no HF counterpart in a dense {arch} model \
-                     (MoE, vision and other extra tensors are not supported)"
+                    "GGUF tensor `{gguf_name}` has no HF counterpart in a {arch} model \
+                     (vision and other extra tensors are not supported)"
                 ),
             ));
         };
@@ -445,7 +453,7 @@ fn unpermute_rows(path: &Path, name: &str, t: &Tensor, heads: usize) -> Result<T
 }
 
 /// HF name for a GGUF tensor name; `None` for names outside the dense decoder.
-fn hf_name(gguf: &str, num_layers: usize) -> Option<String> {
+fn hf_name(gguf: &str, num_layers: usize, moe: bool) -> Option<String> {
     let fixed = match gguf {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -483,6 +491,11 @@ fn hf_name(gguf: &str, num_layers: usize) -> Option<String> {
         "ffn_gate.weight" => "mlp.gate_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",
+        // MoE layers (qwen3moe): the router and the stacked experts.
+        "ffn_gate_inp.weight" if moe => "mlp.gate.weight",
+        "ffn_gate_exps.weight" if moe => "mlp.experts.gate_proj",
+        "ffn_up_exps.weight" if moe => "mlp.experts.up_proj",
+        "ffn_down_exps.weight" if moe => "mlp.experts.down_proj",
         _ => return None,
     };
     Some(format!("model.layers.{i}.{hf}"))
@@ -585,16 +598,20 @@ fn config_file(
     data: &[u8],
 ) -> Result<ConfigFile> {
     let path = meta.path;
-    if meta.usize_opt("expert_count")?.unwrap_or(0) > 0 {
+    let experts = meta.usize_opt("expert_count")?.unwrap_or(0);
+    let moe = model_type == "qwen3_moe";
+    if experts > 0 && !moe {
         return Err(Error::config(
             path,
             format!(
-                "GGUF metadata `{}` > 0: MoE GGUF targets are not supported",
-                meta.key("expert_count")
+                "GGUF metadata `{}` > 0: MoE GGUF targets of `{}` are not supported (qwen3moe is)",
+                meta.key("expert_count"),
+                meta.arch
             ),
         ));
     }
     let hidden = meta.usize("embedding_length")?;
+    let blocks = meta.usize("block_count")?;
     let heads = meta.usize("attention.head_count")?;
     let kv_heads = meta.usize_opt("attention.head_count_kv")?;
     let key_len = meta.usize_opt("attention.key_length")?;
@@ -690,11 +707,15 @@ fn config_file(
     Ok(ConfigFile {
         model_type: Some(model_type.to_string()),
         hidden_size: Some(hidden),
-        num_hidden_layers: Some(meta.usize("block_count")?),
+        num_hidden_layers: Some(blocks),
         num_attention_heads: Some(heads),
         num_key_value_heads: kv_heads,
         head_dim,
-        intermediate_size: Some(meta.usize("feed_forward_length")?),
+        intermediate_size: match meta.usize_opt("feed_forward_length")? {
+            Some(n) => Some(n),
+            None if moe => None,
+            None => Some(meta.usize("feed_forward_length")?),
+        },
         vocab_size: Some(vocab),
         rms_norm_eps: Some(
             meta.f64_opt("attention.layer_norm_rms_epsilon")?
@@ -712,6 +733,31 @@ fn config_file(
         tie_word_embeddings: Some(!content.tensor_infos.contains_key("output.weight")),
         attention_bias: Some(content.tensor_infos.contains_key("blk.0.attn_q.bias")),
         max_position_embeddings: meta.usize_opt("context_length")?,
+        // qwen3moe: llama.cpp's `build_moe_ffn` renormalises the picked weights (norm_w true in
+        // src/models/qwen3moe.cpp; transformers' GGUF loader sets `norm_topk_prob` true for the
+        // same reason, integrations/ggml.py `GGUF_CONFIG_DEFAULTS_MAPPING`).
+        num_experts: moe.then_some(experts),
+        num_experts_per_tok: if moe {
+            Some(meta.usize("expert_used_count")?)
+        } else {
+            None
+        },
+        moe_intermediate_size: if moe {
+            Some(meta.usize("expert_feed_forward_length")?)
+        } else {
+            None
+        },
+        norm_topk_prob: moe.then_some(true),
+        // A block without a router holds a dense MLP (`ffn_gate`, `ffn_up`, `ffn_down`).
+        mlp_only_layers: moe.then(|| {
+            (0..blocks)
+                .filter(|i| {
+                    !content
+                        .tensor_infos
+                        .contains_key(&format!("blk.{i}.ffn_gate_inp.weight"))
+                })
+                .collect()
+        }),
         ..ConfigFile::default()
     })
 }
@@ -868,30 +914,34 @@ mod tests {
     #[test]
     fn names_map_to_hf_and_refuse_what_they_do_not_know() {
         assert_eq!(
-            hf_name("blk.3.attn_q.weight", 4).as_deref(),
+            hf_name("blk.3.attn_q.weight", 4, false).as_deref(),
             Some("model.layers.3.self_attn.q_proj.weight")
         );
         assert_eq!(
-            hf_name("blk.0.ffn_norm.weight", 1).as_deref(),
+            hf_name("blk.0.ffn_norm.weight", 1, false).as_deref(),
             Some("model.layers.0.post_attention_layernorm.weight")
         );
         assert_eq!(
-            hf_name("output.weight", 1).as_deref(),
+            hf_name("output.weight", 1, false).as_deref(),
             Some("lm_head.weight")
         );
         assert_eq!(
-            hf_name("blk.4.attn_q.weight", 4),
+            hf_name("blk.4.attn_q.weight", 4, false),
             None,
             "layer past block_count"
         );
         assert_eq!(
-            hf_name("blk.01.attn_q.weight", 4),
+            hf_name("blk.01.attn_q.weight", 4, false),
             None,
             "non-canonical index"
         );
-        assert_eq!(hf_name("blk.+1.attn_q.weight", 4), None);
-        assert_eq!(hf_name("blk.0.ffn_gate_exps.weight", 4), None);
-        assert_eq!(hf_name("blk.0.attn_output.bias", 4), None);
+        assert_eq!(hf_name("blk.+1.attn_q.weight", 4, false), None);
+        assert_eq!(hf_name("blk.0.ffn_gate_exps.weight", 4, false), None);
+        assert_eq!(
+            hf_name("blk.0.ffn_gate_exps.weight", 4, true).as_deref(),
+            Some("model.layers.0.mlp.experts.gate_proj")
+        );
+        assert_eq!(hf_name("blk.0.attn_output.bias", 4, false), None);
     }
 
     /// The inverse of llama.cpp's `LlamaModel.permute`, applied to its output, is the identity.

@@ -367,6 +367,8 @@ fn linear(weight: Tensor, bias: Option<Tensor>) -> Linear {
 /// holds them:
 /// - transformers 5's fused tensors: `gate_up_proj` [E, 2I, H] (each expert's gate rows, then
 ///   its up rows: `*Experts.forward` chunks the output in two) and `down_proj` [E, H, I];
+/// - stacked per projection, `gate_proj` / `up_proj` [E, I, H] and `down_proj` [E, H, I] (a
+///   GGUF's `ffn_*_exps`);
 /// - one module per expert, `{e}.gate_proj` / `{e}.up_proj` / `{e}.down_proj` (the original
 ///   DeepSeek, Kimi, Qwen and GLM checkpoints) or `{e}.w1` / `{e}.w3` / `{e}.w2` (MiniMax's,
 ///   transformers' conversion_mapping.py `block_sparse_moe`: w1 gate, w3 up, w2 down);
@@ -411,6 +413,22 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
             down.reshape((e * h, inter)).ctx(|| ex.path("down_proj"))?,
         );
         return views(stacked, &what);
+    }
+    if ex.contains("gate_proj") {
+        // Stacked but not fused (a GGUF's `ffn_{gate,up,down}_exps`): gate [E, I, H],
+        // up [E, I, H], down [E, H, I].
+        let what = ex.path("gate_proj");
+        let gate = ex.get("gate_proj", &[e, inter, h])?;
+        let up = ex.get("up_proj", &[e, inter, h])?;
+        let down = ex.get("down_proj", &[e, h, inter])?;
+        let stack = || -> candle_core::Result<StackedExperts> {
+            Ok(StackedExperts::new(
+                e,
+                Tensor::cat(&[&gate, &up], 1)?.reshape((e * 2 * inter, h))?,
+                down.reshape((e * h, inter))?,
+            ))
+        };
+        return views(stack().ctx(|| what.clone())?, &what);
     }
     let names = if ex.contains("0.w1.weight") {
         ["w1", "w3", "w2"]
