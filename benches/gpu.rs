@@ -169,11 +169,7 @@ mod gpu {
             }
             t
         };
-        let w = StackedExperts {
-            experts: e,
-            gate_up: filled(e * 2 * inter, h),
-            down: filled(e * h, inter),
-        };
+        let w = StackedExperts::new(e, filled(e * 2 * inter, h), filled(e * h, inter));
         let time = |f: &dyn Fn()| {
             for _ in 0..2 {
                 f();
