@@ -165,12 +165,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (0: all)")
     args = ap.parse_args()
     out = Path(args.out)
     (out / "model").mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     config_cls, model_cls = CLASSES[args.shape]
-    cfg = config_cls(**SHAPES[args.shape])
+    shape = dict(SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    cfg = config_cls(**shape)
     t0 = time.time()
     with torch.device("cuda"):
         model = model_cls._from_config(
