@@ -56,7 +56,7 @@ pub enum Error {
     #[error(
         "{budget} is smaller than one decoder layer of {path} (layer {layer}: {} in {dtype}): \
          even streaming the layers one at a time needs that much",
-        crate::memory::format_bytes(*.need)
+        crate::size::format_bytes(*.need)
     )]
     MemoryBudget {
         path: PathBuf,

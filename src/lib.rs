@@ -26,6 +26,7 @@ pub mod progress;
 pub mod readers;
 pub mod report;
 pub mod runner;
+pub mod size;
 pub mod spec;
 pub mod spec_init;
 pub mod stats;

@@ -4,10 +4,9 @@ use anyhow::{Context, Result, bail};
 use candle_core::{DType, Device};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use eagle_check::config::DraftConfig;
+use eagle_check::diff::dump_ref::DumpReference;
 use eagle_check::diff::names::NameMap;
-use eagle_check::diff::reference::{
-    DumpReference, ReferenceOptions, ReferenceSource, RunnerReference,
-};
+use eagle_check::diff::reference::{Counted, ReferenceOptions, ReferenceSource, RunnerReference};
 use eagle_check::diff::{DiffInput, diff};
 use eagle_check::engine::{Engine, EngineSel, markdown_table, resolve};
 use eagle_check::gate::gate;
@@ -73,7 +72,7 @@ struct MemoryArgs {
 }
 
 fn parse_max_memory(text: &str) -> std::result::Result<u64, String> {
-    eagle_check::memory::parse_size(text)
+    eagle_check::size::parse_size(text)
 }
 
 impl MemoryArgs {
@@ -758,7 +757,7 @@ fn run(cli: Cli) -> Result<u8> {
                 }
                 None => None,
             };
-            let mut counted = progress::Counted::new(source.as_mut(), "samples compared");
+            let mut counted = Counted::new(source.as_mut(), "samples compared");
             let (report, _) = diff(
                 &DiffInput {
                     spec: &spec,

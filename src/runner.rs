@@ -158,7 +158,7 @@ pub fn run(input: &RunInput) -> Result<Report> {
         )?;
         report.fact("dump", path.display().to_string());
     }
-    crate::memory::report_target(&mut report, &target);
+    crate::model::report::report_target(&mut report, &target);
     Ok(report.finish())
 }
 

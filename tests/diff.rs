@@ -4,7 +4,8 @@
 
 use crate::support::{eagle_check, fixture, p, root, scratch};
 use candle_core::{DType, Device};
-use eagle_check::diff::reference::{DumpReference, RunnerReference};
+use eagle_check::diff::dump_ref::DumpReference;
+use eagle_check::diff::reference::RunnerReference;
 use eagle_check::diff::{DiffInput, DiffStats, diff};
 use eagle_check::engine::{DraftIds, Engine, EngineSel, resolve};
 use eagle_check::model::open_target;

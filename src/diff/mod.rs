@@ -2,6 +2,7 @@
 //! slot of the captured tensor really is, and turn that into named findings against the spec
 //! (and, given a draft and an engine, against what the inference side feeds).
 
+pub mod dump_ref;
 pub mod identify;
 pub mod names;
 pub mod reference;

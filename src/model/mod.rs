@@ -11,6 +11,7 @@ pub mod gguf;
 pub mod llama;
 pub mod nn;
 pub mod phases;
+pub mod report;
 pub mod source;
 pub mod stream;
 

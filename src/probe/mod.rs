@@ -553,7 +553,7 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
     let best_words = scored[best].layout.to_string();
     let signal = acceptance::has_signal(&evidence);
     report.probe.push(control_row);
-    crate::memory::report_target(&mut report, &probe.target);
+    crate::model::report::report_target(&mut report, &probe.target);
     report.fact(
         "probe_passes",
         format!(
