@@ -3,22 +3,22 @@
 use anyhow::{Context, Result, bail};
 use candle_core::{DType, Device};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use eagle_check::commands::gate::gate;
+use eagle_check::commands::probe::{ProbeInput, TokenSet, probe};
+use eagle_check::commands::run::RunInput;
+use eagle_check::commands::spec_init;
 use eagle_check::config::DraftConfig;
 use eagle_check::diff::dump_ref::DumpReference;
 use eagle_check::diff::names::NameMap;
 use eagle_check::diff::reference::{Counted, ReferenceOptions, ReferenceSource, RunnerReference};
 use eagle_check::diff::{DiffInput, diff};
 use eagle_check::engine::{Engine, EngineSel, markdown_table, resolve};
-use eagle_check::gate::gate;
 use eagle_check::judge::StaticInput;
 use eagle_check::locate::{self, Bundle};
 use eagle_check::model::TargetOptions;
-use eagle_check::probe::{ProbeInput, TokenSet, probe};
 use eagle_check::progress;
 use eagle_check::report::Report;
-use eagle_check::runner::RunInput;
 use eagle_check::spec::Spec;
-use eagle_check::spec_init;
 use eagle_check::tokenize::{self, Tokenizer, read_token_file};
 use eagle_check::weights::WeightIndex;
 use std::path::{Path, PathBuf};
@@ -629,23 +629,24 @@ fn run(cli: Cli) -> Result<u8> {
                 }
                 None => None,
             };
-            let plan = eagle_check::plan::plan(&eagle_check::plan::PlanInput {
-                target: &info,
-                target_arg: target.display().to_string(),
-                model: target_path.or_else(|| engine_path(&target)),
-                engine: sel,
-                tp,
-                ep,
-                prompts,
-                draft: draft_cfg
-                    .as_ref()
-                    .map(|(config, arg)| eagle_check::plan::DraftInput {
-                        config,
-                        arg: arg.display().to_string(),
-                        path: draft_path.clone().or_else(|| engine_path(arg)),
+            let plan =
+                eagle_check::commands::plan::plan(&eagle_check::commands::plan::PlanInput {
+                    target: &info,
+                    target_arg: target.display().to_string(),
+                    model: target_path.or_else(|| engine_path(&target)),
+                    engine: sel,
+                    tp,
+                    ep,
+                    prompts,
+                    draft: draft_cfg.as_ref().map(|(config, arg)| {
+                        eagle_check::commands::plan::DraftInput {
+                            config,
+                            arg: arg.display().to_string(),
+                            path: draft_path.clone().or_else(|| engine_path(arg)),
+                        }
                     }),
-                out,
-            })?;
+                    out,
+                })?;
             match format {
                 PlanFormat::Text => print!("{}", plan.to_text()),
                 PlanFormat::Json => println!(
@@ -890,7 +891,7 @@ fn run(cli: Cli) -> Result<u8> {
             let (tokens, tokens_origin) =
                 input_tokens(tokens, token_file, prompt, bundle.as_ref(), &target)?;
             let dev = device(device_arg)?;
-            let report = eagle_check::runner::run(&RunInput {
+            let report = eagle_check::commands::run::run(&RunInput {
                 target,
                 draft,
                 spec,

@@ -708,8 +708,11 @@ fn spec_text(
          target: {{ num_hidden_layers: {l}, hidden_size: {hidden}, model_type: {} }}\n\
          capture:\n  boundaries: [{}]\n",
         draft.display(),
-        crate::spec_init::yaml_scalar(&format!("{}-probed", crate::spec_init::stem(draft))),
-        crate::spec_init::yaml_scalar(model_type),
+        crate::commands::spec_init::yaml_scalar(&format!(
+            "{}-probed",
+            crate::commands::spec_init::stem(draft)
+        )),
+        crate::commands::spec_init::yaml_scalar(model_type),
         list.join(", ")
     );
     if let Some(side) = layout.final_norm() {
