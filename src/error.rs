@@ -89,6 +89,9 @@ pub enum Error {
     /// A device the build or the machine cannot provide.
     #[error("{0}")]
     Device(String),
+    /// An error and what was being done when it happened (`reading weights in DIR`).
+    #[error("{context}: {error}")]
+    Context { context: String, error: Box<Error> },
     #[error("{context}: {}", candle_line(.error))]
     Candle {
         context: String,

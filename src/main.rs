@@ -1,27 +1,18 @@
 //! The `eagle-check` command line: parse, call the library, render, exit 0/1/2.
 
-use anyhow::{Context, Result, bail};
-use candle_core::{DType, Device};
+use anyhow::{Context, Result};
+use candle_core::DType;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use eagle_check::commands::gate::gate;
-use eagle_check::commands::probe::{ProbeInput, TokenSet, probe};
-use eagle_check::commands::run::RunInput;
-use eagle_check::commands::spec_init;
-use eagle_check::config::DraftConfig;
-use eagle_check::diff::dump_ref::DumpReference;
-use eagle_check::diff::names::NameMap;
-use eagle_check::diff::reference::{Counted, ReferenceOptions, ReferenceSource, RunnerReference};
-use eagle_check::diff::{DiffInput, diff};
-use eagle_check::engine::{Engine, EngineSel, markdown_table, resolve};
-use eagle_check::judge::StaticInput;
-use eagle_check::locate::{self, Bundle};
-use eagle_check::model::TargetOptions;
+use eagle_check::commands::diff::DiffOptions;
+use eagle_check::commands::gate::GateOptions;
+use eagle_check::commands::plan::PlanOptions;
+use eagle_check::commands::probe::ProbeOptions;
+use eagle_check::commands::run::RunOptions;
+use eagle_check::commands::spec_init::{self, SpecInitOptions};
+use eagle_check::commands::{self, DeviceChoice, ModelArgs, TokenArgs};
 use eagle_check::progress;
 use eagle_check::report::Report;
-use eagle_check::spec::Spec;
-use eagle_check::tokenize::{self, Tokenizer, read_token_file};
-use eagle_check::weights::WeightIndex;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -73,16 +64,6 @@ struct MemoryArgs {
 
 fn parse_max_memory(text: &str) -> std::result::Result<u64, String> {
     eagle_check::size::parse_size(text)
-}
-
-impl MemoryArgs {
-    fn options(self, dtype: DType, device: &Device) -> TargetOptions {
-        TargetOptions {
-            stream_layers: self.stream_layers,
-            max_memory: self.max_memory,
-            ..TargetOptions::new(dtype, device)
-        }
-    }
 }
 
 #[derive(Subcommand)]
@@ -391,82 +372,14 @@ impl DtypeArg {
     }
 }
 
-/// Picks the compute device: the first CUDA GPU when this build has CUDA and the machine has
-/// one (`auto`), else the CPU.
-fn device(arg: DeviceArg) -> Result<Device> {
-    let built = candle_core::utils::cuda_is_available();
-    match arg {
-        DeviceArg::Cpu => Ok(Device::Cpu),
-        DeviceArg::Auto if !built => Ok(Device::Cpu),
-        DeviceArg::Cuda if !built => Err(eagle_check::error::Error::Device(
-            "--device cuda: this build of eagle-check has no CUDA support (build with \
-             `--features cuda`, see the README); use --device cpu"
-                .into(),
-        )
-        .into()),
-        DeviceArg::Auto if !gpu_present() => Ok(Device::Cpu),
-        DeviceArg::Cuda if !gpu_present() => Err(eagle_check::error::Error::Device(
-            "--device cuda: no CUDA driver or device found on this machine".into(),
-        )
-        .into()),
-        DeviceArg::Auto | DeviceArg::Cuda => cuda_device(),
+impl DeviceArg {
+    fn choice(self) -> DeviceChoice {
+        match self {
+            DeviceArg::Cpu => DeviceChoice::Cpu,
+            DeviceArg::Cuda => DeviceChoice::Cuda,
+            DeviceArg::Auto => DeviceChoice::Auto,
+        }
     }
-}
-
-#[cfg(feature = "cuda")]
-fn gpu_present() -> bool {
-    eagle_check::kernels::cuda::device_available()
-}
-
-#[cfg(not(feature = "cuda"))]
-fn gpu_present() -> bool {
-    false
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_device() -> Result<Device> {
-    Ok(Device::Cuda(eagle_check::kernels::cuda::open_device(0)?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_device() -> Result<Device> {
-    Ok(Device::new_cuda(0)?)
-}
-
-/// `--dtype`, else bf16 on the GPU (what engines run) and f32 on the CPU (exact parity).
-fn compute_dtype(arg: Option<DtypeArg>, device: &Device) -> DType {
-    match (arg, device.is_cuda()) {
-        (Some(d), _) => d.dtype(),
-        (None, true) => DType::BF16,
-        (None, false) => DType::F32,
-    }
-}
-
-/// Parses `--engine` (or the spec's `engine:`) into a selection.
-/// What an engine can load of a `plan --target`/`--draft`: a folder or an HF id as given; a
-/// config file is neither its weights nor (its folder) surely where they are, so None.
-fn engine_path(given: &Path) -> Option<String> {
-    let is_file = given.is_file() || given.extension().is_some_and(|e| e == "json");
-    (!is_file).then(|| given.display().to_string())
-}
-
-fn engine_sel(name: &str) -> Result<EngineSel> {
-    EngineSel::parse(name)
-        .map_err(|e| eagle_check::error::Error::Usage(format!("--engine: {e}")).into())
-}
-
-/// Ids used when none are given and the bundle has no tokens.txt: a fixed, documented
-/// pseudo-random sequence (LCG) over the vocabulary, so runs are reproducible.
-fn default_tokens(vocab: usize) -> Vec<u32> {
-    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
-    (0..16)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % vocab.max(1) as u64) as u32
-        })
-        .collect()
 }
 
 fn main() -> ExitCode {
@@ -517,6 +430,7 @@ fn command_line_error(e: clap::Error) -> ExitCode {
     ExitCode::from(2)
 }
 
+/// Dispatches a parsed command line to its command and renders what it returns.
 fn run(cli: Cli) -> Result<u8> {
     match cli.command {
         Command::Gate {
@@ -528,24 +442,13 @@ fn run(cli: Cli) -> Result<u8> {
             output,
         } => {
             output.check()?;
-            let draft = locate::locate_model(&draft, revision.as_deref())?;
-            let target = locate_opt(target, revision.as_deref())?;
-            let spec = Spec::load(&spec)?;
-            let engines = pick_engines(engine.as_deref(), &spec)?;
-            let draft_cfg = DraftConfig::load(&draft)?;
-            let target_info = target.as_deref().map(locate::target_info).transpose()?;
-            let weights = model_weights(&draft)?;
-            let target_weights = target.as_deref().map(model_weights).transpose()?.flatten();
-            let report = gate(
-                &StaticInput {
-                    spec: &spec,
-                    draft: Some(&draft_cfg),
-                    draft_weights: weights.as_ref(),
-                    target: target_info.as_ref(),
-                    target_weights: target_weights.as_ref(),
-                },
-                &engines,
-            )?;
+            let report = commands::gate::execute(&GateOptions {
+                spec,
+                draft,
+                target,
+                revision,
+                engine,
+            })?;
             Ok(emit(&report, output))
         }
         Command::Spec {
@@ -563,44 +466,20 @@ fn run(cli: Cli) -> Result<u8> {
                     revision,
                 },
         } => {
-            let trainer = spec_init::trainer(&trainer)?;
-            let draft = locate::locate_model(&draft, revision.as_deref())?;
-            let target = locate_opt(target, revision.as_deref())?;
-            let draft_cfg = DraftConfig::load(&draft)?;
-            let (num_layers, hidden_size, model_type, target_origin) = match &target {
-                Some(t) => {
-                    let info = locate::target_info(t)?;
-                    (
-                        info.num_layers,
-                        Some(info.hidden_size),
-                        Some(info.family.name),
-                        format!("target {}", t.display()),
-                    )
-                }
-                None => (
-                    num_layers.context("spec init needs --target DIR or --num-layers N")?,
-                    hidden_size,
-                    model_type,
-                    "--num-layers".to_string(),
-                ),
-            };
-            let text = spec_init::init(&spec_init::InitInput {
-                draft: &draft_cfg,
+            let text = spec_init::execute(&SpecInitOptions {
+                draft,
                 trainer,
+                target,
                 num_layers,
                 hidden_size,
                 model_type,
-                name: name.unwrap_or_else(|| spec_init::default_name(&draft, &trainer)),
-                target_origin,
+                name,
+                revision,
             })?;
             match out {
                 None => print!("{text}"),
                 Some(path) => {
-                    if path.exists() && !force {
-                        bail!("{}: exists; pass --force to replace it", path.display());
-                    }
-                    std::fs::write(&path, &text)
-                        .map_err(|e| eagle_check::error::Error::io(&path, e))?;
+                    spec_init::write_spec(&path, &text, force)?;
                     eprintln!("eagle-check: wrote {}", path.display());
                 }
             }
@@ -619,34 +498,18 @@ fn run(cli: Cli) -> Result<u8> {
             revision,
             format,
         } => {
-            let sel = engine_sel(&engine)?;
-            let located = locate::locate_model(&target, revision.as_deref())?;
-            let info = locate::target_info(&located)?;
-            let draft_cfg = match &draft {
-                Some(d) => {
-                    let dir = locate::locate_model(d, revision.as_deref())?;
-                    Some((DraftConfig::load(&dir)?, d))
-                }
-                None => None,
-            };
-            let plan =
-                eagle_check::commands::plan::plan(&eagle_check::commands::plan::PlanInput {
-                    target: &info,
-                    target_arg: target.display().to_string(),
-                    model: target_path.or_else(|| engine_path(&target)),
-                    engine: sel,
-                    tp,
-                    ep,
-                    prompts,
-                    draft: draft_cfg.as_ref().map(|(config, arg)| {
-                        eagle_check::commands::plan::DraftInput {
-                            config,
-                            arg: arg.display().to_string(),
-                            path: draft_path.clone().or_else(|| engine_path(arg)),
-                        }
-                    }),
-                    out,
-                })?;
+            let plan = commands::plan::execute(&PlanOptions {
+                target,
+                target_path,
+                engine,
+                tp,
+                ep,
+                prompts,
+                draft,
+                draft_path,
+                out,
+                revision,
+            })?;
             match format {
                 PlanFormat::Text => print!("{}", plan.to_text()),
                 PlanFormat::Json => println!(
@@ -657,29 +520,7 @@ fn run(cli: Cli) -> Result<u8> {
             Ok(0)
         }
         Command::Engines { markdown } => {
-            if markdown {
-                print!("{}", markdown_table());
-            } else {
-                for engine in Engine::ALL {
-                    let versions: Vec<String> =
-                        engine.versions().iter().map(|v| v.to_string()).collect();
-                    let paths: Vec<&str> = engine
-                        .paths()
-                        .into_iter()
-                        .filter(|p| !p.is_empty())
-                        .collect();
-                    println!(
-                        "{engine}: versions {}{}",
-                        versions.join(", "),
-                        if paths.is_empty() {
-                            String::new()
-                        } else {
-                            format!("; paths {}", paths.join(", "))
-                        }
-                    );
-                }
-                println!("\n{}", markdown_table());
-            }
+            print!("{}", commands::engines::listing(markdown));
             Ok(0)
         }
         Command::Diff {
@@ -692,85 +533,27 @@ fn run(cli: Cli) -> Result<u8> {
             draft,
             revision,
             engine,
-            device: device_arg,
+            device,
             dtype,
             memory,
             output,
         } => {
             output.check()?;
-            let target = locate_opt(target, revision.as_deref())?;
-            let draft = locate_opt(draft, revision.as_deref())?;
-            let spec = Spec::load(&spec)?;
-            let target_shape = target.as_deref().map(locate::target_info).transpose()?;
-            let mut source: Box<dyn ReferenceSource> = match (&reference, &target) {
-                (Some(path), _) => {
-                    let opts = ReferenceOptions {
-                        map: if reference_map.is_empty() {
-                            None
-                        } else {
-                            Some(
-                                NameMap::parse(&reference_map)
-                                    .map_err(eagle_check::error::Error::Usage)?,
-                            )
-                        },
-                        tokens: reference_tokens
-                            .map(|p| -> Result<_> {
-                                let ids = read_token_file(&p)?;
-                                Ok((ids.into_iter().map(i64::from).collect(), p))
-                            })
-                            .transpose()?,
-                        num_layers: target_shape
-                            .as_ref()
-                            .map(|t| t.num_layers)
-                            .or_else(|| spec.target.as_ref().and_then(|t| t.num_hidden_layers)),
-                        hidden_size: target_shape
-                            .as_ref()
-                            .map(|t| t.hidden_size)
-                            .or_else(|| spec.target.as_ref().and_then(|t| t.hidden_size)),
-                    };
-                    Box::new(DumpReference::open_with(path, &opts)?)
-                }
-                (None, Some(path)) => {
-                    let dev = device(device_arg)?;
-                    let opts = memory.options(compute_dtype(dtype, &dev), &dev);
-                    Box::new(RunnerReference::open(path, &opts)?)
-                }
-                (None, None) => bail!("diff needs --target or --reference"),
-            };
-            let arch = target_shape
-                .map(|t| t.family.name)
-                .or_else(|| spec.target.as_ref().and_then(|t| t.model_type.clone()));
-            let feed = match &draft {
-                Some(d) => {
-                    let draft_cfg = DraftConfig::load(d)?;
-                    let sel = match engine.as_deref() {
-                        Some(name) => engine_sel(name)?,
-                        None => spec.engine.context(
-                            "--draft needs an engine: --engine NAME or `engine:` in the spec",
-                        )?,
-                    };
-                    Some(resolve(
-                        &sel,
-                        arch.as_deref(),
-                        &draft_cfg.ids,
-                        source.num_layers(),
-                    ))
-                }
-                None => None,
-            };
-            let mut counted = Counted::new(source.as_mut(), "samples compared");
-            let (report, _) = diff(
-                &DiffInput {
-                    spec: &spec,
-                    captures: &captures,
-                    feed: feed.as_ref(),
-                    arch: arch.as_deref(),
-                },
-                &mut counted,
-            )?;
-            counted.finish();
-            let mut report = report;
-            report.sources.spec = Some(spec.path.clone());
+            let report = commands::diff::execute(&DiffOptions {
+                spec,
+                target,
+                captures,
+                reference,
+                reference_map,
+                reference_tokens,
+                draft,
+                revision,
+                engine,
+                device: device.choice(),
+                dtype: dtype.map(DtypeArg::dtype),
+                stream_layers: memory.stream_layers,
+                max_memory: memory.max_memory,
+            })?;
             Ok(emit(&report, output))
         }
         Command::Probe {
@@ -789,66 +572,34 @@ fn run(cli: Cli) -> Result<u8> {
             write_spec,
             seed,
             memory,
-            device: device_arg,
+            device,
             dtype,
             output,
         } => {
             output.check()?;
-            if steps == 0 {
-                bail!("--steps must be at least 1");
-            }
-            let target = locate_opt(target, revision.as_deref())?;
-            let draft = locate_opt(draft, revision.as_deref())?;
-            let bundle = bundle.as_deref().map(Bundle::open).transpose()?;
-            let target = target
-                .or_else(|| bundle.as_ref().map(|b| b.target.clone()))
-                .context("probe needs a bundle directory or --target")?;
-            let draft = draft
-                .or_else(|| bundle.as_ref().and_then(|b| b.draft.clone()))
-                .context("probe needs a draft: a bundle with draft/, or --draft")?;
-            let spec = spec
-                .or_else(|| bundle.as_ref().and_then(|b| b.spec.clone()))
-                .map(|p| Spec::load(&p))
-                .transpose()?;
-            let engines = match (engine.as_deref(), &spec) {
-                (Some(name), Some(spec)) => pick_engines(Some(name), spec)?,
-                (Some("all") | None, None) => Engine::ALL.map(EngineSel::newest).to_vec(),
-                (Some(name), None) => vec![engine_sel(name)?],
-                (None, Some(spec)) => pick_engines(None, spec)?,
-            };
-            let token_sets = match prompts {
-                Some(file) => {
-                    let dir = locate::resolve_model_dir(&target)?;
-                    let tokenizer = Tokenizer::open(&dir).ok();
-                    tokenize::read_prompts(&file, tokenizer.as_ref())?
-                        .into_iter()
-                        .map(|p| TokenSet {
-                            origin: p.origin,
-                            tokens: p.ids,
-                        })
-                        .collect()
-                }
-                None => {
-                    let (tokens, origin) =
-                        input_tokens(tokens, token_file, prompt, bundle.as_ref(), &target)?;
-                    vec![TokenSet { origin, tokens }]
-                }
-            };
-            let dev = device(device_arg)?;
-            let report = probe(&ProbeInput {
-                target,
-                draft,
-                spec,
-                engines,
-                token_sets,
+            let report = commands::probe::execute(&ProbeOptions {
+                models: ModelArgs {
+                    bundle,
+                    target,
+                    draft,
+                    spec,
+                    revision,
+                },
+                engine,
+                tokens: TokenArgs {
+                    tokens,
+                    token_file,
+                    prompt,
+                },
+                prompts,
                 steps,
                 search,
                 write_spec,
-                dtype: compute_dtype(dtype, &dev),
-                device: dev,
+                seed,
                 stream_layers: memory.stream_layers,
                 max_memory: memory.max_memory,
-                seed,
+                device: device.choice(),
+                dtype: dtype.map(DtypeArg::dtype),
             })?;
             Ok(emit(&report, output))
         }
@@ -861,7 +612,7 @@ fn run(cli: Cli) -> Result<u8> {
             tokens,
             token_file,
             prompt,
-            device: device_arg,
+            device,
             dtype,
             dump,
             generate,
@@ -870,36 +621,22 @@ fn run(cli: Cli) -> Result<u8> {
             output,
         } => {
             output.check()?;
-            let target = locate_opt(target, revision.as_deref())?;
-            let draft = locate_opt(draft, revision.as_deref())?;
-            let bundle = bundle.as_deref().map(Bundle::open).transpose()?;
-            let target = target
-                .or_else(|| bundle.as_ref().map(|b| b.target.clone()))
-                .context("run needs a bundle directory or --target")?;
-            let draft = draft.or_else(|| bundle.as_ref().and_then(|b| b.draft.clone()));
-            let spec = spec
-                .or_else(|| bundle.as_ref().and_then(|b| b.spec.clone()))
-                .map(|p| Spec::load(&p))
-                .transpose()?;
-            let engine = match engine.as_deref() {
-                Some(name) => engine_sel(name)?,
-                None => spec
-                    .as_ref()
-                    .and_then(|s| s.engine)
-                    .context("name the engine that assembles the fc input: --engine NAME or `engine:` in the spec")?,
-            };
-            let (tokens, tokens_origin) =
-                input_tokens(tokens, token_file, prompt, bundle.as_ref(), &target)?;
-            let dev = device(device_arg)?;
-            let report = eagle_check::commands::run::run(&RunInput {
-                target,
-                draft,
-                spec,
+            let report = commands::run::execute(&RunOptions {
+                models: ModelArgs {
+                    bundle,
+                    target,
+                    draft,
+                    spec,
+                    revision,
+                },
                 engine,
-                tokens,
-                tokens_origin,
-                dtype: compute_dtype(dtype, &dev),
-                device: dev,
+                tokens: TokenArgs {
+                    tokens,
+                    token_file,
+                    prompt,
+                },
+                device: device.choice(),
+                dtype: dtype.map(DtypeArg::dtype),
                 dump,
                 generate,
                 stream_layers: memory.stream_layers,
@@ -908,70 +645,6 @@ fn run(cli: Cli) -> Result<u8> {
             Ok(emit(&report, output))
         }
     }
-}
-
-/// The token ids of `--tokens`, `--token-file` or `--prompt`, else the bundle's tokens.txt, else
-/// the default sequence; with where they came from.
-fn input_tokens(
-    tokens: Option<Vec<u32>>,
-    token_file: Option<PathBuf>,
-    prompt: Option<String>,
-    bundle: Option<&Bundle>,
-    target: &Path,
-) -> Result<(Vec<u32>, String)> {
-    Ok(match (tokens, token_file, prompt) {
-        (Some(t), _, _) => (t, "--tokens".to_string()),
-        (None, Some(file), _) => (read_token_file(&file)?, file.display().to_string()),
-        (None, None, Some(text)) => {
-            let dir = locate::resolve_model_dir(target)?;
-            let tokenizer = Tokenizer::open(&dir)?;
-            let ids = tokenizer.encode(&text)?;
-            if ids.is_empty() {
-                bail!("--prompt: the text encodes to no tokens");
-            }
-            (ids, "--prompt".to_string())
-        }
-        (None, None, None) => match bundle.and_then(|b| b.tokens.clone()) {
-            Some(file) => (read_token_file(&file)?, file.display().to_string()),
-            None => (
-                default_tokens(locate::target_config(target)?.vocab_size),
-                "the default token sequence".to_string(),
-            ),
-        },
-    })
-}
-
-/// A model argument through [`locate::locate_model`]: paths as they are, Hub ids from the cache.
-fn locate_opt(arg: Option<PathBuf>, revision: Option<&str>) -> Result<Option<PathBuf>> {
-    Ok(arg
-        .map(|a| locate::locate_model(&a, revision))
-        .transpose()?)
-}
-
-/// `--engine NAME` wins, then the spec's `engine:`, then every engine (newest versions).
-fn pick_engines(flag: Option<&str>, spec: &Spec) -> Result<Vec<EngineSel>> {
-    match flag {
-        Some("all") => Ok(Engine::ALL.map(EngineSel::newest).to_vec()),
-        Some(name) => Ok(vec![engine_sel(name)?]),
-        None => Ok(spec
-            .engine
-            .map_or_else(|| Engine::ALL.map(EngineSel::newest).to_vec(), |e| vec![e])),
-    }
-}
-
-/// A model's weight headers, if its path (a directory or its config.json) holds safetensors.
-fn model_weights(draft: &Path) -> Result<Option<WeightIndex>> {
-    let dir = if draft.is_dir() {
-        draft.to_path_buf()
-    } else {
-        match draft.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        }
-    };
-    let index =
-        WeightIndex::open(&dir).with_context(|| format!("reading weights in {}", dir.display()))?;
-    Ok((!index.is_empty()).then_some(index))
 }
 
 impl OutputArgs {

@@ -160,19 +160,7 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
         report.fact(&key, value);
     }
     report.fact("spec_b", format_list(&spec.boundaries));
-    if let Some(sl) = spec
-        .target
-        .as_ref()
-        .and_then(|t| t.num_hidden_layers)
-        .filter(|&sl| sl != l)
-    {
-        return Err(Error::Spec {
-            path: spec.path.clone(),
-            message: format!(
-                "the spec was written for a {sl}-layer target, the reference has {l} layers"
-            ),
-        });
-    }
+    check_spec_layers(spec, l)?;
 
     let mut stats = DiffStats::default();
     let mut collector = Collector::default();
@@ -181,13 +169,7 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     let mut junction_labels: Vec<String> = Vec::new();
 
     for path in input.captures {
-        let files = capture_files(path)?;
-        if files.is_empty() {
-            return Err(Error::Capture {
-                path: path.clone(),
-                message: "no capture files found".into(),
-            });
-        }
+        let files = list_captures(path)?;
         // sglang's dumper writes a file per tensor: its junction dumps are regrouped into one
         // sample per pass and junction; the rest of its files hold no capture.
         let (sglang, files): (Vec<PathBuf>, Vec<PathBuf>) = files
@@ -333,6 +315,36 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     }
     reference.report_resources(&mut report);
     Ok((report.finish(), stats))
+}
+
+/// Refuses a spec written for a target of another layer count than the reference's `l`.
+pub fn check_spec_layers(spec: &Spec, l: usize) -> Result<()> {
+    match spec.target.as_ref().and_then(|t| t.num_hidden_layers) {
+        Some(sl) if sl != l => Err(Error::Spec {
+            path: spec.path.clone(),
+            message: format!(
+                "the spec was written for a {sl}-layer target, the reference has {l} layers"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The capture files under `path`; none is a refusal.
+fn list_captures(path: &PathBuf) -> Result<Vec<PathBuf>> {
+    let files = capture_files(path)?;
+    if files.is_empty() {
+        return Err(Error::Capture {
+            path: path.clone(),
+            message: "no capture files found".into(),
+        });
+    }
+    Ok(files)
+}
+
+/// Refuses capture paths that are missing or hold no capture file, before anything is read.
+pub fn check_captures(paths: &[PathBuf]) -> Result<()> {
+    paths.iter().try_for_each(|p| list_captures(p).map(drop))
 }
 
 /// Identifies every slot of one sample and adds its findings. Returns each slot's

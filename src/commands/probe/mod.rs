@@ -16,6 +16,10 @@
 pub mod layout;
 pub mod search;
 
+use super::{
+    DeviceChoice, ModelArgs, Models, TokenArgs, Wanted, choose_engines, compute_dtype,
+    input_tokens, open_device,
+};
 use crate::config::{DraftConfig, TargetInfo};
 use crate::engine::{EngineSel, Feed};
 use crate::error::{CandleContext, Error, Result};
@@ -28,11 +32,80 @@ use crate::model::{
 use crate::report::{ProbeRow, Report};
 use crate::spec::Spec;
 use crate::stats::{Estimate, Resampler};
+use crate::tokenize::{Tokenizer, read_prompts};
 use crate::weights::WeightIndex;
 use candle_core::{D, DType, Device, Tensor};
 use layout::{Candidates, Layout, Side, Tap, neighbours};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+/// `probe`'s flags.
+pub struct ProbeOptions {
+    pub models: ModelArgs,
+    pub engine: Option<String>,
+    pub tokens: TokenArgs,
+    /// `--prompts`: a JSON-lines file, each line a token set of its own.
+    pub prompts: Option<PathBuf>,
+    pub steps: usize,
+    pub search: bool,
+    pub write_spec: Option<PathBuf>,
+    pub seed: u64,
+    pub stream_layers: bool,
+    pub max_memory: Option<u64>,
+    pub device: DeviceChoice,
+    pub dtype: Option<DType>,
+}
+
+const NO_DRAFT: &str = "probe needs a draft: a bundle with draft/, or --draft";
+
+/// `eagle-check probe`: the models, engines and token sets the flags (or the bundle) name,
+/// then [`probe`].
+pub fn execute(opts: &ProbeOptions) -> Result<Report> {
+    if opts.steps == 0 {
+        return Err(Error::Usage("--steps must be at least 1".into()));
+    }
+    let models = Models::resolve(&opts.models, "probe", Some(NO_DRAFT))?;
+    let draft = models.draft.ok_or_else(|| Error::Usage(NO_DRAFT.into()))?;
+    let engines = choose_engines(
+        opts.engine.as_deref(),
+        models.spec.as_ref(),
+        Wanted::Several,
+    )?;
+    let token_sets = match &opts.prompts {
+        Some(file) => {
+            let dir = locate::resolve_model_dir(&models.target)?;
+            let tokenizer = Tokenizer::open(&dir).ok();
+            read_prompts(file, tokenizer.as_ref())?
+                .into_iter()
+                .map(|p| TokenSet {
+                    origin: p.origin,
+                    tokens: p.ids,
+                })
+                .collect()
+        }
+        None => {
+            let (tokens, origin) =
+                input_tokens(&opts.tokens, models.bundle.as_ref(), &models.target)?;
+            vec![TokenSet { origin, tokens }]
+        }
+    };
+    let device = open_device(opts.device)?;
+    probe(&ProbeInput {
+        target: models.target,
+        draft,
+        spec: models.spec,
+        engines,
+        token_sets,
+        steps: opts.steps,
+        search: opts.search,
+        write_spec: opts.write_spec.clone(),
+        dtype: compute_dtype(opts.dtype, &device),
+        device,
+        stream_layers: opts.stream_layers,
+        max_memory: opts.max_memory,
+        seed: opts.seed,
+    })
+}
 
 /// One sequence of token ids the target runs on.
 pub struct TokenSet {
@@ -272,7 +345,7 @@ struct Scored {
 pub fn probe(input: &ProbeInput) -> Result<Report> {
     let started = Instant::now();
     // Headers and configs first: a probe that cannot run loads no weight.
-    let cfg = locate::target_config(&input.target)?;
+    let cfg = super::target_config(&input.target)?;
     let draft_cfg = DraftConfig::load(&input.draft)?;
     check_token_sets(&input.token_sets, cfg.vocab_size, input.steps)?;
     let info = TargetInfo::from(&cfg);
@@ -708,11 +781,8 @@ fn spec_text(
          target: {{ num_hidden_layers: {l}, hidden_size: {hidden}, model_type: {} }}\n\
          capture:\n  boundaries: [{}]\n",
         draft.display(),
-        crate::commands::spec_init::yaml_scalar(&format!(
-            "{}-probed",
-            crate::commands::spec_init::stem(draft)
-        )),
-        crate::commands::spec_init::yaml_scalar(model_type),
+        crate::spec::yaml_scalar(&format!("{}-probed", crate::commands::stem(draft))),
+        crate::spec::yaml_scalar(model_type),
         list.join(", ")
     );
     if let Some(side) = layout.final_norm() {
