@@ -23,6 +23,7 @@ pub mod naming;
 pub mod progress;
 pub mod readers;
 pub mod report;
+pub mod score;
 pub mod size;
 pub mod spec;
 pub mod stats;

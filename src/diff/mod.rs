@@ -6,7 +6,6 @@ pub mod dump_ref;
 pub mod identify;
 pub mod names;
 pub mod reference;
-pub mod score;
 pub mod sglang_ref;
 
 use crate::boundary::{Boundary, Convention, FinalNorm, format_list};
@@ -19,7 +18,7 @@ use crate::spec::Spec;
 use crate::tolerance::CaptureTolerance;
 use identify::{SlotId, State, identify_slot, identify_slots, no_residual_deltas};
 use reference::ReferenceSource;
-use score::View;
+use crate::score::View;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
