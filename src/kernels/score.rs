@@ -392,9 +392,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn device_matches_reference() {
-        let Some(gpu) = crate::kernels::testing::cuda_device() else {
-            return;
-        };
+        let gpu = crate::kernels::testing::gpu();
         // Tiny ragged, five slots (two slot batches of the float4 kernel), candidates not a
         // multiple of four, and a realistic diff: 3 slots of 4096 at T = 2048 against 33 states.
         // Each in two layouts: column windows at odd strides (the float4 kernel cannot read
