@@ -1,9 +1,9 @@
 //! eagle-check: finds where an EAGLE-3 drafter's hidden-state capture disagrees with its training.
 //!
 //! Data flows one way: configs and spec are resolved ([`config`], [`spec`], [`engine`]) ->
-//! models compute captures ([`model`]) -> the [`judge`] decides -> [`report`] renders. The
-//! commands ([`gate`], [`runner`], [`diff`], [`probe`]) gather evidence and call the judge; none imports
-//! another.
+//! models compute captures ([`model`]) -> the [`judge`] and the [`diff`] engine decide ->
+//! [`report`] renders. The [`commands`] gather evidence and call them; none imports another.
+//! The wings and what each may import: ARCHITECTURE.md (checked by `tests/architecture.rs`).
 
 pub mod boundary;
 pub mod ci;
