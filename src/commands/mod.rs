@@ -13,7 +13,7 @@ pub mod spec_init;
 
 use crate::config::{ModelConfig, TargetInfo};
 use crate::engine::{Engine, EngineSel};
-use crate::error::{CandleContext, Error, Result};
+use crate::error::{Error, Result, candle_line};
 use crate::locate::{self, Bundle, is_gguf, resolve_model_dir};
 use crate::spec::Spec;
 use crate::tokenize::{Tokenizer, read_token_file};
@@ -211,14 +211,17 @@ fn gpu_present() -> bool {
     false
 }
 
+/// CUDA device 0; a driver's refusal says what the driver said, on one line.
 #[cfg(feature = "cuda")]
 fn cuda_device() -> Result<Device> {
-    Ok(Device::Cuda(crate::kernels::cuda::open_device(0)?))
+    let dev = crate::kernels::cuda::open_device(0).map_err(|e| Error::Device(candle_line(&e)))?;
+    Ok(Device::Cuda(dev))
 }
 
+/// CUDA device 0; a driver's refusal says what the driver said, on one line.
 #[cfg(not(feature = "cuda"))]
 fn cuda_device() -> Result<Device> {
-    Device::new_cuda(0).ctx(|| "opening CUDA device 0".into())
+    Device::new_cuda(0).map_err(|e| Error::Device(candle_line(&e)))
 }
 
 /// `--dtype`, else bf16 on the GPU (what engines run) and f32 on the CPU (exact parity).
