@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 PLANTS = [
-    ("draft alignment shifted by one token", "src/runner.rs",
+    ("draft alignment shifted by one token", "src/commands/run.rs",
      "model.forward(&tokens[1..], &fc_prev, target_embed)",
      "model.forward(&tokens[..t - 1], &fc_prev, target_embed)"),
     ("sliding window ignored", "src/model/llama.rs",

@@ -56,7 +56,7 @@ pub enum Error {
     #[error(
         "{budget} is smaller than one decoder layer of {path} (layer {layer}: {} in {dtype}): \
          even streaming the layers one at a time needs that much",
-        crate::memory::format_bytes(*.need)
+        crate::size::format_bytes(*.need)
     )]
     MemoryBudget {
         path: PathBuf,
@@ -89,6 +89,9 @@ pub enum Error {
     /// A device the build or the machine cannot provide.
     #[error("{0}")]
     Device(String),
+    /// An error and what was being done when it happened (`reading weights in DIR`).
+    #[error("{context}: {error}")]
+    Context { context: String, error: Box<Error> },
     #[error("{context}: {}", candle_line(.error))]
     Candle {
         context: String,

@@ -8,10 +8,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::commands::gate::gate;
 use crate::config::draft::DraftConfigFile;
 use crate::config::{ConfigFile, DraftConfig, ModelConfig, TargetInfo};
 use crate::engine::{Engine, EngineSel};
-use crate::gate::gate;
 use crate::judge::StaticInput;
 use crate::readers::pickle::{StorageSource, unpickle};
 use crate::readers::safetensors_header::{MAX_HEADER_BYTES, header_len, parse_header};

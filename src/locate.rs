@@ -1,7 +1,6 @@
 //! Where models are: bundle directories, HF directories, HF cache entries, HF Hub ids found in
 //! the local HF cache, and GGUF files, resolved to the directory or file the loaders read.
 
-use crate::config::{ModelConfig, TargetInfo};
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
 
@@ -187,32 +186,6 @@ pub fn locate_model(arg: &Path, revision: Option<&str>) -> Result<PathBuf> {
 /// A `.gguf` file (llama.cpp's format) rather than an HF directory.
 pub fn is_gguf(path: &Path) -> bool {
     path.is_file() && path.extension().is_some_and(|x| x == "gguf")
-}
-
-/// The target's config, from `config.json` or from GGUF metadata.
-pub fn target_config(path: &Path) -> Result<ModelConfig> {
-    let dir = resolve_model_dir(path)?;
-    if is_gguf(&dir) {
-        Ok(crate::model::gguf::open_gguf(&dir)?.0)
-    } else {
-        ModelConfig::load(&dir)
-    }
-}
-
-/// What the static checks need of a target, for any architecture (GGUF metadata included).
-pub fn target_info(path: &Path) -> Result<TargetInfo> {
-    let dir = resolve_model_dir(path)?;
-    if is_gguf(&dir) {
-        Ok(TargetInfo::from(&target_config(&dir)?))
-    } else {
-        TargetInfo::load(&dir)
-    }
-}
-
-/// The target's tokenizer, when the model ships one (tokenizer.json or GGUF metadata).
-pub fn tokenizer_for(target: &Path) -> Option<crate::tokenize::Tokenizer> {
-    let dir = resolve_model_dir(target).ok()?;
-    crate::tokenize::Tokenizer::open(&dir).ok()
 }
 
 #[cfg(test)]

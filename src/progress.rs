@@ -3,8 +3,6 @@
 //! command prints a table (the CLI turns it off for `--format json|junit|github` and
 //! `--quiet`). Hidden bars cost nothing and draw nothing.
 
-use crate::diff::reference::{RefStates, ReferenceSource};
-use crate::error::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,70 +47,6 @@ pub fn to_bar(bar: &ProgressBar, total: u64) {
         bar.set_style(style.progress_chars("=> "));
     }
     bar.set_length(total);
-}
-
-/// A [`ReferenceSource`] that counts the samples the diff compares on a spinner.
-pub struct Counted<'a> {
-    inner: &'a mut dyn ReferenceSource,
-    bar: ProgressBar,
-    label: String,
-    count: u64,
-}
-
-impl<'a> Counted<'a> {
-    pub fn new(inner: &'a mut dyn ReferenceSource, label: &str) -> Counted<'a> {
-        Counted {
-            inner,
-            bar: spinner(label),
-            label: label.to_string(),
-            count: 0,
-        }
-    }
-
-    /// Clears the spinner.
-    pub fn finish(&self) {
-        self.bar.finish_and_clear();
-    }
-}
-
-impl ReferenceSource for Counted<'_> {
-    fn num_layers(&self) -> usize {
-        self.inner.num_layers()
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.inner.hidden_size()
-    }
-
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-
-    fn device(&self) -> candle_core::Device {
-        self.inner.device()
-    }
-
-    fn facts(&self) -> Vec<(String, String)> {
-        self.inner.facts()
-    }
-
-    fn report_resources(&self, report: &mut crate::report::Report) {
-        self.inner.report_resources(report);
-    }
-
-    fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {
-        let states = self.inner.states(tokens);
-        self.count += 1;
-        self.bar
-            .set_message(format!("{}: {}", self.label, self.count));
-        states
-    }
-}
-
-impl Drop for Counted<'_> {
-    fn drop(&mut self) {
-        self.bar.finish_and_clear();
-    }
 }
 
 #[cfg(test)]

@@ -255,9 +255,37 @@ fn yaml_message(e: &serde_norway::Error) -> String {
     }
 }
 
+/// A YAML plain scalar, quoted when it could read as something else.
+pub(crate) fn yaml_scalar(text: &str) -> String {
+    let plain = !text.is_empty()
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        && !text.starts_with(['-', '.'])
+        && text.parse::<f64>().is_err()
+        && !["true", "false", "null", "yes", "no", "on", "off", "~"]
+            .contains(&text.to_ascii_lowercase().as_str());
+    if plain {
+        text.to_string()
+    } else {
+        format!("{text:?}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scalars_are_quoted_when_yaml_would_misread_them() {
+        assert_eq!(
+            yaml_scalar("llama3.1-8b-specforge"),
+            "llama3.1-8b-specforge"
+        );
+        assert_eq!(yaml_scalar("yes"), "\"yes\"");
+        assert_eq!(yaml_scalar("1.0"), "\"1.0\"");
+        assert_eq!(yaml_scalar("a b: c"), "\"a b: c\"");
+    }
 
     fn parse(text: &str) -> Result<Spec> {
         Spec::parse(text, Path::new("t.yaml"))

@@ -70,7 +70,7 @@ impl Tokenizer {
 
     /// The tokenizer inside a GGUF file (reads the header only).
     pub fn from_gguf_file(path: &Path) -> Result<Tokenizer> {
-        let (_, content) = crate::model::gguf::read_header(path)?;
+        let (_, content) = crate::weights::gguf::read_header(path)?;
         Tokenizer::from_gguf_metadata(&content.metadata, path)
     }
 

@@ -4,7 +4,8 @@
 
 use crate::support::{eagle_check, fixture, p, root, scratch};
 use candle_core::{DType, Device};
-use eagle_check::diff::reference::{DumpReference, RunnerReference};
+use eagle_check::diff::dump_ref::DumpReference;
+use eagle_check::diff::reference::RunnerReference;
 use eagle_check::diff::{DiffInput, DiffStats, diff};
 use eagle_check::engine::{DraftIds, Engine, EngineSel, resolve};
 use eagle_check::model::open_target;
@@ -703,4 +704,47 @@ fn a_batched_file_reports_its_worst_sample_per_slot() {
         assert_eq!(b.cosine, a.cosine, "slot {}", b.slot);
         assert_eq!(b.found_boundary, a.found_boundary, "slot {}", b.slot);
     }
+}
+
+/// `diff` refuses what needs no weight before it reads one (shared/docs/style.md, "Refuse
+/// before loading"): a target whose config is fine but whose weights file is garbage still
+/// gets the refusal of a spec written for another layer count, and of a missing capture
+/// folder, rather than the weights error the load would give (the last run shows that error
+/// is there to be hit).
+#[test]
+fn diff_refuses_a_layer_mismatch_or_missing_captures_before_reading_a_weight() {
+    let dir = scratch("diff-refuses-before-loading");
+    let target = dir.join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    std::fs::copy(
+        fixture("models/llama/config.json"),
+        target.join("config.json"),
+    )
+    .unwrap();
+    std::fs::write(target.join("model.safetensors"), b"not a safetensors file").unwrap();
+    let six = dir.join("six-layers.yaml");
+    std::fs::write(
+        &six,
+        "name: six\ntarget: { num_hidden_layers: 6, hidden_size: 64 }\ncapture:\n  boundaries: [2, 3, 4]\n",
+    )
+    .unwrap();
+    let five = "fixtures/captures/corpus/llama/spec.yaml";
+    let clean = "fixtures/captures/corpus/llama/clean-f32";
+    let missing = dir.join("no-such-captures");
+    let diff = |spec: &str, captures: &str| {
+        eagle_check([
+            "diff",
+            "--spec",
+            spec,
+            "--target",
+            &p(&target),
+            "--captures",
+            captures,
+        ])
+    };
+    diff(&p(&six), clean).assert_could_not_check(&[
+        "the spec was written for a 6-layer target, the reference has 5 layers",
+    ]);
+    diff(five, &p(&missing)).assert_could_not_check(&["no-such-captures"]);
+    diff(five, clean).assert_could_not_check(&["model.safetensors"]);
 }

@@ -6,8 +6,9 @@
 //! it reads with HF's own `hidden_states.{b}`, so a layer read one off fails it.
 
 use crate::support::{eagle_check, fixture, p, scratch};
+use eagle_check::diff::dump_ref::DumpReference;
 use eagle_check::diff::names::NameMap;
-use eagle_check::diff::reference::{DumpReference, ReferenceOptions, ReferenceSource};
+use eagle_check::diff::reference::{ReferenceOptions, ReferenceSource};
 use eagle_check::readers::read_safetensors;
 
 /// HF's states of the fixture model for the first `t` tokens: (ids, b = 0..=L, pre-norm).

@@ -1,7 +1,7 @@
 //! The GPU runner against the same references as the CPU: every fixture target and draft on a
 //! CUDA device (both compute paths there), DeepSeek's routing, and the verdicts of `run` and
 //! `diff` on the shipped bundles and the capture corpus, device against device. Built only with
-//! `--features cuda`; without a device each test says "skipped: no CUDA device".
+//! `--features cuda`; without a device each test fails, saying "needs a CUDA device".
 
 use crate::support::{eagle_check, fixture, p};
 use candle_core::{DType, Device, Tensor};
@@ -17,14 +17,14 @@ use std::collections::HashMap;
 const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
 const BF16_TOL: f64 = eagle_check::tolerance::PARITY_BF16;
 
-fn gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) if eagle_check::kernels::cuda::device_available() => Some(d),
-        _ => {
-            eprintln!("skipped: no CUDA device");
-            None
-        }
-    }
+/// The device every test here runs on: without one, each fails, naming why (these tests are
+/// built only with `--features cuda`, for a GPU machine), rather than passing unrun.
+fn gpu() -> Device {
+    assert!(
+        eagle_check::kernels::cuda::device_available(),
+        "needs a CUDA device: this --features cuda test found no driver or no device"
+    );
+    Device::new_cuda(0).expect("CUDA device 0")
 }
 
 fn reference(path: &str) -> HashMap<String, Tensor> {
@@ -108,7 +108,7 @@ const MOE_TARGETS: [&str; 10] = [
 
 #[test]
 fn gpu_captures_match_transformers_for_every_fixture_target() {
-    let Some(dev) = gpu() else { return };
+    let dev = gpu();
     for name in TARGETS {
         for path in [ComputePath::Fused, ComputePath::Kernels] {
             let (cfg, cap) = capture(name, DType::F32, path, &dev);
@@ -143,7 +143,7 @@ fn gpu_captures_match_transformers_for_every_fixture_target() {
 /// experts for every token of every MoE layer.
 #[test]
 fn gpu_moe_routing_matches_transformers() {
-    let Some(dev) = gpu() else { return };
+    let dev = gpu();
     for name in MOE_TARGETS {
         let (cfg, cap) = capture(name, DType::F32, ComputePath::Kernels, &dev);
         let r = reference(&format!("models/{name}/reference.safetensors"));
@@ -162,7 +162,7 @@ fn gpu_moe_routing_matches_transformers() {
 
 #[test]
 fn gpu_drafts_match_the_pytorch_references() {
-    let Some(dev) = gpu() else { return };
+    let dev = gpu();
     for (target, draft) in [
         ("llama", "llama-draft"),
         ("qwen3", "qwen3-draft"),
@@ -195,7 +195,7 @@ fn gpu_drafts_match_the_pytorch_references() {
 /// the same kernels, so they agree to bf16 rounding.
 #[test]
 fn gpu_fused_and_kernel_paths_agree_on_a_long_sequence() {
-    let Some(dev) = gpu() else { return };
+    let dev = gpu();
     let ids: Vec<u32> = (0..300u32).map(|i| (i * 37 + 11) % 256).collect();
     for name in ["llama", "qwen3", "mistral"] {
         let dir = fixture(&format!("models/{name}"));
@@ -221,7 +221,7 @@ fn gpu_fused_and_kernel_paths_agree_on_a_long_sequence() {
 /// verdict, findings and fed layout.
 #[test]
 fn gpu_verdicts_equal_cpu_verdicts() {
-    let Some(_) = gpu() else { return };
+    gpu();
     let summary = |out: &crate::support::Output| {
         let j = out.json();
         (
@@ -283,7 +283,7 @@ fn gpu_verdicts_equal_cpu_verdicts() {
 /// differ by at most two positions of 255 (f32 sums in another order can flip a top-1 near-tie).
 #[test]
 fn gpu_probe_gives_the_cpu_probe() {
-    let Some(_) = gpu() else { return };
+    gpu();
     let bundle = p(&fixture("bundles/trained-llama"));
     let on = |device: &str| {
         eagle_check([
@@ -320,7 +320,7 @@ fn gpu_probe_gives_the_cpu_probe() {
 /// the generic layers), and gives the same verdict.
 #[test]
 fn gpu_streamed_run_dumps_what_the_resident_gpu_run_dumps() {
-    let Some(_) = gpu() else { return };
+    gpu();
     let dir = crate::support::scratch("gpu-stream");
     for bundle in ["bundles/tiny-llama", "bundles/tiny-deepseek"] {
         let run = |path: &std::path::Path, stream: bool| {

@@ -2,6 +2,7 @@
 
 mod support;
 
+mod architecture;
 mod deepseek;
 mod deepseek_cli;
 mod diff;

@@ -295,7 +295,7 @@ fn greedy_continuation_takes_the_argmax_of_the_last_position() {
             .and_then(|a| a.to_scalar::<u32>())
             .unwrap()
     };
-    let new = eagle_check::runner::greedy_continuation(model.as_ref(), &tokens, 3).unwrap();
+    let new = eagle_check::commands::run::greedy_continuation(model.as_ref(), &tokens, 3).unwrap();
     assert_eq!(new.len(), 3, "{new:?}");
     assert_eq!(
         new[0],

@@ -7,11 +7,11 @@
 use crate::support::{eagle_check, fixture, p, scratch};
 use candle_core::{DType, Device, Tensor};
 use eagle_check::config::ModelConfig;
-use eagle_check::memory::format_bytes;
 use eagle_check::model::gguf::open_gguf;
 use eagle_check::model::source::{SafetensorsSource, WeightSource};
 use eagle_check::model::stream::{StreamOptions, WeightEstimate};
 use eagle_check::model::{Capture, CaptureRequest, Progress, load_streamed, load_target};
+use eagle_check::size::format_bytes;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 

@@ -4,7 +4,7 @@
 //! and norm ratio say how exact the match is and catch scale bugs cosine cannot see.
 
 use crate::diff::reference::RefStates;
-use crate::diff::score::{PairSums, Pairing, Score, View, non_finite, pair_sums, score_all};
+use crate::score::{PairSums, Pairing, Score, View, non_finite, pair_sums, score_all};
 use crate::tolerance::{CaptureTolerance, identification_angle};
 use candle_core::{Device, Tensor};
 use serde::Serialize;

@@ -2,10 +2,10 @@
 //! slot of the captured tensor really is, and turn that into named findings against the spec
 //! (and, given a draft and an engine, against what the inference side feeds).
 
+pub mod dump_ref;
 pub mod identify;
 pub mod names;
 pub mod reference;
-pub mod score;
 pub mod sglang_ref;
 
 use crate::boundary::{Boundary, Convention, FinalNorm, format_list};
@@ -14,13 +14,13 @@ use crate::error::{Error, Result};
 use crate::judge::{check_feed, classify};
 use crate::readers::{Format, HostTensor, Sample, capture_files, read_capture_path};
 use crate::report::{CaptureReport, CaptureSlot, Finding, FindingName, Report, ThreeWayRow};
+use crate::score::View;
 use crate::spec::Spec;
 use crate::tolerance::CaptureTolerance;
 use identify::{SlotId, State, identify_slot, identify_slots, no_residual_deltas};
 use reference::ReferenceSource;
-use score::View;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// What `diff` reads besides the reference.
@@ -159,19 +159,7 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
         report.fact(&key, value);
     }
     report.fact("spec_b", format_list(&spec.boundaries));
-    if let Some(sl) = spec
-        .target
-        .as_ref()
-        .and_then(|t| t.num_hidden_layers)
-        .filter(|&sl| sl != l)
-    {
-        return Err(Error::Spec {
-            path: spec.path.clone(),
-            message: format!(
-                "the spec was written for a {sl}-layer target, the reference has {l} layers"
-            ),
-        });
-    }
+    check_spec_layers(spec, l)?;
 
     let mut stats = DiffStats::default();
     let mut collector = Collector::default();
@@ -180,13 +168,7 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     let mut junction_labels: Vec<String> = Vec::new();
 
     for path in input.captures {
-        let files = capture_files(path)?;
-        if files.is_empty() {
-            return Err(Error::Capture {
-                path: path.clone(),
-                message: "no capture files found".into(),
-            });
-        }
+        let files = list_captures(path)?;
         // sglang's dumper writes a file per tensor: its junction dumps are regrouped into one
         // sample per pass and junction; the rest of its files hold no capture.
         let (sglang, files): (Vec<PathBuf>, Vec<PathBuf>) = files
@@ -334,6 +316,36 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     Ok((report.finish(), stats))
 }
 
+/// Refuses a spec written for a target of another layer count than the reference's `l`.
+pub fn check_spec_layers(spec: &Spec, l: usize) -> Result<()> {
+    match spec.target.as_ref().and_then(|t| t.num_hidden_layers) {
+        Some(sl) if sl != l => Err(Error::Spec {
+            path: spec.path.clone(),
+            message: format!(
+                "the spec was written for a {sl}-layer target, the reference has {l} layers"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The capture files under `path`; none is a refusal.
+fn list_captures(path: &Path) -> Result<Vec<PathBuf>> {
+    let files = capture_files(path)?;
+    if files.is_empty() {
+        return Err(Error::Capture {
+            path: path.to_path_buf(),
+            message: "no capture files found".into(),
+        });
+    }
+    Ok(files)
+}
+
+/// Refuses capture paths that are missing or hold no capture file, before anything is read.
+pub fn check_captures(paths: &[PathBuf]) -> Result<()> {
+    paths.iter().try_for_each(|p| list_captures(p).map(drop))
+}
+
 /// Identifies every slot of one sample and adds its findings. Returns each slot's
 /// identification with the finding (if any) that names it.
 fn identify_sample(
@@ -347,6 +359,42 @@ fn identify_sample(
 ) -> Result<Vec<(SlotId, Option<FindingName>)>> {
     let label = sample_label(sample);
     let at = |f: Finding| f.with_file(label.clone()).with_sample(sample.index);
+    let Some((slots, tokens)) = sample_slots(sample, spec, hidden, |f| collector.add(at(f)))?
+    else {
+        return Ok(Vec::new());
+    };
+    let found = identify(sample, &slots, tokens, reference, spec, hidden, l, stats)?;
+    let mut pending = slot_findings(&found.ids, spec, l, hidden, stats);
+    let shifted = pending.iter().any(|f| f.name == FindingName::TokenShift);
+    pending.extend(layout_findings(&found.ids, spec));
+    if let Some(t) = &found.target {
+        // Both sides of the final norm must be in the reference to tell them apart (a vLLM
+        // all-layer dump has only the pre-norm one).
+        let refs = &found.refs;
+        let sides_known =
+            refs.boundaries.get(l).is_some_and(Option::is_some) && refs.final_pre_norm.is_some();
+        pending.extend(check_target(t, l, sides_known, shifted));
+    }
+    for f in pending {
+        collector.add(at(f));
+    }
+    let expected = |slot: usize| spec.boundaries.get(slot).copied();
+    let statuses: Vec<Option<FindingName>> = found
+        .ids
+        .iter()
+        .map(|id| slot_status(id, expected(id.slot), spec.final_norm, l))
+        .collect();
+    Ok(found.ids.into_iter().zip(statuses).collect())
+}
+
+/// A sample's slots and token ids, checked against each other: `None` (after `shape_finding`
+/// says why) when the slots do not fit the spec's count and the hidden size.
+fn sample_slots<'s>(
+    sample: &'s Sample,
+    spec: &Spec,
+    hidden: usize,
+    mut shape_finding: impl FnMut(Finding),
+) -> Result<Option<(Slots, &'s [i64])>> {
     let tokens = sample.token_ids.as_ref().ok_or_else(|| Error::Capture {
         path: sample.file.clone(),
         message: format!(
@@ -357,8 +405,8 @@ fn identify_sample(
     let slots = match slots_of(sample, hidden, spec.boundaries.len()) {
         Ok(s) => s,
         Err(msg) => {
-            collector.add(at(Finding::error(FindingName::Shape, msg)));
-            return Ok(Vec::new());
+            shape_finding(Finding::error(FindingName::Shape, msg));
+            return Ok(None);
         }
     };
     // Rows and ids must pair one to one: scoring them anyway would report every slot as
@@ -374,6 +422,29 @@ fn identify_sample(
             ),
         });
     }
+    Ok(Some((slots, tokens)))
+}
+
+/// What one sample's slots were found to be, with the reference states they were scored on.
+struct Identified {
+    ids: Vec<SlotId>,
+    /// The training target the sample carries (its own tensor, or vLLM's last slot).
+    target: Option<TrainingTarget>,
+    refs: reference::RefStates,
+}
+
+/// The reference states for the sample's tokens, and every slot scored against them.
+#[allow(clippy::too_many_arguments)]
+fn identify(
+    sample: &Sample,
+    slots: &Slots,
+    tokens: &[i64],
+    reference: &mut dyn ReferenceSource,
+    spec: &Spec,
+    hidden: usize,
+    l: usize,
+    stats: &mut DiffStats,
+) -> Result<Identified> {
     let dtype = sample
         .aux
         .as_ref()
@@ -405,16 +476,31 @@ fn identify_sample(
     } else {
         None
     };
-    let target = training_target(sample, &slots, vllm_target, &refs, &deltas, &tol, hidden);
+    let target = training_target(sample, slots, vllm_target, &refs, &deltas, &tol, hidden);
     stats.scoring_seconds += start.elapsed().as_secs_f64();
+    Ok(Identified { ids, target, refs })
+}
 
+/// `f`, naming `slot` when it is one slot's.
+fn on_slot(slot: Option<usize>, f: Finding) -> Finding {
+    match slot {
+        Some(s) => f.with_slot(s),
+        None => f,
+    }
+}
+
+/// What each slot holds that it should not: NaN/Inf, nothing known, a missing residual, a
+/// scale, the wrong side of the final norm; then the token shift and the tensor-parallel shard
+/// the slots show together. Records the smallest neighbour margin in `stats`.
+fn slot_findings(
+    ids: &[SlotId],
+    spec: &Spec,
+    l: usize,
+    hidden: usize,
+    stats: &mut DiffStats,
+) -> Vec<Finding> {
     let mut pending: Vec<Finding> = Vec::new();
-    let mut emit = |slot: Option<usize>, f: Finding| {
-        pending.push(match slot {
-            Some(s) => f.with_slot(s),
-            None => f,
-        });
-    };
+    let mut emit = |slot: Option<usize>, f: Finding| pending.push(on_slot(slot, f));
     let expected = |slot: usize| spec.boundaries.get(slot).copied();
     let exp_text = |slot: usize| {
         expected(slot).map_or("nothing (the spec has fewer slots)".to_string(), |b| {
@@ -422,7 +508,7 @@ fn identify_sample(
         })
     };
     let mut shifted = Vec::new();
-    for id in &ids {
+    for id in ids {
         let s = id.slot;
         if let (Some(found), Some(nm)) = (id.found, id.neighbour_margin)
             && found.state != State::NoResidual
@@ -537,7 +623,14 @@ fn identify_sample(
             ),
         );
     }
-    // Layout: which boundaries, in which order, against the spec.
+    pending
+}
+
+/// The layout the slots hold (which boundaries, in which order) against the spec's.
+fn layout_findings(ids: &[SlotId], spec: &Spec) -> Vec<Finding> {
+    let mut pending: Vec<Finding> = Vec::new();
+    let mut emit = |slot: Option<usize>, f: Finding| pending.push(on_slot(slot, f));
+    let expected = |slot: usize| spec.boundaries.get(slot).copied();
     let found: Vec<Option<Boundary>> = ids
         .iter()
         .map(|id| id.found.map(|c| Boundary(c.boundary)))
@@ -582,21 +675,7 @@ fn identify_sample(
             }
         }
     }
-    if let Some(t) = &target {
-        // Both sides of the final norm must be in the reference to tell them apart (a vLLM
-        // all-layer dump has only the pre-norm one).
-        let sides_known =
-            refs.boundaries.get(l).is_some_and(Option::is_some) && refs.final_pre_norm.is_some();
-        pending.extend(check_target(t, l, sides_known, !shifted.is_empty()));
-    }
-    for f in pending {
-        collector.add(at(f));
-    }
-    let statuses: Vec<Option<FindingName>> = ids
-        .iter()
-        .map(|id| slot_status(id, expected(id.slot), spec.final_norm, l))
-        .collect();
-    Ok(ids.into_iter().zip(statuses).collect())
+    pending
 }
 
 /// The tensor a trainer learns to predict through the target's head, with the side of the

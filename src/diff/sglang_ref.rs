@@ -99,9 +99,39 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
         path: root.to_path_buf(),
         message,
     };
+    let names = classify_names(&passes, map).map_err(capture_err)?;
+    let l = layer_count(opts, names.implied).map_err(capture_err)?;
+    let mut seqs = pass_sequences(root, &passes, &names.classified, l, opts)?;
+    let merged = merge_ranks(std::mem::take(&mut seqs.by_key)).map_err(capture_err)?;
+    let facts = read_facts(files, &passes, map, opts, &names, &seqs, &merged);
+    let entries = merged.entries;
+    if entries.is_empty() {
+        return Err(capture_err(
+            "the sglang dumps hold no whole sequence (every run starts after position 0: disable \
+             the radix cache and chunked prefill while dumping)"
+                .into(),
+        ));
+    }
+    Ok(SglangRead { entries, facts })
+}
 
-    // Read every name once; the layer count follows from the largest layer named when no
-    // target or spec gives it.
+/// Every tensor name of the dumps read once, by the name rules.
+struct Names {
+    /// Draft-model passes, skipped.
+    draft_passes: usize,
+    /// Per target pass (its index): the tensors that hold a boundary, with what they hold.
+    classified: Vec<(usize, Vec<(usize, super::names::Classified)>)>,
+    /// Per rule: how many tensors it named, and which layers.
+    rule_use: BTreeMap<usize, (usize, BTreeSet<usize>)>,
+    /// Names no rule reads (generic form), with their counts.
+    unread: BTreeMap<String, usize>,
+    /// The layer count the largest layer named implies.
+    implied: usize,
+}
+
+/// Classifies every tensor name of every target pass; refuses dumps in which none names a
+/// boundary the rules know.
+fn classify_names(passes: &[DumpPass], map: &NameMap) -> std::result::Result<Names, String> {
     let mut draft_passes = 0usize;
     let mut classified: Vec<(usize, Vec<(usize, super::names::Classified)>)> = Vec::new();
     let mut rule_use: BTreeMap<usize, (usize, BTreeSet<usize>)> = BTreeMap::new();
@@ -133,7 +163,7 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
     }
     if classified.iter().all(|(_, r)| r.is_empty()) {
         let seen: Vec<String> = unread.keys().take(6).cloned().collect();
-        return Err(capture_err(format!(
+        return Err(format!(
             "no tensor of these sglang dumps names a boundary that {} know: pass \
              --reference-map 'REGEX=QUANTITY' to say what they hold{}",
             match map.source {
@@ -145,26 +175,47 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
             } else {
                 format!(" (names seen: {})", seen.join(", "))
             }
-        )));
+        ));
     }
-    let l = match opts.num_layers {
-        Some(l) => {
-            if implied > l {
-                return Err(capture_err(format!(
-                    "the dump names layer {} but the target has {l} layers (0..={})",
-                    implied - 1,
-                    l.saturating_sub(1)
-                )));
-            }
-            l
-        }
-        None => implied,
-    };
+    Ok(Names {
+        draft_passes,
+        classified,
+        rule_use,
+        unread,
+        implied,
+    })
+}
 
-    // Each pass's states.
+/// A sequence's key: the dump's layout, the step and the tokens (the ranks that share one hold
+/// the same states).
+type Key = (DumpLayout, u64, Vec<i64>);
+
+/// Every pass's whole sequences, grouped by [`Key`]: (rank, states, where it was read).
+struct Sequences {
+    by_key: BTreeMap<Key, Vec<(u64, RefStates, String)>>,
+    num_layers: usize,
+    /// Runs skipped for not starting at position 0.
+    partial: usize,
+    /// Passes without reference states.
+    empty_passes: usize,
+}
+
+/// Each pass's states, checked to be the replicated residual stream's width, cut into whole
+/// sequences.
+fn pass_sequences(
+    root: &Path,
+    passes: &[DumpPass],
+    classified: &[(usize, Vec<(usize, super::names::Classified)>)],
+    l: usize,
+    opts: &ReferenceOptions,
+) -> Result<Sequences> {
+    let capture_err = |message: String| Error::Capture {
+        path: root.to_path_buf(),
+        message,
+    };
     let mut per_pass: Vec<(usize, PassStates)> = Vec::new();
     let mut empty_passes = 0usize;
-    for (p, read) in &classified {
+    for (p, read) in classified {
         let pass = &passes[*p];
         if read.is_empty() {
             empty_passes += 1;
@@ -174,7 +225,6 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
     }
 
     // Whole sequences, and the ranks that hold the same one.
-    type Key = (DumpLayout, u64, Vec<i64>);
     let mut by_key: BTreeMap<Key, Vec<(u64, RefStates, String)>> = BTreeMap::new();
     let mut partial = 0usize;
     let hidden = opts
@@ -231,6 +281,28 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
         }
     }
 
+    Ok(Sequences {
+        by_key,
+        num_layers: l,
+        partial,
+        empty_passes,
+    })
+}
+
+/// The sequences, one per key, the ranks' copies merged into one.
+struct Merged {
+    entries: Vec<RefStates>,
+    /// The steps held by several ranks, and which.
+    replicated: Vec<String>,
+    /// The largest relative difference between ranks' copies.
+    worst: f64,
+}
+
+/// Merges the ranks that hold one sequence, refusing copies that differ by more than bf16's
+/// rounding budget.
+fn merge_ranks(
+    by_key: BTreeMap<Key, Vec<(u64, RefStates, String)>>,
+) -> std::result::Result<Merged, String> {
     let tol = CaptureTolerance::for_dtype(DType::BF16).rel_err;
     let mut entries = Vec::new();
     let mut replicated = Vec::new();
@@ -262,13 +334,13 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
                     let d = rel_diff(y, x);
                     worst = worst.max(d);
                     if d > tol {
-                        return Err(capture_err(format!(
+                        return Err(format!(
                             "step {step}: rank {rank} ({first_at}) and rank {other} ({at}) hold \
                              different {} for the same tokens (relative difference {d:.3e}, more \
                              than {tol:.0e}): a replicated state must agree across ranks; if these \
                              are per-rank partial sums or shards, dump the state after its all-reduce",
                             slot.describe()
-                        )));
+                        ));
                     }
                 }
             }
@@ -287,6 +359,24 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
         entries.push(first);
     }
 
+    Ok(Merged {
+        entries,
+        replicated,
+        worst,
+    })
+}
+
+/// What the report says about how the dumps were read.
+fn read_facts(
+    files: &[PathBuf],
+    passes: &[DumpPass],
+    map: &NameMap,
+    opts: &ReferenceOptions,
+    names: &Names,
+    seqs: &Sequences,
+    merged: &Merged,
+) -> Vec<(String, String)> {
+    let l = seqs.num_layers;
     let mut facts = Vec::new();
     let layouts: BTreeSet<&str> = passes
         .iter()
@@ -295,7 +385,8 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
             DumpLayout::Pass => "sglang debug tensor dump",
         })
         .collect();
-    let present: BTreeSet<usize> = entries
+    let present: BTreeSet<usize> = merged
+        .entries
         .iter()
         .flat_map(|e| {
             e.boundaries
@@ -312,14 +403,14 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
             layouts.into_iter().collect::<Vec<_>>().join(" + "),
             files.len(),
             passes.len(),
-            entries.len(),
+            merged.entries.len(),
             crate::boundary::format_list(
                 &present
                     .iter()
                     .map(|&b| crate::boundary::Boundary(b))
                     .collect::<Vec<_>>()
             ),
-            if entries.iter().any(|e| e.final_pre_norm.is_some()) {
+            if merged.entries.iter().any(|e| e.final_pre_norm.is_some()) {
                 " and the pre-norm final state"
             } else {
                 ""
@@ -331,7 +422,8 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
             }
         ),
     ));
-    let used: Vec<String> = rule_use
+    let used: Vec<String> = names
+        .rule_use
         .iter()
         .filter(|(i, _)| map.rules[**i].quantity != super::names::Quantity::Skip)
         .map(|(i, (n, layers))| {
@@ -363,10 +455,11 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
             used.join("; ")
         ),
     ));
-    if !unread.is_empty() {
+    if !names.unread.is_empty() {
         facts.push((
             "reference_unread".into(),
-            unread
+            names
+                .unread
                 .iter()
                 .map(|(n, c)| format!("{n} x{c}"))
                 .collect::<Vec<_>>()
@@ -382,38 +475,53 @@ pub fn read(root: &Path, files: &[PathBuf], opts: &ReferenceOptions) -> Result<S
             _ => "input_ids dumped by the engine".into(),
         },
     ));
-    if !replicated.is_empty() {
+    if !merged.replicated.is_empty() {
         facts.push((
             "reference_ranks".into(),
             format!(
-                "replicated across tensor-parallel ranks, max relative difference {worst:.1e} ({})",
-                replicated.join("; ")
+                "replicated across tensor-parallel ranks, max relative difference {:.1e} ({})",
+                merged.worst,
+                merged.replicated.join("; ")
             ),
         ));
     }
     let mut skipped = Vec::new();
-    if partial > 0 {
+    if seqs.partial > 0 {
         skipped.push(format!(
-            "{partial} run(s) not starting at position 0 (decode steps, later prefill chunks, prefix-cache hits)"
+            "{} run(s) not starting at position 0 (decode steps, later prefill chunks, prefix-cache hits)",
+            seqs.partial
         ));
     }
-    if empty_passes > 0 {
-        skipped.push(format!("{empty_passes} pass(es) without reference states"));
+    if seqs.empty_passes > 0 {
+        skipped.push(format!(
+            "{} pass(es) without reference states",
+            seqs.empty_passes
+        ));
     }
-    if draft_passes > 0 {
-        skipped.push(format!("{draft_passes} draft-model pass(es)"));
+    if names.draft_passes > 0 {
+        skipped.push(format!("{} draft-model pass(es)", names.draft_passes));
     }
     if !skipped.is_empty() {
         facts.push(("reference_skipped".into(), skipped.join("; ")));
     }
-    if entries.is_empty() {
-        return Err(capture_err(
-            "the sglang dumps hold no whole sequence (every run starts after position 0: disable \
-             the radix cache and chunked prefill while dumping)"
-                .into(),
-        ));
-    }
-    Ok(SglangRead { entries, facts })
+    facts
+}
+
+/// The target's layer count L: from the target or spec, else the largest layer the dump names.
+fn layer_count(opts: &ReferenceOptions, implied: usize) -> std::result::Result<usize, String> {
+    Ok(match opts.num_layers {
+        Some(l) => {
+            if implied > l {
+                return Err(format!(
+                    "the dump names layer {} but the target has {l} layers (0..={})",
+                    implied - 1,
+                    l.saturating_sub(1)
+                ));
+            }
+            l
+        }
+        None => implied,
+    })
 }
 
 /// `model.layers.12.mlp` -> `model.layers.{i}.mlp`, for the report's list of unread names.

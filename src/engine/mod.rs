@@ -670,7 +670,6 @@ fn default_positions(rule: &Rule, num_layers: usize) -> Vec<(Option<i64>, i64)> 
 /// layers and architecture `arch`.
 pub fn resolve(sel: &EngineSel, arch: Option<&str>, ids: &DraftIds, num_layers: usize) -> Feed {
     let Selected { rule, mut notes } = select(sel, arch);
-    let l = num_layers as i64;
     let mut problems = Vec::new();
     let (read, location) = read_ids(rule, ids);
     problems.extend(location);
@@ -686,39 +685,99 @@ pub fn resolve(sel: &EngineSel, arch: Option<&str>, ids: &DraftIds, num_layers: 
         notes,
         if_patched: patched,
     };
-    let refused = |ids: Option<Vec<i64>>, mut problems: Vec<IdProblem>, reason: String, notes| {
-        problems.push(IdProblem::Refused { reason });
-        stopped(ids, problems, notes, None)
-    };
     if let Some(why) = rule.refuses {
         problems.push(IdProblem::Unsupported {
             reason: why.to_string(),
         });
         return stopped(read, problems, notes, None);
     }
+    let (how, positions) = match positions(sel, rule, &read, num_layers, &mut problems) {
+        Ok(p) => p,
+        Err(Refusal { ids, reason }) => {
+            problems.push(IdProblem::Refused { reason });
+            return stopped(ids, problems, notes, None);
+        }
+    };
+    let mut placed = place_all(rule, &positions, num_layers, &mut problems);
+    if rule.strict_count && placed.lost > 0 && how == How::Explicit {
+        placed.embedding_crash_only = false;
+        placed.crashes.push(IdProblem::Refused {
+            reason: format!(
+                "{} of {} ids capture nothing distinct, and {} raises when it captures fewer states than ids",
+                placed.lost,
+                read.as_ref().map_or(0, Vec::len),
+                sel.engine
+            ),
+        });
+    }
+    let Placed {
+        mut slots,
+        crashes,
+        embedding_crash_only,
+        lost,
+    } = placed;
+    order_slots(rule.order, &mut slots);
+    if !crashes.is_empty() {
+        problems.extend(crashes);
+        let patched = embedding_crash_only && lost == 0;
+        return stopped(read, problems, notes, patched.then_some(slots));
+    }
+    let target = if rule.final_target { slots.pop() } else { None };
+    notes.extend(caveats(rule, how, read.as_deref()));
+    Feed {
+        engine: *sel,
+        rule,
+        how,
+        ids: read,
+        slots,
+        target,
+        problems,
+        notes,
+        if_patched: None,
+    }
+}
 
-    // The positions to capture: explicit ids through the offset, or the default list.
-    let (how, positions): (How, Vec<(Option<i64>, i64)>) = match (&read, rule.offset) {
+/// A position to capture: the draft's id that names it (none for a default), and b.
+type Position = (Option<i64>, i64);
+
+/// Why the engine refuses to run, with the ids it read.
+struct Refusal {
+    ids: Option<Vec<i64>>,
+    reason: String,
+}
+
+/// The positions to capture, `(id, b)` each: explicit ids through the rule's offset, or its
+/// default list (itself checked where the engine checks it), and b = L last when the rule
+/// captures the training target. Problems with the ids that do not stop the engine go to
+/// `problems`.
+fn positions(
+    sel: &EngineSel,
+    rule: &'static Rule,
+    read: &Option<Vec<i64>>,
+    num_layers: usize,
+    problems: &mut Vec<IdProblem>,
+) -> Result<(How, Vec<Position>), Refusal> {
+    let l = num_layers as i64;
+    let refused = |ids: Option<Vec<i64>>, reason: String| Err(Refusal { ids, reason });
+    let (how, mut positions): (How, Vec<Position>) = match (read, rule.offset) {
         (_, Offset::Ignored) => (How::HardCoded, default_positions(rule, num_layers)),
         (None, _) => {
             if let DefaultList::Refused(why) = rule.default {
-                return refused(None, problems, why.to_string(), notes);
+                return refused(None, why.to_string());
             }
             if let Some(n) = rule.default_raises_up_to.filter(|&n| num_layers <= n) {
                 return refused(
                     None,
-                    problems,
                     format!(
                         "no layer ids and L = {num_layers}: its default [1, L//2-1, L-4] raises for L <= {n}"
                     ),
-                    notes,
                 );
             }
             (How::DefaultFallback, default_positions(rule, num_layers))
         }
         (Some(ids), offset) => {
             if let Some(reason) = check_ids(rule, sel.engine, ids, num_layers) {
-                return refused(read.clone(), problems, reason, notes);
+                return refused(read.clone(), reason);
             }
             let plus_one = match offset {
                 Offset::PlusOneIfFirstIsOne => ids.first() == Some(&1),
@@ -751,19 +810,39 @@ pub fn resolve(sel: &EngineSel, arch: Option<&str>, ids: &DraftIds, num_layers: 
             &as_ids
         };
         if let Some(reason) = check_ids(rule, sel.engine, checked, num_layers) {
-            return refused(None, problems, format!("its default: {reason}"), notes);
+            return refused(None, format!("its default: {reason}"));
         }
     }
-    let mut positions = positions;
     if rule.final_target && !positions.iter().any(|&(_, b)| b == l) {
         positions.push((None, l));
     }
+    Ok((how, positions))
+}
 
+/// Where the positions landed.
+struct Placed {
+    slots: Vec<FedSlot>,
+    /// What makes the engine raise.
+    crashes: Vec<IdProblem>,
+    /// Whether every crash is the one at b = 0 that a patch capturing the embedding avoids.
+    embedding_crash_only: bool,
+    /// Positions that fed no distinct slot.
+    lost: usize,
+}
+
+/// Places each position as the rule does: a slot, dropped, a duplicate (collapsed where the
+/// rule dedups), or a crash.
+fn place_all(
+    rule: &'static Rule,
+    positions: &[Position],
+    num_layers: usize,
+    problems: &mut Vec<IdProblem>,
+) -> Placed {
     let mut slots: Vec<FedSlot> = Vec::new();
     let mut crashes = Vec::new();
     let mut embedding_crash_only = true;
     let mut lost = 0usize;
-    for (id, b) in positions {
+    for &(id, b) in positions {
         let mut landing = place(rule, id, b, num_layers);
         // A crash at b = 0 (no residual before layer 0): keep what a patch that captures the
         // embedding there would feed, as the founding incident's engine did.
@@ -802,44 +881,25 @@ pub fn resolve(sel: &EngineSel, arch: Option<&str>, ids: &DraftIds, num_layers: 
             }
         }
     }
-    if rule.strict_count && lost > 0 && how == How::Explicit {
-        embedding_crash_only = false;
-        crashes.push(IdProblem::Refused {
-            reason: format!(
-                "{lost} of {} ids capture nothing distinct, and {} raises when it captures fewer states than ids",
-                read.as_ref().map_or(0, Vec::len),
-                sel.engine
-            ),
-        });
-    }
-    order_slots(rule.order, &mut slots);
-    if !crashes.is_empty() {
-        problems.extend(crashes);
-        let patched = embedding_crash_only && lost == 0;
-        return stopped(read, problems, notes, patched.then_some(slots));
-    }
-    let target = if rule.final_target { slots.pop() } else { None };
-    for &(when, caveat) in rule.caveats {
-        let applies = match when {
-            When::ExplicitIds => how == How::Explicit,
-            When::MinusOne => read.as_ref().is_some_and(|ids| ids.contains(&-1)),
-            When::Always => true,
-        };
-        if applies {
-            notes.push(caveat.to_string());
-        }
-    }
-    Feed {
-        engine: *sel,
-        rule,
-        how,
-        ids: read,
+    Placed {
         slots,
-        target,
-        problems,
-        notes,
-        if_patched: None,
+        crashes,
+        embedding_crash_only,
+        lost,
     }
+}
+
+/// The rule's caveats that apply to this feed.
+fn caveats(rule: &Rule, how: How, read: Option<&[i64]>) -> Vec<String> {
+    rule.caveats
+        .iter()
+        .filter(|(when, _)| match when {
+            When::ExplicitIds => how == How::Explicit,
+            When::MinusOne => read.is_some_and(|ids| ids.contains(&-1)),
+            When::Always => true,
+        })
+        .map(|(_, caveat)| caveat.to_string())
+        .collect()
 }
 
 fn order_slots(order: Order, slots: &mut Vec<FedSlot>) {

@@ -1491,7 +1491,7 @@ const SCORE_SLOTS: usize = 4;
 /// Threads per block of `score_partials_vec`.
 const SCORE_VEC_THREADS: u32 = 128;
 
-use super::score::ScoreKernel;
+use crate::score::ScoreKernel;
 
 /// Launches the scoring with `kernel`, or with `score_partials` where `Vec4` cannot read the
 /// rows as float4s (a column count, stride or base not a multiple of 16 bytes). Returns the

@@ -223,9 +223,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn device_matches_reference() {
-        let Some(gpu) = crate::kernels::testing::cuda_device() else {
-            return;
-        };
+        let gpu = crate::kernels::testing::gpu();
         let cpu = Device::Cpu;
         // Ragged blocks, and DeepSeek-V3 kv_a_proj_with_mqa [576, 7168] in 128x128 blocks.
         for &(rows, cols, block) in &[

@@ -161,9 +161,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn device_matches_reference() {
-        let Some(gpu) = crate::kernels::testing::cuda_device() else {
-            return;
-        };
+        let gpu = crate::kernels::testing::gpu();
         let cpu = Device::Cpu;
         // Tiny ragged rows, a Llama-3.1-8B embedding lookup at T = 2048 (from a 4096-row slice of
         // the table), a DeepSeek MoE token gather (T * K = 16384 rows of 7168).

@@ -752,9 +752,7 @@ mod tests {
 
     #[test]
     fn device_gemm_matches_reference() {
-        let Some(gpu) = crate::kernels::testing::cuda_device() else {
-            return;
-        };
+        let gpu = crate::kernels::testing::gpu();
         // Ragged, and Llama-3.1-8B's down projection at T = 2048 into a window of a wider out.
         for &(m, n, k) in &[(1, 1, 1), (37, 13, 24), (2048, 4096, 14336)] {
             for dtype in [DType::F32, DType::BF16] {
@@ -788,9 +786,7 @@ mod tests {
 
     #[test]
     fn device_gemm_add_matches_reference() {
-        let Some(gpu) = crate::kernels::testing::cuda_device() else {
-            return;
-        };
+        let gpu = crate::kernels::testing::gpu();
         let Device::Cuda(dev) = &gpu else {
             unreachable!("cuda_device is a CUDA device")
         };
@@ -849,9 +845,7 @@ mod tests {
 
     #[test]
     fn device_grouped_gemm_matches_per_expert_matmuls() {
-        let Some(gpu) = crate::kernels::testing::cuda_device() else {
-            return;
-        };
+        let gpu = crate::kernels::testing::gpu();
         // DeepSeek-V3-like experts (smaller): 16 experts, one of them empty, [256, 512] weights.
         let (experts, n, k) = (16, 256, 512);
         let counts: Vec<usize> = (0..experts)

@@ -283,9 +283,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn device_chunked_casts_match_candle() {
-        let Some(gpu) = testing::cuda_device() else {
-            return;
-        };
+        let gpu = testing::gpu();
         let bits = |t: &Tensor| -> Vec<u32> {
             let t = t
                 .to_device(&Device::Cpu)
@@ -332,9 +330,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn device_casts_past_a_32_bit_count() {
-        let Some(gpu) = testing::cuda_device() else {
-            return;
-        };
+        let gpu = testing::gpu();
         let Device::Cuda(dev) = &gpu else {
             unreachable!("cuda_device gives a CUDA device")
         };

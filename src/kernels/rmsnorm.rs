@@ -310,9 +310,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn device_matches_reference() {
-        let Some(gpu) = crate::kernels::testing::cuda_device() else {
-            return;
-        };
+        let gpu = crate::kernels::testing::gpu();
         let cpu = Device::Cpu;
         let mut shapes = SHAPES.to_vec();
         shapes.push((2048, 4096)); // Llama-3.1-8B at T = 2048

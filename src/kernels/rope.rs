@@ -319,9 +319,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn device_matches_reference() {
-        let Some(gpu) = crate::kernels::testing::cuda_device() else {
-            return;
-        };
+        let gpu = crate::kernels::testing::gpu();
         let cpu = Device::Cpu;
         // (tokens, row width, params): tiny ragged heads, Llama-3.1-8B q and k inside a fused
         // QKV at T = 2048, DeepSeek q (heads of 192, rope on the last 64, interleaved).

@@ -1,9 +1,9 @@
 //! The diff engine's scoring on the GPU (kernels/score.cu): every captured slot against every
 //! candidate reference state in one pass, returning the sums `x.x`, `x.c`, `c.c` and the row
-//! count per (slot, candidate), from which [`crate::diff::score::Score::from_sums`] derives cosine, relative error
-//! and norm ratio exactly as [`crate::diff::score::score_all`] does.
+//! count per (slot, candidate), from which [`crate::score::Score::from_sums`] derives cosine, relative error
+//! and norm ratio exactly as [`crate::score::score_all`] does.
 
-pub use crate::diff::score::PairSums;
+pub use crate::score::{PairSums, ScoreKernel};
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Where the slots and the reference states sit.
@@ -63,7 +63,7 @@ pub fn score_slots_ref(
 }
 
 /// The CPU form of [`score_slots`] on host buffers laid out as [`score_slots_ref`] takes them:
-/// [`crate::diff::score::pair_sums`], the matrix-product pass (f32 products summed per row,
+/// [`crate::score::pair_sums`], the matrix-product pass (f32 products summed per row,
 /// rows in f64), so it agrees with the reference to about 1e-6 relative, as the GPU does.
 pub fn score_slots_cpu(
     x: &[f32],
@@ -71,7 +71,7 @@ pub fn score_slots_cpu(
     s: &ScoreShape,
     candidates: &[(usize, isize)],
 ) -> Vec<PairSums> {
-    use crate::diff::score::{View, pair_sums};
+    use crate::score::{View, pair_sums};
     let xs: Vec<View> = (0..s.slots)
         .map(|slot| View {
             data: x,
@@ -92,18 +92,6 @@ pub fn score_slots_cpu(
         })
         .collect();
     pair_sums(&xs, &states, candidates)
-}
-
-/// Which partial-sums kernel of kernels/score.cu runs on a CUDA device (the same sums, added
-/// in another order: they agree to f32 rounding).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScoreKernel {
-    /// `score_partials`: one block per (chunk, slot, four candidates).
-    PerSlot,
-    /// `score_partials_vec`: one block per (four candidates, chunk, four slots), float4 reads,
-    /// each reference value read once for every slot of the block; rows whose columns, stride
-    /// or base are not 16-byte multiples take `PerSlot` instead.
-    Vec4,
 }
 
 /// The kernel [`score_slots`] launches.
@@ -238,8 +226,8 @@ fn score_on_gpu(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::diff::score::{Pairing, View, score_all};
     use crate::kernels::testing::random_vec;
+    use crate::score::{Pairing, View, score_all};
 
     fn case(
         rows: usize,
@@ -404,9 +392,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn device_matches_reference() {
-        let Some(gpu) = crate::kernels::testing::cuda_device() else {
-            return;
-        };
+        let gpu = crate::kernels::testing::gpu();
         // Tiny ragged, five slots (two slot batches of the float4 kernel), candidates not a
         // multiple of four, and a realistic diff: 3 slots of 4096 at T = 2048 against 33 states.
         // Each in two layouts: column windows at odd strides (the float4 kernel cannot read

@@ -24,10 +24,10 @@ use crate::config::{ConfigFile, ModelConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
 use crate::model::nn::inv_freq;
 use crate::model::source::WeightSource;
+use crate::weights::gguf::{parse_content, read_header, validate_tensor_extents};
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
-use memmap2::Mmap;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{Cursor, Read, Seek, SeekFrom};
@@ -42,9 +42,6 @@ const ARCHS: &[(&str, &str)] = &[
     ("qwen3", "qwen3"),
     ("qwen3moe", "qwen3_moe"),
 ];
-
-/// The smallest GGUF: magic, version, two counts.
-const MIN_FILE_LEN: u64 = 4 + 4 + 8 + 8;
 
 /// One GGUF tensor as served under its HF name.
 #[derive(Debug, Clone)]
@@ -333,93 +330,6 @@ impl Seek for At<'_> {
         })?;
         Ok(self.pos)
     }
-}
-
-/// Maps the file and parses the header with candle's reader (the tokenizer reads its
-/// metadata through here too).
-pub(crate) fn read_header(path: &Path) -> Result<(Mmap, Content)> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    if len < MIN_FILE_LEN {
-        return Err(too_short(path, len));
-    }
-    // SAFETY: mapped read-only; eagle-check never writes model files, and every read below is
-    // bounds-checked against the mapping's length.
-    let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    let content = parse_content(path, &mmap)?;
-    Ok((mmap, content))
-}
-
-fn too_short(path: &Path, len: u64) -> Error {
-    Error::weights(
-        path,
-        format!("{len} bytes is too short for a GGUF file (header alone is {MIN_FILE_LEN})"),
-    )
-}
-
-/// Parses the header of a GGUF file held in `bytes` with candle's reader.
-fn parse_content(path: &Path, bytes: &[u8]) -> Result<Content> {
-    if (bytes.len() as u64) < MIN_FILE_LEN {
-        return Err(too_short(path, bytes.len() as u64));
-    }
-    // candle's reader bounds every count and string by the file size, but divides by the
-    // file's `general.alignment` unchecked; catch that (and any other panic on hostile input)
-    // and report it as a bad file instead of aborting the run.
-    let parsed = catch_quietly(|| Content::read(&mut Cursor::new(bytes)));
-    let content = match parsed {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => {
-            return Err(Error::weights(
-                path,
-                format!(
-                    "not a readable GGUF file: {}",
-                    crate::error::candle_line(&e)
-                ),
-            ));
-        }
-        Err(_) => {
-            return Err(Error::weights(
-                path,
-                "not a readable GGUF file: the header reader gave up (a zero general.alignment, or malformed counts)",
-            ));
-        }
-    };
-    Ok(content)
-}
-
-/// Every tensor's element count, byte size and extent, in checked arithmetic, before any read.
-fn validate_tensor_extents(path: &Path, content: &Content, file_len: usize) -> Result<()> {
-    for (name, info) in &content.tensor_infos {
-        let dims = info.shape.dims();
-        let bad = |msg: String| Error::weights(path, format!("GGUF tensor `{name}`: {msg}"));
-        let elems = dims
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| bad(format!("shape {dims:?} overflows")))?;
-        let block = info.ggml_dtype.block_size();
-        // ggml quantises along rows (the last HF dimension), one block never spans two rows.
-        let row = dims.last().copied().unwrap_or(1);
-        if block == 0 || row % block != 0 {
-            return Err(bad(format!(
-                "rows of {row} elements do not divide into {:?} blocks of {block}",
-                info.ggml_dtype
-            )));
-        }
-        let bytes = (elems / block)
-            .checked_mul(info.ggml_dtype.type_size())
-            .ok_or_else(|| bad(format!("shape {dims:?} overflows")))?;
-        let end = content
-            .tensor_data_offset
-            .checked_add(info.offset)
-            .and_then(|start| start.checked_add(bytes as u64))
-            .ok_or_else(|| bad(format!("offset {} overflows", info.offset)))?;
-        if end > file_len as u64 {
-            return Err(bad(format!(
-                "data ends at byte {end}, past the end of the file ({file_len} bytes)"
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// A tensor of a GGUF file held in memory (the header's `rope_freqs.weight`, read while the
@@ -895,16 +805,6 @@ fn llama3_from_rope_freqs(
              low_freq_factor 1, high_freq_factor 4) for any original context length; not supported"
         ),
     ))
-}
-
-/// `catch_unwind` without the default hook's message on stderr: a hostile file must give one
-/// line naming it, not a panic report. The hook is process-wide, so it is restored right after.
-fn catch_quietly<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> std::thread::Result<R> {
-    let previous = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let result = std::panic::catch_unwind(f);
-    std::panic::set_hook(previous);
-    result
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ pub mod llama;
 pub(crate) mod moe;
 pub mod nn;
 pub mod phases;
+pub mod report;
 pub mod source;
 pub(crate) mod sparse;
 pub mod stream;

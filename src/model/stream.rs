@@ -13,7 +13,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::{CandleContext, Error, Result};
-use crate::memory::{Budget, format_bytes};
+use crate::memory::Budget;
 use crate::model::nn::RmsNorm;
 use crate::model::source::{Vb, WeightSource};
 use crate::model::{
@@ -21,6 +21,7 @@ use crate::model::{
     llama, refuse_unread,
 };
 use crate::naming;
+use crate::size::format_bytes;
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeSet;
 use std::path::Path;

@@ -2,11 +2,15 @@
 //! and the exact `fc` input an engine would assemble, and judge the layout against the spec.
 //! The header-only checks run first, so a run the judge will refuse loads no weight.
 
+use super::{
+    DeviceChoice, ModelArgs, Models, TokenArgs, choose_engine, compute_dtype, input_tokens,
+    open_device,
+};
 use crate::config::{DraftConfig, ModelConfig, TargetInfo};
 use crate::engine::{EngineSel, Feed};
 use crate::error::{CandleContext, Error, Result};
 use crate::judge::{self, Dims, StaticInput};
-use crate::locate::{self, resolve_model_dir};
+use crate::locate::resolve_model_dir;
 use crate::model::draft::{DraftOutput, Eagle3Draft};
 use crate::model::source::{SafetensorsSource, Vb, WeightSource};
 use crate::model::{
@@ -41,6 +45,46 @@ pub struct RunInput {
     pub max_memory: Option<u64>,
 }
 
+/// `run`'s flags.
+pub struct RunOptions {
+    pub models: ModelArgs,
+    pub engine: Option<String>,
+    pub tokens: TokenArgs,
+    pub device: DeviceChoice,
+    pub dtype: Option<DType>,
+    pub dump: Option<PathBuf>,
+    pub generate: usize,
+    pub stream_layers: bool,
+    pub max_memory: Option<u64>,
+}
+
+/// `eagle-check run`: the models, engine and tokens the flags (or the bundle) name, then [`run`].
+pub fn execute(opts: &RunOptions) -> Result<Report> {
+    let models = Models::resolve(&opts.models, "run", None)?;
+    let engine = choose_engine(
+        opts.engine.as_deref(),
+        models.spec.as_ref(),
+        "name the engine that assembles the fc input: --engine NAME or `engine:` in the spec",
+    )?;
+    let (tokens, tokens_origin) =
+        input_tokens(&opts.tokens, models.bundle.as_ref(), &models.target)?;
+    let device = open_device(opts.device)?;
+    run(&RunInput {
+        target: models.target,
+        draft: models.draft,
+        spec: models.spec,
+        engine,
+        tokens,
+        tokens_origin,
+        dtype: compute_dtype(opts.dtype, &device),
+        device,
+        dump: opts.dump.clone(),
+        generate: opts.generate,
+        stream_layers: opts.stream_layers,
+        max_memory: opts.max_memory,
+    })
+}
+
 /// A model directory's safetensors headers, when it has any (GGUF files have none).
 fn headers(path: &Path) -> Result<Option<WeightIndex>> {
     let dir = resolve_model_dir(path)?;
@@ -54,7 +98,7 @@ fn headers(path: &Path) -> Result<Option<WeightIndex>> {
 /// Runs target and draft and returns the report (and writes `--dump` if asked).
 pub fn run(input: &RunInput) -> Result<Report> {
     // Headers and configs only: milliseconds, whatever the model's size.
-    let cfg = locate::target_config(&input.target)?;
+    let cfg = super::target_config(&input.target)?;
     check_tokens(&cfg, &input.tokens, &input.tokens_origin)?;
     let draft_cfg = input.draft.as_deref().map(DraftConfig::load).transpose()?;
     let draft_weights = input.draft.as_deref().map(headers).transpose()?.flatten();
@@ -141,7 +185,7 @@ pub fn run(input: &RunInput) -> Result<Report> {
     };
     if input.generate > 0 {
         let new = greedy_continuation(target.model.as_ref(), &input.tokens, input.generate)?;
-        let text = match locate::tokenizer_for(&input.target) {
+        let text = match super::tokenizer_for(&input.target) {
             Some(tok) => format!("{:?}", tok.decode(&new)?),
             None => format!("{new:?}"),
         };
@@ -158,7 +202,7 @@ pub fn run(input: &RunInput) -> Result<Report> {
         )?;
         report.fact("dump", path.display().to_string());
     }
-    crate::memory::report_target(&mut report, &target);
+    crate::model::report::report_target(&mut report, &target);
     Ok(report.finish())
 }
 

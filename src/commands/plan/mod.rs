@@ -24,11 +24,12 @@ use crate::config::{DraftConfig, TargetInfo};
 use crate::engine::rules::Reach;
 use crate::engine::{Engine, EngineSel, Version, ids_for, resolve, rule_words, select};
 use crate::error::{Error, Result};
+use crate::locate;
 use cost::Stored;
 use script::sh;
 use serde::Serialize;
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The engine versions whose sources the printed flags were read from.
 pub const SGLANG: Version = Version([0, 5, 23]);
@@ -51,6 +52,57 @@ pub struct PlanInput<'a> {
     pub draft: Option<DraftInput<'a>>,
     /// Where the dumps go (a folder on the engine's host).
     pub out: String,
+}
+
+/// `plan`'s flags.
+pub struct PlanOptions {
+    pub target: PathBuf,
+    pub target_path: Option<String>,
+    pub engine: String,
+    pub tp: usize,
+    pub ep: Option<usize>,
+    pub prompts: Option<PathBuf>,
+    pub draft: Option<PathBuf>,
+    pub draft_path: Option<String>,
+    pub out: String,
+    pub revision: Option<String>,
+}
+
+/// `eagle-check plan`: reads the target's (and the draft's) config, then [`plan`].
+pub fn execute(opts: &PlanOptions) -> Result<Plan> {
+    let sel = super::engine_sel(&opts.engine)?;
+    let revision = opts.revision.as_deref();
+    let located = locate::locate_model(&opts.target, revision)?;
+    let info = super::target_info(&located)?;
+    let draft_cfg = match &opts.draft {
+        Some(d) => Some((DraftConfig::load(&locate::locate_model(d, revision)?)?, d)),
+        None => None,
+    };
+    plan(&PlanInput {
+        target: &info,
+        target_arg: opts.target.display().to_string(),
+        model: opts
+            .target_path
+            .clone()
+            .or_else(|| engine_path(&opts.target)),
+        engine: sel,
+        tp: opts.tp,
+        ep: opts.ep,
+        prompts: opts.prompts.clone(),
+        draft: draft_cfg.as_ref().map(|(config, arg)| DraftInput {
+            config,
+            arg: arg.display().to_string(),
+            path: opts.draft_path.clone().or_else(|| engine_path(arg)),
+        }),
+        out: opts.out.clone(),
+    })
+}
+
+/// What an engine can load of a `plan --target`/`--draft`: a folder or an HF id as given; a
+/// config file is neither its weights nor (its folder) surely where they are, so None.
+fn engine_path(given: &Path) -> Option<String> {
+    let is_file = given.is_file() || given.extension().is_some_and(|e| e == "json");
+    (!is_file).then(|| given.display().to_string())
 }
 
 /// The draft the engine serves.

@@ -16,7 +16,11 @@
 pub mod layout;
 pub mod search;
 
-use crate::config::{DraftConfig, TargetInfo};
+use super::{
+    DeviceChoice, ModelArgs, Models, TokenArgs, Wanted, choose_engines, compute_dtype,
+    input_tokens, open_device,
+};
+use crate::config::{DraftConfig, ModelConfig, TargetInfo};
 use crate::engine::{EngineSel, Feed};
 use crate::error::{CandleContext, Error, Result};
 use crate::judge::{self, Dims, StaticInput, acceptance};
@@ -28,11 +32,80 @@ use crate::model::{
 use crate::report::{ProbeRow, Report};
 use crate::spec::Spec;
 use crate::stats::{Estimate, Resampler};
+use crate::tokenize::{Tokenizer, read_prompts};
 use crate::weights::WeightIndex;
 use candle_core::{D, DType, Device, Tensor};
 use layout::{Candidates, Layout, Side, Tap, neighbours};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+/// `probe`'s flags.
+pub struct ProbeOptions {
+    pub models: ModelArgs,
+    pub engine: Option<String>,
+    pub tokens: TokenArgs,
+    /// `--prompts`: a JSON-lines file, each line a token set of its own.
+    pub prompts: Option<PathBuf>,
+    pub steps: usize,
+    pub search: bool,
+    pub write_spec: Option<PathBuf>,
+    pub seed: u64,
+    pub stream_layers: bool,
+    pub max_memory: Option<u64>,
+    pub device: DeviceChoice,
+    pub dtype: Option<DType>,
+}
+
+const NO_DRAFT: &str = "probe needs a draft: a bundle with draft/, or --draft";
+
+/// `eagle-check probe`: the models, engines and token sets the flags (or the bundle) name,
+/// then [`probe`].
+pub fn execute(opts: &ProbeOptions) -> Result<Report> {
+    if opts.steps == 0 {
+        return Err(Error::Usage("--steps must be at least 1".into()));
+    }
+    let models = Models::resolve(&opts.models, "probe", Some(NO_DRAFT))?;
+    let draft = models.draft.ok_or_else(|| Error::Usage(NO_DRAFT.into()))?;
+    let engines = choose_engines(
+        opts.engine.as_deref(),
+        models.spec.as_ref(),
+        Wanted::Several,
+    )?;
+    let token_sets = match &opts.prompts {
+        Some(file) => {
+            let dir = locate::resolve_model_dir(&models.target)?;
+            let tokenizer = Tokenizer::open(&dir).ok();
+            read_prompts(file, tokenizer.as_ref())?
+                .into_iter()
+                .map(|p| TokenSet {
+                    origin: p.origin,
+                    tokens: p.ids,
+                })
+                .collect()
+        }
+        None => {
+            let (tokens, origin) =
+                input_tokens(&opts.tokens, models.bundle.as_ref(), &models.target)?;
+            vec![TokenSet { origin, tokens }]
+        }
+    };
+    let device = open_device(opts.device)?;
+    probe(&ProbeInput {
+        target: models.target,
+        draft,
+        spec: models.spec,
+        engines,
+        token_sets,
+        steps: opts.steps,
+        search: opts.search,
+        write_spec: opts.write_spec.clone(),
+        dtype: compute_dtype(opts.dtype, &device),
+        device,
+        stream_layers: opts.stream_layers,
+        max_memory: opts.max_memory,
+        seed: opts.seed,
+    })
+}
 
 /// One sequence of token ids the target runs on.
 pub struct TokenSet {
@@ -268,53 +341,17 @@ struct Scored {
     series: Series,
 }
 
-/// Runs the probe and returns its report (and writes `--write-spec` when asked).
+/// Runs the probe and returns its report (and writes `--write-spec` when asked). The phases:
+/// the header checks ([`header_checks`]), the forwards ([`load`]), the layouts to try
+/// ([`candidates`]), the draft passes ([`score_layouts`], [`search_layouts`]), the ranking
+/// ([`rank`]) and the verdicts ([`verdicts`], [`report_search`]).
 pub fn probe(input: &ProbeInput) -> Result<Report> {
     let started = Instant::now();
     // Headers and configs first: a probe that cannot run loads no weight.
-    let cfg = locate::target_config(&input.target)?;
+    let cfg = super::target_config(&input.target)?;
     let draft_cfg = DraftConfig::load(&input.draft)?;
     check_token_sets(&input.token_sets, cfg.vocab_size, input.steps)?;
-    let info = TargetInfo::from(&cfg);
-    let l = cfg.num_layers;
-    let (mut report, dims, feeds) = match &input.spec {
-        Some(spec) => {
-            let (report, dims, feeds) = judge::static_report(
-                "probe",
-                &StaticInput {
-                    spec,
-                    draft: Some(&draft_cfg),
-                    draft_weights: headers(&input.draft)?.as_ref(),
-                    target: Some(&info),
-                    target_weights: headers(&input.target)?.as_ref(),
-                },
-                &input.engines,
-            )?;
-            (report, dims, feeds)
-        }
-        None => {
-            let mut r = Report::new("probe");
-            r.fact(
-                "target",
-                format!("{} ({})", cfg.model_type, input.target.display()),
-            );
-            r.fact(
-                "draft",
-                format!("{} ({})", draft_cfg.architecture, draft_cfg.path.display()),
-            );
-            r.fact("draft_ids", judge::ids_fact(&draft_cfg.ids));
-            let dims = Dims {
-                num_layers: l,
-                target_hidden: cfg.hidden_size,
-                arch: Some(cfg.family.name.clone()),
-            };
-            let feeds = judge::feeds(Some(&draft_cfg), &dims, &input.engines);
-            for feed in &feeds {
-                r.fact(&format!("rule {}", feed.engine_label()), feed.describe());
-            }
-            (r, dims, feeds)
-        }
-    };
+    let (mut report, dims, feeds) = header_checks(input, &cfg, &draft_cfg)?;
     if report.findings.iter().any(judge::blocks_forward) {
         report.fact(
             "probe",
@@ -323,6 +360,112 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
         return Ok(report.finish());
     }
 
+    let (mut probe, steps, resampler) = load(input, &cfg, &draft_cfg, &mut report)?;
+    let l = cfg.num_layers;
+    let layouts = candidates(input, &draft_cfg, &dims, &feeds, probe.k, l, &mut report)?;
+    let (mut scored, control) = score_layouts(&mut probe, &layouts, steps)?;
+    let searched = if input.search {
+        Some(search_layouts(&mut probe, &layouts, &mut scored, l, steps)?)
+    } else {
+        None
+    };
+
+    let best = rank(
+        &mut report,
+        &scored,
+        &control,
+        &layouts.reference,
+        &resampler,
+        steps,
+    );
+    crate::model::report::report_target(&mut report, &probe.target);
+    report.fact(
+        "probe_passes",
+        format!(
+            "{} draft passes, {:.1} s in all",
+            probe.passes,
+            started.elapsed().as_secs_f64()
+        ),
+    );
+    let ranked = Ranked {
+        scored: &scored,
+        best,
+        resampler: &resampler,
+    };
+    let best_series = &scored[best].series;
+    let evidence = acceptance::SignalEvidence {
+        acceptance_gain: resampler.diff(&best_series.accepted, &control.accepted),
+        cross_entropy_gain: resampler.diff(&control.cross_entropy, &best_series.cross_entropy),
+    };
+    if !acceptance::has_signal(&evidence) {
+        let finding = acceptance::no_signal(&evidence, &ranked.best_words());
+        if input.search {
+            return Err(Error::NoSignal {
+                path: input.draft.clone(),
+                message: format!("probe --search: {}", finding.message),
+            });
+        }
+        report.findings.push(finding);
+        return Ok(report.finish());
+    }
+    verdicts(&mut report, &cfg, &layouts, &ranked);
+    if let Some(found) = &searched {
+        report_search(&mut report, input, &cfg, found, &ranked)?;
+    }
+    Ok(report.finish())
+}
+
+/// The header-only part: the judge's static report when there is a spec, else the facts and
+/// the feeds of the engines asked for.
+fn header_checks(
+    input: &ProbeInput,
+    cfg: &ModelConfig,
+    draft_cfg: &DraftConfig,
+) -> Result<(Report, Dims, Vec<Feed>)> {
+    let info = TargetInfo::from(cfg);
+    if let Some(spec) = &input.spec {
+        return judge::static_report(
+            "probe",
+            &StaticInput {
+                spec,
+                draft: Some(draft_cfg),
+                draft_weights: headers(&input.draft)?.as_ref(),
+                target: Some(&info),
+                target_weights: headers(&input.target)?.as_ref(),
+            },
+            &input.engines,
+        );
+    }
+    let mut r = Report::new("probe");
+    r.fact(
+        "target",
+        format!("{} ({})", cfg.model_type, input.target.display()),
+    );
+    r.fact(
+        "draft",
+        format!("{} ({})", draft_cfg.architecture, draft_cfg.path.display()),
+    );
+    r.fact("draft_ids", judge::ids_fact(&draft_cfg.ids));
+    let dims = Dims {
+        num_layers: cfg.num_layers,
+        target_hidden: cfg.hidden_size,
+        arch: Some(cfg.family.name.clone()),
+    };
+    let feeds = judge::feeds(Some(draft_cfg), &dims, &input.engines);
+    for feed in &feeds {
+        r.fact(&format!("rule {}", feed.engine_label()), feed.describe());
+    }
+    Ok((r, dims, feeds))
+}
+
+/// Loads target and draft and runs the target on every token set: the probe, the chain length
+/// the draft runs, and the block resampler over the positions (refused when too few).
+fn load(
+    input: &ProbeInput,
+    cfg: &ModelConfig,
+    draft_cfg: &DraftConfig,
+    report: &mut Report,
+) -> Result<(Probe, usize, Resampler)> {
     let target = open_target_with(
         &input.target,
         &TargetOptions {
@@ -333,7 +476,7 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
     )?;
     let target_hidden = draft_cfg.target_hidden(Some(cfg.hidden_size));
     let (draft, k) = open_draft(
-        &draft_cfg,
+        draft_cfg,
         &input.draft,
         target_hidden,
         input.dtype,
@@ -385,19 +528,41 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
             summarise_origins(&input.token_sets)
         ),
     );
-    let mut probe = Probe {
+    let probe = Probe {
         draft,
         target,
         sets,
         k,
         passes: 0,
     };
+    Ok((probe, steps, resampler))
+}
 
-    // The candidates: each engine's feed, the spec's layout, and the usual mistakes around the
-    // reference (the spec's layout, else the first fed one).
+/// The layouts the probe tries.
+struct Layouts<'f> {
+    cands: Candidates,
+    /// Each judged engine's feed, with the index of its layout in `cands`.
+    fed: Vec<(usize, &'f Feed)>,
+    /// The spec's layout (both sides of the final norm when it names none).
+    spec: Vec<Layout>,
+    /// The layout the control and the neighbours are built around.
+    reference: Layout,
+}
+
+/// The candidates: each engine's feed, the spec's layout, and the usual mistakes around the
+/// reference (the spec's layout, else the first fed one).
+fn candidates<'f>(
+    input: &ProbeInput,
+    draft_cfg: &DraftConfig,
+    dims: &Dims,
+    feeds: &'f [Feed],
+    k: usize,
+    l: usize,
+    report: &mut Report,
+) -> Result<Layouts<'f>> {
     let mut cands = Candidates::default();
     let mut fed: Vec<(usize, &Feed)> = Vec::new();
-    for feed in &feeds {
+    for feed in feeds {
         let slots = feed.fed_slots();
         if slots.is_empty() {
             report.fact(
@@ -422,7 +587,7 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
     }
     // What the other engines (newest versions) would feed: tried too, not judged.
     let others = crate::engine::Engine::ALL.map(EngineSel::newest);
-    for feed in judge::feeds(Some(&draft_cfg), &dims, &others) {
+    for feed in judge::feeds(Some(draft_cfg), dims, &others) {
         let slots = feed.fed_slots();
         if slots.len() == k
             && !feeds
@@ -466,7 +631,23 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
         });
     };
     neighbours(&reference, l, &mut cands);
+    Ok(Layouts {
+        cands,
+        fed,
+        spec: spec_layouts,
+        reference,
+    })
+}
 
+/// A draft pass per candidate, then the control: the reference layout on features of other
+/// positions (each set's rows rotated by half), where a drafter that uses its features at all
+/// does much worse.
+fn score_layouts(
+    probe: &mut Probe,
+    layouts: &Layouts,
+    steps: usize,
+) -> Result<(Vec<Scored>, Series)> {
+    let cands = &layouts.cands;
     let mut progress = Progress::new("draft passes");
     let total = cands.0.len() + 1;
     let mut scored: Vec<Scored> = Vec::with_capacity(cands.0.len());
@@ -478,35 +659,51 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
         });
         progress.tick(i + 1, total);
     }
-    // The control: the reference layout on features of other positions (each set's rows
-    // rotated by half): a drafter that uses its features at all does much worse there.
-    let control_fc = probe.fc_outs(&reference, true)?;
+    let control_fc = probe.fc_outs(&layouts.reference, true)?;
     let control = probe.score_fc(&control_fc, 1)?;
     progress.tick(total, total);
     progress.finish();
+    Ok((scored, control))
+}
 
-    let mut searched = None;
-    if input.search {
-        let found = search::search(&mut probe, &fed_layouts(&fed, &cands), &reference, l)?;
-        for (rank, layout) in found.top.iter().enumerate() {
-            let label = if rank == 0 {
-                "search: best".to_string()
-            } else {
-                "search: runner-up".to_string()
-            };
-            match scored.iter_mut().find(|s| &s.layout == layout) {
-                Some(s) => s.labels.push(label),
-                None => scored.push(Scored {
-                    layout: layout.clone(),
-                    labels: vec![label],
-                    series: probe.score(layout, steps)?,
-                }),
-            }
+/// `--search`: every k-slot layout searched; the best two labelled (and scored, if new).
+fn search_layouts(
+    probe: &mut Probe,
+    layouts: &Layouts,
+    scored: &mut Vec<Scored>,
+    l: usize,
+    steps: usize,
+) -> Result<search::Found> {
+    let fed = fed_layouts(&layouts.fed, &layouts.cands);
+    let found = search::search(probe, &fed, &layouts.reference, l)?;
+    for (rank, layout) in found.top.iter().enumerate() {
+        let label = if rank == 0 {
+            "search: best".to_string()
+        } else {
+            "search: runner-up".to_string()
+        };
+        match scored.iter_mut().find(|s| &s.layout == layout) {
+            Some(s) => s.labels.push(label),
+            None => scored.push(Scored {
+                layout: layout.clone(),
+                labels: vec![label],
+                series: probe.score(layout, steps)?,
+            }),
         }
-        searched = Some(found);
     }
+    Ok(found)
+}
 
-    // Rank by cross-entropy, best first.
+/// Ranks the layouts by cross-entropy, best first, into the report's rows, the control last;
+/// returns the best one's index in `scored`.
+fn rank(
+    report: &mut Report,
+    scored: &[Scored],
+    control: &Series,
+    reference: &Layout,
+    resampler: &Resampler,
+    steps: usize,
+) -> usize {
     let ce: Vec<Estimate> = scored
         .iter()
         .map(|s| resampler.mean(&s.series.cross_entropy))
@@ -532,7 +729,7 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
                 .then(|| resampler.diff(&best_series.accepted, &s.series.accepted)),
         });
     }
-    let control_row = ProbeRow {
+    report.probe.push(ProbeRow {
         rank: 0,
         layout: format!("{} on other positions", reference),
         boundaries: reference.boundaries(),
@@ -543,48 +740,44 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
         cross_entropy: resampler.mean(&control.cross_entropy),
         above_best: Some(resampler.diff(&control.cross_entropy, &best_series.cross_entropy)),
         below_best: Some(resampler.diff(&best_series.accepted, &control.accepted)),
-    };
+    });
+    best
+}
 
-    // The verdicts.
-    let evidence = acceptance::SignalEvidence {
-        acceptance_gain: resampler.diff(&best_series.accepted, &control.accepted),
-        cross_entropy_gain: resampler.diff(&control.cross_entropy, &best_series.cross_entropy),
-    };
-    let best_words = scored[best].layout.to_string();
-    let signal = acceptance::has_signal(&evidence);
-    report.probe.push(control_row);
-    crate::memory::report_target(&mut report, &probe.target);
-    report.fact(
-        "probe_passes",
-        format!(
-            "{} draft passes, {:.1} s in all",
-            probe.passes,
-            started.elapsed().as_secs_f64()
-        ),
-    );
-    if !signal {
-        let finding = acceptance::no_signal(&evidence, &best_words);
-        if input.search {
-            return Err(Error::NoSignal {
-                path: input.draft.clone(),
-                message: format!("probe --search: {}", finding.message),
-            });
-        }
-        report.findings.push(finding);
-        return Ok(report.finish());
+/// The scored layouts and the best of them, for the verdicts.
+struct Ranked<'a> {
+    scored: &'a [Scored],
+    best: usize,
+    resampler: &'a Resampler,
+}
+
+impl Ranked<'_> {
+    fn best_words(&self) -> String {
+        self.scored[self.best].layout.to_string()
     }
-    let arch = Some(cfg.family.name.as_str());
-    let compare_to_best = |i: usize| {
+
+    /// Layout `i` against the best: (acceptance lost, cross-entropy excess).
+    fn behind_best(&self, i: usize) -> (Estimate, Estimate) {
+        let (best, other) = (&self.scored[self.best].series, &self.scored[i].series);
         (
-            resampler.diff(&best_series.accepted, &scored[i].series.accepted),
-            resampler.diff(&scored[i].series.cross_entropy, &best_series.cross_entropy),
+            self.resampler.diff(&best.accepted, &other.accepted),
+            self.resampler
+                .diff(&other.cross_entropy, &best.cross_entropy),
         )
-    };
-    for &(i, feed) in &fed {
+    }
+}
+
+/// A finding for every fed layout, and every spec layout, that does measurably worse than the
+/// best (with the fix for an engine that feeds it).
+fn verdicts(report: &mut Report, cfg: &ModelConfig, layouts: &Layouts, ranked: &Ranked) {
+    let (scored, best, l) = (ranked.scored, ranked.best, cfg.num_layers);
+    let best_words = ranked.best_words();
+    let arch = Some(cfg.family.name.as_str());
+    for &(i, feed) in &layouts.fed {
         if i == best {
             continue;
         }
-        let (acceptance_lost, cross_entropy_excess) = compare_to_best(i);
+        let (acceptance_lost, cross_entropy_excess) = ranked.behind_best(i);
         let engine = feed.engine_label();
         let who = format!("{engine} feeds");
         let want = want_of(&scored[best].layout, l);
@@ -604,14 +797,14 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
             report.findings.push(f);
         }
     }
-    for x in &spec_layouts {
+    for x in &layouts.spec {
         let Some(i) = scored.iter().position(|s| &s.layout == x) else {
             continue;
         };
-        if i == best || fed.iter().any(|&(f, _)| f == i) {
+        if i == best || layouts.fed.iter().any(|&(f, _)| f == i) {
             continue;
         }
-        let (acceptance_lost, cross_entropy_excess) = compare_to_best(i);
+        let (acceptance_lost, cross_entropy_excess) = ranked.behind_best(i);
         let layout_words = x.to_string();
         if let Some(f) = acceptance::compare(&acceptance::Comparison {
             who: "the spec names",
@@ -626,49 +819,59 @@ pub fn probe(input: &ProbeInput) -> Result<Report> {
             report.findings.push(f);
         }
     }
-    if let Some(found) = &searched {
-        let runner_up = found.top.get(1);
-        let margin = runner_up.and_then(|r| scored.iter().position(|s| &s.layout == r));
-        let words = match margin {
-            Some(i) => {
-                let (acc, ce) = compare_to_best(i);
-                format!(
-                    "{best_words}; runner-up {}, {} nats of cross-entropy behind (first-token \
-                     acceptance: best minus runner-up {}){}",
-                    scored[i].layout,
-                    ce.words(3),
-                    acc.words(3),
-                    if ce.above_zero() {
-                        ""
-                    } else {
-                        "; the margin is within its interval: the runner-up is as likely, \
-                         probe more text to tell them apart"
-                    }
-                )
-            }
-            None => best_words.clone(),
-        };
-        report.fact("search_best", words);
-        report.fact(
-            "search",
+}
+
+/// What `--search` found, against its runner-up, and the spec it writes (`--write-spec`).
+fn report_search(
+    report: &mut Report,
+    input: &ProbeInput,
+    cfg: &ModelConfig,
+    found: &search::Found,
+    ranked: &Ranked,
+) -> Result<()> {
+    let (scored, best) = (ranked.scored, ranked.best);
+    let best_words = ranked.best_words();
+    let runner_up = found.top.get(1);
+    let margin = runner_up.and_then(|r| scored.iter().position(|s| &s.layout == r));
+    let words = match margin {
+        Some(i) => {
+            let (acc, ce) = ranked.behind_best(i);
             format!(
-                "{} layouts scored ({}), {} draft passes, {:.1} s",
-                found.evaluated, found.method, found.passes, found.seconds
-            ),
-        );
-        if let Some(path) = &input.write_spec {
-            let text = spec_text(
-                &scored[best].layout,
-                l,
-                cfg.hidden_size,
-                &cfg.model_type,
-                &input.draft,
-            )?;
-            std::fs::write(path, text).map_err(|e| Error::io(path, e))?;
-            report.fact("wrote_spec", path.display().to_string());
+                "{best_words}; runner-up {}, {} nats of cross-entropy behind (first-token \
+                 acceptance: best minus runner-up {}){}",
+                scored[i].layout,
+                ce.words(3),
+                acc.words(3),
+                if ce.above_zero() {
+                    ""
+                } else {
+                    "; the margin is within its interval: the runner-up is as likely, \
+                     probe more text to tell them apart"
+                }
+            )
         }
+        None => best_words.clone(),
+    };
+    report.fact("search_best", words);
+    report.fact(
+        "search",
+        format!(
+            "{} layouts scored ({}), {} draft passes, {:.1} s",
+            found.evaluated, found.method, found.passes, found.seconds
+        ),
+    );
+    if let Some(path) = &input.write_spec {
+        let text = spec_text(
+            &scored[best].layout,
+            cfg.num_layers,
+            cfg.hidden_size,
+            &cfg.model_type,
+            &input.draft,
+        )?;
+        std::fs::write(path, text).map_err(|e| Error::io(path, e))?;
+        report.fact("wrote_spec", path.display().to_string());
     }
-    Ok(report.finish())
+    Ok(())
 }
 
 /// The fed layouts, for the search's starting points.
@@ -708,8 +911,8 @@ fn spec_text(
          target: {{ num_hidden_layers: {l}, hidden_size: {hidden}, model_type: {} }}\n\
          capture:\n  boundaries: [{}]\n",
         draft.display(),
-        crate::spec_init::yaml_scalar(&format!("{}-probed", crate::spec_init::stem(draft))),
-        crate::spec_init::yaml_scalar(model_type),
+        crate::spec::yaml_scalar(&format!("{}-probed", crate::commands::stem(draft))),
+        crate::spec::yaml_scalar(model_type),
         list.join(", ")
     );
     if let Some(side) = layout.final_norm() {

@@ -5,14 +5,16 @@
 //! captures for the draft's ids, so `gate --engine <trainer>` with the written spec is
 //! consistent by construction, and a rule fixed in the table fixes both.
 
+use super::{locate_opt, stem, target_info};
 use crate::boundary::{FinalNorm, format_list};
 use crate::config::DraftConfig;
 use crate::engine::{Engine, EngineSel, IdProblem, resolve};
 use crate::error::{Error, Result};
 use crate::judge::ids_fact;
-use crate::spec::Spec;
+use crate::locate;
+use crate::spec::{Spec, yaml_scalar};
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The engines that train drafters, and the section of `fixtures/engines/FACTS.md` that
 /// holds the upstream lines each rule was read from.
@@ -37,6 +39,70 @@ pub struct InitInput<'a> {
     pub name: String,
     /// Where the target's dimensions came from, for the header comment.
     pub target_origin: String,
+}
+
+/// `spec init`'s flags.
+pub struct SpecInitOptions {
+    pub draft: PathBuf,
+    pub trainer: String,
+    pub target: Option<PathBuf>,
+    pub num_layers: Option<usize>,
+    pub hidden_size: Option<usize>,
+    pub model_type: Option<String>,
+    pub name: Option<String>,
+    pub revision: Option<String>,
+}
+
+/// `eagle-check spec init`: the trainer, the draft's config and the target's dimensions (from
+/// `--target`, else the flags), then [`init`]'s spec text.
+pub fn execute(opts: &SpecInitOptions) -> Result<String> {
+    let trainer = trainer(&opts.trainer)?;
+    let revision = opts.revision.as_deref();
+    let draft = locate::locate_model(&opts.draft, revision)?;
+    let target = locate_opt(opts.target.as_deref(), revision)?;
+    let draft_cfg = DraftConfig::load(&draft)?;
+    let (num_layers, hidden_size, model_type, target_origin) = match &target {
+        Some(t) => {
+            let info = target_info(t)?;
+            (
+                info.num_layers,
+                Some(info.hidden_size),
+                Some(info.family.name),
+                format!("target {}", t.display()),
+            )
+        }
+        None => (
+            opts.num_layers.ok_or_else(|| {
+                Error::Usage("spec init needs --target DIR or --num-layers N".into())
+            })?,
+            opts.hidden_size,
+            opts.model_type.clone(),
+            "--num-layers".to_string(),
+        ),
+    };
+    init(&InitInput {
+        draft: &draft_cfg,
+        trainer,
+        num_layers,
+        hidden_size,
+        model_type,
+        name: opts
+            .name
+            .clone()
+            .unwrap_or_else(|| default_name(&draft, &trainer)),
+        target_origin,
+    })
+}
+
+/// Writes the spec to `path`, which must not exist unless `force`.
+pub fn write_spec(path: &Path, text: &str, force: bool) -> Result<()> {
+    if path.exists() && !force {
+        return Err(Error::Usage(format!(
+            "{}: exists; pass --force to replace it",
+            path.display()
+        )));
+    }
+    std::fs::write(path, text).map_err(|e| Error::io(path, e))
 }
 
 /// Parses `--trainer`: one of the trainers, as `NAME[:PATH][@VERSION]`.
@@ -174,38 +240,9 @@ pub fn init(input: &InitInput) -> Result<String> {
     Ok(out)
 }
 
-/// A YAML plain scalar, quoted when it could read as something else.
-pub(crate) fn yaml_scalar(text: &str) -> String {
-    let plain = !text.is_empty()
-        && text
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        && !text.starts_with(['-', '.'])
-        && text.parse::<f64>().is_err()
-        && !["true", "false", "null", "yes", "no", "on", "off", "~"]
-            .contains(&text.to_ascii_lowercase().as_str());
-    if plain {
-        text.to_string()
-    } else {
-        format!("{text:?}")
-    }
-}
-
 /// The spec's default name: the draft's directory (or config file stem), then the trainer.
 pub fn default_name(draft: &Path, trainer: &EngineSel) -> String {
     format!("{}-{}", stem(draft), trainer.engine)
-}
-
-/// A draft's name for a spec: its directory (or its config file's stem).
-pub(crate) fn stem(draft: &Path) -> String {
-    let stem = if draft.file_name().is_some_and(|n| n == "config.json") {
-        draft.parent().and_then(|p| p.file_name())
-    } else if draft.is_dir() {
-        draft.file_name()
-    } else {
-        draft.file_stem()
-    };
-    stem.map_or("drafter".into(), |s| s.to_string_lossy().into_owned())
 }
 
 #[cfg(test)]
@@ -222,16 +259,5 @@ mod tests {
             err.contains("specforge, modelopt, speculators, eagle"),
             "{err}"
         );
-    }
-
-    #[test]
-    fn scalars_are_quoted_when_yaml_would_misread_them() {
-        assert_eq!(
-            yaml_scalar("llama3.1-8b-specforge"),
-            "llama3.1-8b-specforge"
-        );
-        assert_eq!(yaml_scalar("yes"), "\"yes\"");
-        assert_eq!(yaml_scalar("1.0"), "\"1.0\"");
-        assert_eq!(yaml_scalar("a b: c"), "\"a b: c\"");
     }
 }

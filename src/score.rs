@@ -1,4 +1,5 @@
-//! Scoring a captured slot against every candidate reference state.
+//! Scoring a captured slot against every candidate reference state: the arithmetic the diff
+//! engine ([`crate::diff`]) and the GPU scoring kernel ([`crate::kernels::score`]) share.
 //!
 //! For each (slot, candidate) pair the scores follow from three sums over the rows both cover:
 //! `x.x`, `x.c` and `c.c`. [`pair_sums`] computes them for every pair at once, shaped as the
@@ -345,6 +346,20 @@ pub fn non_finite(x: View) -> usize {
     (0..x.rows)
         .map(|t| x.row(t).iter().filter(|v| !v.is_finite()).count())
         .sum()
+}
+
+/// Which partial-sums kernel of kernels/score.cu runs on a CUDA device (the same sums, added
+/// in another order: they agree to f32 rounding). It sits here rather than in
+/// [`crate::kernels::score`] because `kernels/cuda.rs` launches it and `kernels::score`
+/// chooses it: both import it from below.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScoreKernel {
+    /// `score_partials`: one block per (chunk, slot, four candidates).
+    PerSlot,
+    /// `score_partials_vec`: one block per (four candidates, chunk, four slots), float4 reads,
+    /// each reference value read once for every slot of the block; rows whose columns, stride
+    /// or base are not 16-byte multiples take `PerSlot` instead.
+    Vec4,
 }
 
 #[cfg(test)]
