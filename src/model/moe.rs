@@ -30,6 +30,12 @@ pub(crate) struct MoeNames {
     /// The shared experts' module: `shared_experts` (DeepSeek, GLM) or `shared_expert`
     /// (Qwen2-MoE, with `shared_expert_gate` beside it).
     pub shared: &'static str,
+    /// The router's logits in f32 whatever the compute dtype (transformers keeps DeepSeek's and
+    /// GLM's router in f32: `_keep_in_fp32_modules_strict = ["e_score_correction_bias",
+    /// "gate.weight"]`); else in the compute dtype, as transformers computes Qwen's, MiniMax's
+    /// and gpt-oss's (`F.linear(hidden_states, self.weight)` in the model dtype, the scores
+    /// then taken in f32), so that a bf16 run picks the experts a bf16 HF run picks.
+    pub router_f32: bool,
 }
 
 /// DeepSeek-V3, Kimi-K2, GLM-4.5, GLM-4.7-Flash (`DeepseekV3MoE`, `Glm4MoeMoE`).
@@ -37,6 +43,7 @@ pub(crate) const DEEPSEEK_NAMES: MoeNames = MoeNames {
     router: "gate",
     correction: &["gate.e_score_correction_bias"],
     shared: "shared_experts",
+    router_f32: true,
 };
 
 /// Qwen3-MoE, Qwen2-MoE (`Qwen2MoeSparseMoeBlock`: `shared_expert`, `shared_expert_gate`).
@@ -44,6 +51,7 @@ pub(crate) const QWEN_NAMES: MoeNames = MoeNames {
     router: "gate",
     correction: &[],
     shared: "shared_expert",
+    router_f32: false,
 };
 
 /// MiniMax-M2: transformers keeps the bias on the block (`MiniMaxM2SparseMoeBlock`), its
@@ -52,6 +60,7 @@ pub(crate) const MINIMAX_NAMES: MoeNames = MoeNames {
     router: "gate",
     correction: &["e_score_correction_bias", "gate.e_score_correction_bias"],
     shared: "shared_experts",
+    router_f32: false,
 };
 
 /// gpt-oss (`GptOssMLP`: `router` with a bias, `experts`).
@@ -59,15 +68,15 @@ pub(crate) const GPT_OSS_NAMES: MoeNames = MoeNames {
     router: "router",
     correction: &[],
     shared: "shared_experts",
+    router_f32: false,
 };
 
-/// The router, kept in f32 whatever the compute dtype (transformers keeps DeepSeek's and GLM's
-/// in f32, `_keep_in_fp32_modules_strict`; Qwen's and gpt-oss's run in the model dtype, which
-/// the f32 logits only make more exact).
+/// The router: its logits in f32 or in the compute dtype as transformers computes them
+/// ([`MoeNames::router_f32`]), then routed in f32.
 struct Router {
-    /// [E, H] f32
+    /// [E, H], in the dtype the logits are computed in.
     weight: Tensor,
-    /// gpt-oss: the router's own bias [E] f32, added to the logits.
+    /// gpt-oss: the router's own bias [E], added to the logits (same dtype).
     logit_bias: Option<Tensor>,
     /// `e_score_correction_bias` [E] (zeros where a family has none): steers the selection.
     correction: Vec<f32>,
@@ -78,11 +87,14 @@ struct Router {
 impl Router {
     /// `xs`: [T, H] -> logits [T, E] f32.
     fn logits(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let logits = xs.to_dtype(DType::F32)?.matmul(&self.weight.t()?)?;
-        match &self.logit_bias {
-            Some(b) => logits.broadcast_add(b),
-            None => Ok(logits),
-        }
+        let logits = xs
+            .to_dtype(self.weight.dtype())?
+            .matmul(&self.weight.t()?)?;
+        let logits = match &self.logit_bias {
+            Some(b) => logits.broadcast_add(b)?,
+            None => logits,
+        };
+        logits.to_dtype(DType::F32)
     }
 }
 
@@ -196,12 +208,19 @@ impl MoeBlock {
         };
         let correction_t =
             Tensor::new(correction.as_slice(), &vb.device).ctx(|| r.path("correction bias"))?;
+        let get = |vb: &Vb, name: &str, shape: &[usize]| -> Result<Tensor> {
+            if names.router_f32 {
+                get_f32(vb, name, shape)
+            } else {
+                vb.get(name, shape)
+            }
+        };
         let logit_bias = match r.contains("bias") {
-            true => Some(get_f32(&r, "bias", &[e])?),
+            true => Some(get(&r, "bias", &[e])?),
             false => None,
         };
         let router = Router {
-            weight: get_f32(&r, "weight", &[e, h])?,
+            weight: get(&r, "weight", &[e, h])?,
             logit_bias,
             correction,
             correction_t,
