@@ -3,6 +3,7 @@
 //! fixtures/gen_models.py and fixtures/fp8/gen_fp8.py.
 
 use crate::support::fixture;
+use crate::support::parity::{ids, reference, worst_error};
 use candle_core::{DType, Device, Tensor};
 use eagle_check::compare::closeness;
 use eagle_check::config::ModelConfig;
@@ -18,19 +19,6 @@ use std::collections::HashMap;
 const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
 
 const FIXTURES: [&str; 2] = ["deepseek_v3", "deepseek_v3_noq"];
-
-fn reference(path: &str) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(fixture(path), &Device::Cpu).expect("reference file")
-}
-
-fn ids(r: &HashMap<String, Tensor>) -> Vec<u32> {
-    r["input_ids"]
-        .to_vec1::<i64>()
-        .unwrap()
-        .into_iter()
-        .map(|x| x as u32)
-        .collect()
-}
 
 fn rows_i64(t: &Tensor) -> Vec<Vec<i64>> {
     t.to_dtype(DType::I64).unwrap().to_vec2::<i64>().unwrap()
@@ -53,34 +41,6 @@ fn run_on(
         .forward(&ids(r), &CaptureRequest::all(), &mut Progress::hidden())
         .unwrap();
     (cfg, cap)
-}
-
-/// Worst relative error over every boundary, the pre-norm final state and the logits.
-fn worst_error(name: &str, cfg: &ModelConfig, cap: &Capture, r: &HashMap<String, Tensor>) -> f64 {
-    let mut worst = 0f64;
-    let mut check = |label: String, got: &Tensor, key: &str| {
-        let c = closeness(got, &r[key]).unwrap();
-        assert_eq!(c.non_finite, 0, "{name} {label}");
-        eprintln!(
-            "{name} {label}: max rel {:.2e} (max abs {:.2e})",
-            c.max_rel, c.max_abs
-        );
-        worst = worst.max(c.max_rel);
-    };
-    for b in 0..=cfg.num_layers {
-        check(
-            format!("b={b}"),
-            &cap.hidden[&b],
-            &format!("hidden_states.{b}"),
-        );
-    }
-    check(
-        "final_pre_norm".into(),
-        cap.final_pre_norm.as_ref().unwrap(),
-        "final_pre_norm",
-    );
-    check("logits".into(), cap.logits.as_ref().unwrap(), "logits");
-    worst
 }
 
 fn moe_layers(cfg: &ModelConfig) -> Vec<usize> {

@@ -6,6 +6,7 @@
 //! off, sinks dropped, router bias ignored, partial rotary as full) and require the parity to
 //! break, so the fixtures can tell.
 
+use crate::support::parity::{self, ids, worst_error};
 use crate::support::{fixture, scratch};
 use candle_core::{DType, Device, Tensor};
 use eagle_check::compare::closeness;
@@ -40,17 +41,7 @@ const FAMILIES: [(&str, &str); 8] = [
 ];
 
 fn reference(name: &str) -> HashMap<String, Tensor> {
-    let path = fixture(&format!("models/{name}/reference.safetensors"));
-    candle_core::safetensors::load(path, &Device::Cpu).expect("reference file")
-}
-
-fn ids(r: &HashMap<String, Tensor>) -> Vec<u32> {
-    r["input_ids"]
-        .to_vec1::<i64>()
-        .unwrap()
-        .into_iter()
-        .map(|x| x as u32)
-        .collect()
+    parity::reference(&format!("models/{name}/reference.safetensors"))
 }
 
 fn run(dir: &Path, r: &HashMap<String, Tensor>, path: ComputePath) -> (ModelConfig, Capture) {
@@ -62,28 +53,6 @@ fn run(dir: &Path, r: &HashMap<String, Tensor>, path: ComputePath) -> (ModelConf
         .forward(&ids(r), &CaptureRequest::all(), &mut Progress::hidden())
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     (cfg, cap)
-}
-
-/// Worst relative error over every boundary, the pre-norm final state and the logits.
-fn worst_error(what: &str, cfg: &ModelConfig, cap: &Capture, r: &HashMap<String, Tensor>) -> f64 {
-    let mut worst = 0f64;
-    let mut check = |label: String, got: &Tensor, key: &str| {
-        let c = closeness(got, &r[key]).unwrap();
-        assert_eq!(c.non_finite, 0, "{what} {label}");
-        worst = worst.max(c.max_rel);
-    };
-    for b in 0..=cfg.num_layers {
-        let key = format!("hidden_states.{b}");
-        check(format!("b={b}"), &cap.hidden[&b], &key);
-    }
-    check(
-        "final_pre_norm".into(),
-        cap.final_pre_norm.as_ref().unwrap(),
-        "final_pre_norm",
-    );
-    check("logits".into(), cap.logits.as_ref().unwrap(), "logits");
-    eprintln!("{what}: worst rel err {worst:.2e}");
-    worst
 }
 
 /// Every MoE layer picks HF's experts for every token, with HF's weights.

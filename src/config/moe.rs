@@ -125,60 +125,58 @@ pub(super) fn resolve(arch: Arch, raw: &ConfigFile, path: &Path) -> Result<Optio
             }
             qwen_style(arch, raw, path, n)?
         }
-        Arch::MiniMaxM2 => {
-            // `MiniMaxM2Config`: num_local_experts (alias num_experts), the experts'
-            // width is `intermediate_size`; `MiniMaxM2TopKRouter` renormalises always.
-            let n = need(
-                raw.num_local_experts.or(raw.num_experts),
-                path,
-                "num_local_experts",
-            )?;
-            MoeConfig {
-                n_routed_experts: n,
-                routing: Routing::top_k(
-                    scoring(raw, path, Scoring::Sigmoid)?,
-                    need(raw.num_experts_per_tok, path, "num_experts_per_tok")?,
-                    true,
-                ),
-                moe_intermediate_size: need(raw.intermediate_size, path, "intermediate_size")?,
-                shared_intermediate: 0,
-                shared_gate: false,
-                layers: MoeLayers::All,
-                act: ExpertsAct::SiluMul,
-            }
-        }
-        Arch::GptOss => {
-            // `GptOssConfig`: num_local_experts, num_experts_per_tok (the released config
-            // also writes `experts_per_token`), swiglu_limit 7.0; `GptOssExperts.alpha` is
-            // 1.702 (`swiglu_alpha`).
-            let n = need(
-                raw.num_local_experts.or(raw.num_experts),
-                path,
-                "num_local_experts",
-            )?;
-            MoeConfig {
-                n_routed_experts: n,
-                routing: Routing::top_k(
-                    Scoring::Softmax,
-                    need(
-                        raw.num_experts_per_tok.or(raw.experts_per_token),
-                        path,
-                        "num_experts_per_tok",
-                    )?,
-                    true,
-                ),
-                moe_intermediate_size: need(raw.intermediate_size, path, "intermediate_size")?,
-                shared_intermediate: 0,
-                shared_gate: false,
-                layers: MoeLayers::All,
-                act: ExpertsAct::ClampedSwiglu {
-                    alpha: raw.swiglu_alpha.unwrap_or(1.702) as f32,
-                    limit: raw.swiglu_limit.unwrap_or(7.0) as f32,
-                },
-            }
-        }
+        // `MiniMaxM2Config`: num_local_experts (alias num_experts), the experts' width is
+        // `intermediate_size`; `MiniMaxM2TopKRouter` renormalises always.
+        Arch::MiniMaxM2 => every_layer(
+            raw,
+            path,
+            Scoring::Sigmoid,
+            raw.num_experts_per_tok,
+            ExpertsAct::SiluMul,
+        )?,
+        // `GptOssConfig`: num_local_experts, num_experts_per_tok (the released config also
+        // writes `experts_per_token`), swiglu_limit 7.0; `GptOssExperts.alpha` is 1.702
+        // (`swiglu_alpha`). Its router's softmax over the top k is a renormalised softmax.
+        Arch::GptOss => every_layer(
+            raw,
+            path,
+            Scoring::Softmax,
+            raw.num_experts_per_tok.or(raw.experts_per_token),
+            ExpertsAct::ClampedSwiglu {
+                alpha: raw.swiglu_alpha.unwrap_or(1.702) as f32,
+                limit: raw.swiglu_limit.unwrap_or(7.0) as f32,
+            },
+        )?,
     };
     checked(moe, path).map(Some)
+}
+
+/// MiniMax-M2 and gpt-oss: experts in every layer, `num_local_experts` of `intermediate_size`
+/// each, plain top-k renormalised, no shared expert. `scoring_func` may override `default`.
+fn every_layer(
+    raw: &ConfigFile,
+    path: &Path,
+    default: Scoring,
+    k: Option<usize>,
+    act: ExpertsAct,
+) -> Result<MoeConfig> {
+    Ok(MoeConfig {
+        n_routed_experts: need(
+            raw.num_local_experts.or(raw.num_experts),
+            path,
+            "num_local_experts",
+        )?,
+        routing: Routing::top_k(
+            scoring(raw, path, default)?,
+            need(k, path, "num_experts_per_tok")?,
+            true,
+        ),
+        moe_intermediate_size: need(raw.intermediate_size, path, "intermediate_size")?,
+        shared_intermediate: 0,
+        shared_gate: false,
+        layers: MoeLayers::All,
+        act,
+    })
 }
 
 /// DeepSeek-V3, Kimi-K2, GLM-4.5 and GLM-4.7-Flash: grouped sigmoid routing with a correction

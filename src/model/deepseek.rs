@@ -9,7 +9,7 @@
 use crate::config::{MlaConfig, ModelConfig, MoeConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams};
-use crate::model::moe::{DEEPSEEK_NAMES, Ffn, MoeBlock, routing_extras};
+use crate::model::moe::{DEEPSEEK_NAMES, Ffn, MoeBlock, residual_step};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
 use crate::model::{ComputePath, Decoder, LayerStep, phases};
@@ -471,32 +471,15 @@ impl Decoder for DeepseekDecoder {
         xs: &Tensor,
         (rope, mask): &Self::Ctx,
     ) -> Result<LayerStep> {
-        let device = xs.device();
-        // (next, ffn output, routing as [T, K] expert ids i64 and weights f32)
-        type Step = (Tensor, Tensor, Option<(Tensor, Tensor)>);
-        let step = || -> candle_core::Result<Step> {
-            let normed = layer.input_norm.forward(xs)?;
-            phases::mark("input norm", device);
-            let (xs, normed) = match self.path {
-                ComputePath::Candle => {
-                    let xs = (xs + layer.attn.forward(&normed, rope, mask)?)?;
-                    let normed = layer.post_norm.forward(&xs)?;
-                    (xs, normed)
-                }
-                ComputePath::Kernels | ComputePath::Fused => {
-                    let a = layer.attn.forward_kernels(&normed, rope)?;
-                    layer.post_norm.add_forward(xs, &a)?
-                }
-            };
-            phases::mark("post-attention add + norm", device);
-            let (f, routing) = layer.ffn.forward(&normed, self.path)?;
-            Ok(((xs + &f)?, f, routing))
-        };
-        let (next, ffn_out, routing) = step().ctx(|| format!("decoder layer {i}"))?;
-        Ok(LayerStep {
-            next,
-            ffn_out,
-            extras: routing_extras(i, routing),
-        })
+        residual_step(
+            i,
+            xs,
+            self.path,
+            &layer.input_norm,
+            &layer.post_norm,
+            &layer.ffn,
+            |normed| layer.attn.forward(normed, rope, mask),
+            |normed| layer.attn.forward_kernels(normed, rope),
+        )
     }
 }

@@ -13,9 +13,9 @@
 use crate::config::{ExpertsAct, ModelConfig, MoeConfig};
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, MoePlan, StackedExperts};
-use crate::model::nn::{Linear, Mlp};
+use crate::model::nn::{Linear, Mlp, RmsNorm};
 use crate::model::source::Vb;
-use crate::model::{ComputePath, phases};
+use crate::model::{ComputePath, LayerStep, phases};
 use crate::routing::{Routed, route_all};
 use candle_core::{DType, Device, Tensor};
 
@@ -347,12 +347,52 @@ impl Ffn {
     }
 }
 
+/// One pre-norm decoder layer of a MoE family: `x + attn(norm(x))`, then `+ ffn(norm(.))`,
+/// with the attention as the compute path runs it (`candle`: head-major with a mask, the sum
+/// and the post norm apart; `kernels`: token-major, the add fused into the post norm), and the
+/// layer's routing in the step's extras. DeepSeek's MLA and the GQA families share it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn residual_step(
+    i: usize,
+    xs: &Tensor,
+    path: ComputePath,
+    input_norm: &RmsNorm,
+    post_norm: &RmsNorm,
+    ffn: &Ffn,
+    candle: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    kernels: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+) -> Result<LayerStep> {
+    let device = xs.device();
+    // (next, ffn output, routing as [T, K] expert ids i64 and weights f32)
+    type Step = (Tensor, Tensor, Option<(Tensor, Tensor)>);
+    let step = || -> candle_core::Result<Step> {
+        let normed = input_norm.forward(xs)?;
+        phases::mark("input norm", device);
+        let (xs, normed) = match path {
+            ComputePath::Candle => {
+                let xs = (xs + candle(&normed)?)?;
+                let normed = post_norm.forward(&xs)?;
+                (xs, normed)
+            }
+            ComputePath::Kernels | ComputePath::Fused => {
+                post_norm.add_forward(xs, &kernels(&normed)?)?
+            }
+        };
+        phases::mark("post-attention add + norm", device);
+        let (f, routing) = ffn.forward(&normed, path)?;
+        Ok(((xs + &f)?, f, routing))
+    };
+    let (next, ffn_out, routing) = step().ctx(|| format!("decoder layer {i}"))?;
+    Ok(LayerStep {
+        next,
+        ffn_out,
+        extras: routing_extras(i, routing),
+    })
+}
+
 /// Layer `layer`'s routing as `Capture.extras` entries (`router.{layer}.topk_idx`,
 /// `router.{layer}.topk_weight`).
-pub(crate) fn routing_extras(
-    layer: usize,
-    routing: Option<(Tensor, Tensor)>,
-) -> Vec<(String, Tensor)> {
+fn routing_extras(layer: usize, routing: Option<(Tensor, Tensor)>) -> Vec<(String, Tensor)> {
     match routing {
         Some((idx, w)) => vec![
             (format!("router.{layer}.topk_idx"), idx),

@@ -30,11 +30,11 @@ use crate::error::{CandleContext, Error, Result};
 use crate::model::llama::Attention;
 use crate::model::moe::{
     DEEPSEEK_NAMES, Ffn, GPT_OSS_NAMES, MINIMAX_NAMES, MoeBlock, MoeNames, QWEN_NAMES,
-    routing_extras,
+    residual_step,
 };
 use crate::model::nn::{Mlp, RmsNorm, RopeTables, causal_mask};
 use crate::model::source::Vb;
-use crate::model::{ComputePath, Decoder, LayerStep, phases};
+use crate::model::{ComputePath, Decoder, LayerStep};
 use candle_core::{DType, Device, Tensor};
 
 pub(crate) struct Layer {
@@ -158,36 +158,19 @@ impl Decoder for SparseDecoder {
     }
 
     fn step(&self, layer: &Layer, i: usize, xs: &Tensor, ctx: &Ctx) -> Result<LayerStep> {
-        let device = xs.device();
-        // (next, ffn output, routing as [T, K] expert ids i64 and weights f32)
-        type Step = (Tensor, Tensor, Option<(Tensor, Tensor)>);
-        let step = || -> candle_core::Result<Step> {
-            let normed = layer.input_norm.forward(xs)?;
-            phases::mark("input norm", device);
-            let (xs, normed) = match self.path {
-                ComputePath::Candle => {
-                    let mask = match (layer.attn.window(), &ctx.sliding) {
-                        (Some(_), Some(sliding)) => sliding,
-                        _ => &ctx.full,
-                    };
-                    let xs = (xs + layer.attn.forward(&normed, &ctx.rope, mask)?)?;
-                    let normed = layer.post_norm.forward(&xs)?;
-                    (xs, normed)
-                }
-                ComputePath::Kernels | ComputePath::Fused => {
-                    let a = layer.attn.forward_kernels(&normed, &ctx.rope)?;
-                    layer.post_norm.add_forward(xs, &a)?
-                }
-            };
-            phases::mark("post-attention add + norm", device);
-            let (f, routing) = layer.ffn.forward(&normed, self.path)?;
-            Ok(((xs + &f)?, f, routing))
+        let mask = match (layer.attn.window(), &ctx.sliding) {
+            (Some(_), Some(sliding)) => sliding,
+            _ => &ctx.full,
         };
-        let (next, ffn_out, routing) = step().ctx(|| format!("decoder layer {i}"))?;
-        Ok(LayerStep {
-            next,
-            ffn_out,
-            extras: routing_extras(i, routing),
-        })
+        residual_step(
+            i,
+            xs,
+            self.path,
+            &layer.input_norm,
+            &layer.post_norm,
+            &layer.ffn,
+            |normed| layer.attn.forward(normed, &ctx.rope, mask),
+            |normed| layer.attn.forward_kernels(normed, &ctx.rope),
+        )
     }
 }
