@@ -116,14 +116,13 @@ fn gpu_captures_match_transformers_for_every_fixture_target() {
             eprintln!("gpu {name} {path:?} f32: worst {w:.2e}");
             assert!(w <= F32_TOL, "{name} {path:?} f32: {w:.3e}");
             let (cfg, cap) = capture(name, DType::BF16, path, &dev);
-            if cfg.moe.is_some() {
+            if let Some(moe) = &cfg.moe {
                 // In bf16 a router may pick another expert at a near-tie (deepseek_v3_noq: one
                 // token of layer 2, on the CPU too), which moves that token by O(1): the GPU is
                 // held to the CPU's bf16 run of the same kernels instead of to f32, up to the
                 // first layer whose picks differ between the two (a near-tie the bf16 GEMMs'
                 // accumulation order decides; named, and at most one layer in four).
                 let (_, cpu) = capture(name, DType::BF16, ComputePath::Kernels, &Device::Cpu);
-                let moe = cfg.moe.as_ref().unwrap();
                 let picks = |c: &Capture, l: usize| {
                     c.extras[&format!("router.{l}.topk_idx")]
                         .to_dtype(DType::I64)

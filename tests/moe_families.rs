@@ -494,3 +494,31 @@ fn run_diff_and_probe_work_on_every_moe_family() {
         assert!(rows > 0, "probe {name}: no layout measured: {}", out.stdout);
     }
 }
+
+/// Our MXFP4 dequantisation alone against transformers' own (`Mxfp4Config(dequantize=True)`,
+/// integrations/mxfp4.py `convert_moe_packed_tensors`, on the fixture's layer 0): bit for bit,
+/// in HF's `[E, H, 2I]` / `[E, I, H]` layout after the transpose the loader applies.
+#[test]
+fn mxfp4_experts_dequantise_as_transformers_does() {
+    let dir = fixture("models/gpt_oss_mxfp4");
+    let w = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let r = reference("gpt_oss_mxfp4");
+    for (name, key) in [
+        ("gate_up_proj", "experts.0.gate_up_proj"),
+        ("down_proj", "experts.0.down_proj"),
+    ] {
+        let p = format!("model.layers.0.mlp.experts.{name}");
+        let (blocks, scales) = (&w[&format!("{p}_blocks")], &w[&format!("{p}_scales")]);
+        let got = eagle_check::kernels::mxfp4_dequant(blocks, scales, DType::F32)
+            .and_then(|t| t.transpose(1, 2))
+            .unwrap();
+        assert_eq!(got.dims(), r[key].dims(), "{name}");
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (got, want) = (flat(&got), flat(&r[key]));
+        let same = got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{name}: our MXFP4 values differ from transformers'");
+    }
+}
