@@ -343,18 +343,11 @@ pub enum ExpertsPath {
     Grouped,
 }
 
-/// The activation between an expert's gate/up and down projections.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum ExpertAct {
-    /// `T(silu(g) * u)` in f32, rounded once (DeepSeek, Qwen MoE, Mixtral).
-    SiluMul,
-    /// gpt-oss's clamped SwiGLU (transformers 5.24 models/gpt_oss/modeling_gpt_oss.py
-    /// `GptOssExperts._apply_gate`): `g = min(g, limit)`, `u = clamp(u, -limit, limit)`,
-    /// `glu = g * sigmoid(g * alpha)`, `out = (u + 1) * glu`; each op rounded to the dtype, as
-    /// transformers' eager ops in that dtype are ([`clamped_swiglu`]). `swiglu_alpha` 1.702
-    /// and `swiglu_limit` 7.0 in gpt-oss's configs.
-    ClampedSwiglu { alpha: f32, limit: f32 },
-}
+/// The activation between an expert's gate/up and down projections: the config's
+/// ([`crate::config::ExpertsAct`]: `SiluMul`, `T(silu(g) * u)` in f32 rounded once; or gpt-oss's
+/// `ClampedSwiglu`, each op rounded to the dtype as transformers' eager ops are,
+/// [`clamped_swiglu`]).
+pub use crate::config::ExpertsAct as ExpertAct;
 
 /// The routed experts' weights stacked as the kernels read them: `gate_up` `[E * 2I, H]` (each
 /// expert's I gate rows, then its I up rows: transformers 5's `experts.gate_up_proj` [E, 2I, H]
