@@ -941,7 +941,11 @@ mod tests {
             let run = |path: Option<&'static str>, dk: usize, dv: usize, dtypes: &[DType]| {
                 let (nh, nkv) = if dk != dv { (16, 16) } else { (8, 2) };
                 for &(tq, tk, window, ramp) in &shapes {
-                    for &dtype in dtypes {
+                    // Growing maxima only in bf16/f16, as `ragged_cases`: scores of tens make
+                    // f32 summation-order differences exceed `check_inputs`' f32 ulps
+                    // (measured on the H200: 3.4x at 257 keys with a window of 70 and sinks; the
+                    // sink adds one exp term, the scores' rounding is the error).
+                    for &dtype in dtypes.iter().filter(|&&d| !(ramp && d == DType::F32)) {
                         let case = (tq, tk, nh, nkv, dk, dv, window);
                         check_inputs(&gpu, dtype, case, path, ramp, true);
                     }
