@@ -529,7 +529,7 @@ impl ModelConfig {
             _ => None,
         };
         let sliding_layers = resolve_sliding_layers(arch, &raw, num_layers, path)?;
-        let rotary_dim = resolve_rotary_dim(arch, &raw, &rope, head_dim, path)?;
+        let rotary_dim = resolve_rotary_dim(arch, &raw, head_dim, path)?;
         let qk_norm = match arch {
             Arch::Qwen3 | Arch::Qwen3Moe => QkNorm::PerHead,
             // `Glm4MoeConfig.use_qk_norm` defaults to false.
@@ -766,14 +766,7 @@ fn resolve_sliding_layers(
 /// `Glm4MoeConfig.__post_init__`) or MiniMax-M2's legacy `rotary_dim`
 /// (`MiniMaxM2Config.convert_rope_params_to_dict`). transformers takes
 /// `int(head_dim * partial_rotary_factor)` (`_compute_default_rope_parameters`).
-fn resolve_rotary_dim(
-    arch: Arch,
-    raw: &ConfigFile,
-    rope: &Rope,
-    head_dim: usize,
-    path: &Path,
-) -> Result<usize> {
-    let _ = rope;
+fn resolve_rotary_dim(arch: Arch, raw: &ConfigFile, head_dim: usize, path: &Path) -> Result<usize> {
     let in_params = raw
         .rope_parameters
         .as_ref()

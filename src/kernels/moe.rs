@@ -514,7 +514,14 @@ pub fn clamped_swiglu<T: Elem>(g: f32, u: f32, alpha: f32, limit: f32) -> T {
     T::from_f32(u1 * glu)
 }
 
-/// [`clamped_swiglu`] over two `[rows, cols]` CPU tensors of one dtype.
+/// [`clamped_swiglu`] over two `[rows, cols]` tensors of one dtype (computed on the host; the
+/// result on `g`'s device).
+pub fn clamped_swiglu_rows(g: &Tensor, u: &Tensor, alpha: f32, limit: f32) -> Result<Tensor> {
+    let out = clamped_swiglu_cpu(g, u, alpha, limit)?;
+    out.to_device(g.device())
+}
+
+/// [`clamped_swiglu`] over two `[rows, cols]` tensors of one dtype, on the CPU.
 fn clamped_swiglu_cpu(g: &Tensor, u: &Tensor, alpha: f32, limit: f32) -> Result<Tensor> {
     let dims = g.dims().to_vec();
     with_float_type!(g.dtype(), T => {

@@ -621,10 +621,11 @@ fn config_file(
         num_attention_heads: Some(heads),
         num_key_value_heads: kv_heads,
         head_dim,
-        intermediate_size: match meta.usize_opt("feed_forward_length")? {
-            Some(n) => Some(n),
-            None if moe => None,
-            None => Some(meta.usize("feed_forward_length")?),
+        // A qwen3moe file may leave it out (no dense block).
+        intermediate_size: if moe {
+            meta.usize_opt("feed_forward_length")?
+        } else {
+            Some(meta.usize("feed_forward_length")?)
         },
         vocab_size: Some(vocab),
         rms_norm_eps: Some(

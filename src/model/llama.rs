@@ -78,11 +78,7 @@ impl Attention {
             (q, k, v, None)
         };
         let sinks = if cfg.attn_sinks {
-            let s = vb.get("sinks", &[nh])?;
-            Some(
-                s.to_dtype(DType::F32)
-                    .ctx(|| format!("converting {} to f32", vb.path("sinks")))?,
-            )
+            Some(crate::model::moe::get_f32(vb, "sinks", &[nh])?)
         } else {
             None
         };
@@ -147,10 +143,7 @@ impl Attention {
             scale: 1.0 / (hd as f64).sqrt(),
             window: self.window,
         };
-        let out = match &self.sinks {
-            None => kernels::flash_attention(&q, &k, &v, &params)?,
-            Some(sinks) => kernels::flash_attention_with_sinks(&q, &k, &v, &params, Some(sinks))?,
-        };
+        let out = kernels::flash_attention_with_sinks(&q, &k, &v, &params, self.sinks.as_ref())?;
         self.o.forward(&out)
     }
 

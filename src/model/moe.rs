@@ -136,14 +136,11 @@ impl Experts {
         let mlp = &self.mlps[e];
         match self.act {
             ExpertsAct::SiluMul => mlp.forward(xs),
+            // `GptOssExperts._apply_gate`, with the kernels' rounding (each op in the dtype).
             ExpertsAct::ClampedSwiglu { alpha, limit } => {
-                // `GptOssExperts._apply_gate`: the gate clamped from above, the up projection
-                // both ways, `(up + 1) * gate * sigmoid(alpha * gate)`.
-                let (alpha, limit) = (f64::from(alpha), f64::from(limit));
-                let gate = mlp.gate.forward(xs)?.minimum(limit)?;
-                let up = mlp.up.forward(xs)?.clamp(-limit, limit)?;
-                let glu = (&gate * sigmoid(&(&gate * alpha)?)?)?;
-                mlp.down.forward(&((up + 1.0)? * glu)?)
+                let (gate, up) = (mlp.gate.forward(xs)?, mlp.up.forward(xs)?);
+                let act = kernels::moe::clamped_swiglu_rows(&gate, &up, alpha, limit)?;
+                mlp.down.forward(&act)
             }
         }
     }
@@ -440,28 +437,6 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
     if let ExpertsAct::ClampedSwiglu { .. } = moe.act {
         return load_gpt_oss_experts(ex, moe, h);
     }
-    let done = |mlps, stacked| {
-        Ok(Experts {
-            mlps,
-            act: moe.act,
-            stacked,
-        })
-    };
-    let views = |stacked: StackedExperts, what: &str| -> Result<Experts> {
-        let mlps = (0..e)
-            .map(|i| {
-                let [gate, up, down] = stacked.expert(i)?;
-                Ok(Mlp {
-                    gate: linear(gate, None),
-                    up: linear(up, None),
-                    down: linear(down, None),
-                })
-            })
-            .collect::<candle_core::Result<Vec<_>>>()
-            .ctx(|| what.to_string())?;
-        let keep = (!ex.device.is_cpu()).then_some(stacked);
-        done(mlps, keep)
-    };
     if ex.contains("gate_up_proj") {
         let what = ex.path("gate_up_proj");
         let gate_up = ex.get("gate_up_proj", &[e, 2 * inter, h])?;
@@ -471,7 +446,7 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
             gate_up.reshape((e * 2 * inter, h)).ctx(|| what.clone())?,
             down.reshape((e * h, inter)).ctx(|| ex.path("down_proj"))?,
         );
-        return views(stacked, &what);
+        return stacked_experts(stacked, moe.act, &what);
     }
     if ex.contains("gate_proj") {
         // Stacked but not fused (a GGUF's `ffn_{gate,up,down}_exps`): gate [E, I, H],
@@ -487,7 +462,7 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
                 down.reshape((e * h, inter))?,
             ))
         };
-        return views(stack().ctx(|| what.clone())?, &what);
+        return stacked_experts(stack().ctx(|| what.clone())?, moe.act, &what);
     }
     let names = if ex.contains("0.w1.weight") {
         ["w1", "w3", "w2"]
@@ -497,12 +472,45 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = &ex.device {
         let stacked = load_stacked(ex, dev, e, h, inter, names)?;
-        return views(stacked, &ex.path("*"));
+        return stacked_experts(stacked, moe.act, &ex.path("*"));
     }
     let mlps = (0..e)
         .map(|i| expert_mlp(&ex.pp(i.to_string()), h, inter, names))
         .collect::<Result<Vec<_>>>()?;
-    done(mlps, None)
+    Ok(Experts {
+        mlps,
+        act: moe.act,
+        stacked: None,
+    })
+}
+
+/// Experts over `stacked`: each expert's [`Mlp`] views of its rows (and of its biases, where
+/// the stack has them), the stack itself kept on a GPU for [`kernels::moe_experts`].
+fn stacked_experts(stacked: StackedExperts, act: ExpertsAct, what: &str) -> Result<Experts> {
+    let views = || -> candle_core::Result<Vec<Mlp>> {
+        (0..stacked.experts)
+            .map(|i| {
+                let [gate, up, down] = stacked.expert(i)?;
+                let (inter, h) = (gate.dim(0)?, down.dim(0)?);
+                let bias = |b: &Option<Tensor>, start: usize, len: usize| {
+                    b.as_ref().map(|b| b.narrow(0, start, len)).transpose()
+                };
+                let gu = &stacked.gate_up_bias;
+                Ok(Mlp {
+                    gate: linear(gate, bias(gu, i * 2 * inter, inter)?),
+                    up: linear(up, bias(gu, i * 2 * inter + inter, inter)?),
+                    down: linear(down, bias(&stacked.down_bias, i * h, h)?),
+                })
+            })
+            .collect()
+    };
+    let mlps = views().ctx(|| what.to_string())?;
+    let keep = (!stacked.gate_up.device().is_cpu()).then_some(stacked);
+    Ok(Experts {
+        mlps,
+        act,
+        stacked: keep,
+    })
 }
 
 /// One expert's module: gate, up and down under `names`.
@@ -545,37 +553,10 @@ fn load_gpt_oss_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
     };
     let gate_up_bias = ex.get("gate_up_proj_bias", &[e, 2 * inter])?;
     let down_bias = ex.get("down_proj_bias", &[e, h])?;
-    let stack = || -> candle_core::Result<(StackedExperts, Vec<Mlp>)> {
-        let stacked = kernels::stack_gpt_oss_experts(
-            &gate_up,
-            &gate_up_bias,
-            &down,
-            &down_bias,
-            alpha,
-            limit,
-        )?;
-        let (gub, db) = match (&stacked.gate_up_bias, &stacked.down_bias) {
-            (Some(g), Some(d)) => (g.clone(), d.clone()),
-            _ => candle_core::bail!("stacked gpt-oss experts without their biases"),
-        };
-        let mlps = (0..e)
-            .map(|i| {
-                let [gate, up, down] = stacked.expert(i)?;
-                Ok(Mlp {
-                    gate: linear(gate, Some(gub.narrow(0, i * 2 * inter, inter)?)),
-                    up: linear(up, Some(gub.narrow(0, i * 2 * inter + inter, inter)?)),
-                    down: linear(down, Some(db.narrow(0, i * h, h)?)),
-                })
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok((stacked, mlps))
-    };
-    let (stacked, mlps) = stack().ctx(|| ex.path("gate_up_proj"))?;
-    Ok(Experts {
-        mlps,
-        act: moe.act,
-        stacked: (!ex.device.is_cpu()).then_some(stacked),
-    })
+    let stacked =
+        kernels::stack_gpt_oss_experts(&gate_up, &gate_up_bias, &down, &down_bias, alpha, limit)
+            .ctx(|| ex.path("gate_up_proj"))?;
+    stacked_experts(stacked, moe.act, &ex.path("gate_up_proj"))
 }
 
 /// An MXFP4 weight `{name}_blocks` / `{name}_scales` of `[E, rows, cols]` output-by-input
