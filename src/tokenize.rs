@@ -70,8 +70,8 @@ impl Tokenizer {
 
     /// The tokenizer inside a GGUF file (reads the header only).
     pub fn from_gguf_file(path: &Path) -> Result<Tokenizer> {
-        let (_, content) = crate::weights::gguf::read_header(path)?;
-        Tokenizer::from_gguf_metadata(&content.metadata, path)
+        let (_, header) = crate::weights::gguf::read_header(path)?;
+        Tokenizer::from_gguf_metadata(&header.content.metadata, path)
     }
 
     /// Builds the tokenizer from `tokenizer.ggml.*` metadata (e.g. [`crate::model::gguf::GgufSource::metadata`]).

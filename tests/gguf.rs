@@ -1011,3 +1011,47 @@ fn gguf_pre_tokenizers_cut_like_llama_cpp() {
         ])
     );
 }
+
+/// gpt-oss as llama.cpp's converter writes it (`fixtures/gen_gpt_oss_gguf.py`: the MXFP4
+/// experts as ggml type 39, split into gate and up, with their biases; sinks, the biased
+/// router, the yarn metadata), against transformers' forward of the safetensors checkpoint it
+/// was converted from.
+#[test]
+fn gpt_oss_mxfp4_gguf_matches_transformers() {
+    let path = fixture("gguf/gpt_oss_mxfp4.gguf");
+    let (cfg, src) = open_gguf(&path).unwrap();
+    let hf = ModelConfig::load(&fixture("models/gpt_oss_mxfp4")).unwrap();
+    assert_same_config(&cfg, &hf);
+    assert_eq!(cfg.sliding_window, hf.sliding_window);
+    assert_eq!(cfg.sliding_layers, hf.sliding_layers);
+    assert_eq!(cfg.attn_sinks, hf.attn_sinks);
+    assert_eq!(cfg.moe, hf.moe);
+    assert_eq!(
+        src.gguf_name("model.layers.2.mlp.experts.up_proj"),
+        Some("blk.2.ffn_up_exps.weight")
+    );
+    assert_eq!(
+        src.shape("model.layers.0.mlp.experts.down_proj"),
+        Some(vec![8, 64, 32])
+    );
+    let worst = parity("gpt_oss_mxfp4", &cfg, &src);
+    assert!(worst <= F32_TOL, "gpt-oss GGUF: worst rel err {worst:.3e}");
+    // And through the binary: `run` on the .gguf alone.
+    let out = crate::support::eagle_check([
+        "run",
+        "--target",
+        &crate::support::p(&path),
+        "--engine",
+        "sglang",
+        "--tokens",
+        "3,1,4,1,5,9,2,6",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let target = out.json()["subject"]["target"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(target.starts_with("gpt_oss"), "{target}");
+}

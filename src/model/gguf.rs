@@ -1,8 +1,13 @@
-//! GGUF targets (llama.cpp files of the `llama`, `qwen2`, `qwen3` and `qwen3moe` architectures),
+//! GGUF targets (llama.cpp files of the `llama`, `qwen2`, `qwen3`, `qwen3moe` and `gpt-oss`
+//! architectures),
 //! dequantised to f32 on load, served under HF tensor names, with a [`ModelConfig`] resolved from
 //! the metadata. A `qwen3moe` file keeps each layer's experts stacked (`ffn_gate_exps` [E, I, H],
 //! `ffn_up_exps`, `ffn_down_exps` [E, H, I]) with the router as `ffn_gate_inp`; they are served
-//! as `mlp.experts.{gate,up,down}_proj` and `mlp.gate.weight`.
+//! as `mlp.experts.{gate,up,down}_proj` and `mlp.gate.weight`. A `gpt-oss` file holds the same
+//! stacked experts with biases (`ffn_*_exps.bias`), its router as `ffn_gate_inp` (weight and
+//! bias, served as `mlp.router.*`), its sinks as `attn_sinks`, and the experts' weights as MXFP4
+//! (ggml type 39, which candle's reader does not know: [`crate::weights::gguf`] parses the
+//! header, [`GgufSource`] decodes the blocks).
 //!
 //! Three things differ from an HF checkpoint, and each is undone here, once, at the edge:
 //! - **Names.** `token_embd` -> `model.embed_tokens`, `blk.{i}.attn_q` -> `model.layers.{i}.self_attn.q_proj`,
@@ -24,10 +29,13 @@ use crate::config::{ConfigFile, ModelConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
 use crate::model::nn::inv_freq;
 use crate::model::source::WeightSource;
-use crate::weights::gguf::{parse_content, read_header, validate_tensor_extents};
+use crate::weights::gguf::{
+    Header, MXFP4_BLOCK, MXFP4_BLOCK_BYTES, Mxfp4Info, parse_header, read_header,
+    validate_tensor_extents,
+};
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{Cursor, Read, Seek, SeekFrom};
@@ -41,6 +49,7 @@ const ARCHS: &[(&str, &str)] = &[
     ("qwen2", "qwen2"),
     ("qwen3", "qwen3"),
     ("qwen3moe", "qwen3_moe"),
+    ("gpt-oss", "gpt_oss"),
 ];
 
 /// One GGUF tensor as served under its HF name.
@@ -62,6 +71,8 @@ pub struct GgufSource {
     len: u64,
     bytes_read: AtomicU64,
     content: Content,
+    /// The MXFP4 tensors (gpt-oss's experts), by GGUF name.
+    mxfp4: HashMap<String, Mxfp4Info>,
     arch: String,
     /// HF name -> GGUF tensor.
     tensors: BTreeMap<String, Entry>,
@@ -70,8 +81,8 @@ pub struct GgufSource {
 /// Opens a GGUF target: validates the header, resolves the config from the metadata, and maps
 /// every tensor to its HF name.
 pub fn open_gguf(path: &Path) -> Result<(ModelConfig, GgufSource)> {
-    let (mmap, content) = read_header(path)?;
-    let (cfg, arch, tensors) = resolve(path, &content, &mmap)?;
+    let (mmap, header) = read_header(path)?;
+    let (cfg, arch, tensors) = resolve(path, &header, &mmap)?;
     let len = mmap.len() as u64;
     drop(mmap);
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
@@ -82,7 +93,8 @@ pub fn open_gguf(path: &Path) -> Result<(ModelConfig, GgufSource)> {
             file,
             len,
             bytes_read: AtomicU64::new(0),
-            content,
+            content: header.content,
+            mxfp4: header.mxfp4,
             arch,
             tensors,
         },
@@ -93,13 +105,14 @@ pub fn open_gguf(path: &Path) -> Result<(ModelConfig, GgufSource)> {
 /// the config the metadata stands for and the HF name of every tensor. The fuzz target and the
 /// corpus replay test call this.
 pub fn check_gguf_bytes(path: &Path, bytes: &[u8]) -> Result<ModelConfig> {
-    let content = parse_content(path, bytes)?;
-    Ok(resolve(path, &content, bytes)?.0)
+    let header = parse_header(path, bytes)?;
+    Ok(resolve(path, &header, bytes)?.0)
 }
 
 type Resolved = (ModelConfig, String, BTreeMap<String, Entry>);
 
-fn resolve(path: &Path, content: &Content, data: &[u8]) -> Result<Resolved> {
+fn resolve(path: &Path, header: &Header, data: &[u8]) -> Result<Resolved> {
+    let content = &header.content;
     let arch = match content.metadata.get("general.architecture") {
         Some(Value::String(a)) => a.clone(),
         Some(_) => return Err(meta_err(path, "general.architecture", "is not a string")),
@@ -115,7 +128,7 @@ fn resolve(path: &Path, content: &Content, data: &[u8]) -> Result<Resolved> {
             ),
         ));
     };
-    validate_tensor_extents(path, content, data.len())?;
+    validate_tensor_extents(path, header, data.len())?;
     let meta = Meta {
         path,
         arch: &arch,
@@ -124,12 +137,22 @@ fn resolve(path: &Path, content: &Content, data: &[u8]) -> Result<Resolved> {
     let raw = config_file(&meta, model_type, content, data)?;
     let cfg = ModelConfig::resolve(&raw, path)?;
     let mut tensors = BTreeMap::new();
-    for (gguf_name, info) in &content.tensor_infos {
+    let shapes = content
+        .tensor_infos
+        .iter()
+        .map(|(name, info)| (name, info.shape.dims()))
+        .chain(
+            header
+                .mxfp4
+                .iter()
+                .map(|(name, info)| (name, info.shape.as_slice())),
+        );
+    for (gguf_name, shape) in shapes {
         if gguf_name == "rope_freqs.weight" {
             // Folded into the config's rope scaling above.
             continue;
         }
-        let Some(hf) = hf_name(gguf_name, cfg.num_layers, cfg.moe.is_some()) else {
+        let Some(hf) = hf_name(gguf_name, &arch, cfg.num_layers, cfg.moe.is_some()) else {
             return Err(Error::weights(
                 path,
                 format!(
@@ -147,7 +170,7 @@ fn resolve(path: &Path, content: &Content, data: &[u8]) -> Result<Resolved> {
             hf,
             Entry {
                 gguf_name: gguf_name.clone(),
-                shape: info.shape.dims().to_vec(),
+                shape: shape.to_vec(),
                 unpermute_heads,
             },
         );
@@ -192,11 +215,14 @@ impl WeightSource for GgufSource {
             len: self.len,
             read: &self.bytes_read,
         };
-        let t = self
-            .content
-            .tensor(&mut reader, &entry.gguf_name, &Device::Cpu)
-            .and_then(|q| q.dequantize(&Device::Cpu))
-            .ctx(what)?;
+        let t = match self.mxfp4.get(&entry.gguf_name) {
+            Some(info) => self.mxfp4_tensor(info).ctx(what)?,
+            None => self
+                .content
+                .tensor(&mut reader, &entry.gguf_name, &Device::Cpu)
+                .and_then(|q| q.dequantize(&Device::Cpu))
+                .ctx(what)?,
+        };
         let t = match entry.unpermute_heads {
             Some(heads) => unpermute_rows(&self.path, name, &t, heads)?,
             None => t,
@@ -255,16 +281,10 @@ impl GgufSource {
     fn rows(&self, name: &str, rows: &[usize], device: &Device) -> Result<Tensor> {
         let entry = self.entry(name)?;
         let what = || self.what(entry, name);
-        let info = self
-            .content
-            .tensor_infos
-            .get(&entry.gguf_name)
-            .ok_or_else(|| Error::MissingTensor {
-                path: self.path.clone(),
-                name: entry.gguf_name.clone(),
-            })?;
-        let (n_rows, cols) = match info.shape.dims() {
-            [r, c] if entry.unpermute_heads.is_none() => (*r, *c),
+        let info = self.content.tensor_infos.get(&entry.gguf_name);
+        let dims = info.map_or(&[][..], |i| i.shape.dims());
+        let (n_rows, cols, info) = match (dims, info) {
+            ([r, c], Some(info)) if entry.unpermute_heads.is_none() => (*r, *c, info),
             _ => {
                 let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
                 let ids = Tensor::new(ids.as_slice(), device).ctx(what)?;
@@ -298,6 +318,56 @@ impl GgufSource {
         .and_then(|t| t.to_device(device))
         .ctx(what)
     }
+}
+
+impl GgufSource {
+    /// An MXFP4 tensor (ggml type 39) read whole and dequantised to f32 on the CPU.
+    ///
+    /// ggml's block (`block_mxfp4` in ggml-common.h; gguf-py 0.19 quants.py `MXFP4`) is one E8M0
+    /// exponent byte, then 16 bytes whose low nibbles are values 0..16 of the block and whose
+    /// high nibbles are values 16..32. transformers' layout (the `*_blocks` / `*_scales` of a
+    /// gpt-oss checkpoint, [`crate::kernels::mxfp4`]) holds values 2b and 2b + 1 in byte b, with
+    /// the exponents apart. Both decode a nibble as the same e2m1 value times 2^(e - 127)
+    /// (gguf-py's doubled `kvalues` times `e8m0_to_fp32_half` is that product), so the blocks
+    /// are regrouped into transformers' layout and decoded by the one dequantiser the safetensors
+    /// checkpoints use.
+    fn mxfp4_tensor(&self, info: &Mxfp4Info) -> candle_core::Result<Tensor> {
+        let elems: usize = info.shape.iter().product();
+        let blocks = elems / MXFP4_BLOCK;
+        let mut raw = vec![0u8; blocks * MXFP4_BLOCK_BYTES];
+        self.file
+            .read_exact_at(&mut raw, self.content.tensor_data_offset + info.offset)?;
+        self.bytes_read
+            .fetch_add(raw.len() as u64, Ordering::Relaxed);
+        let (packed, scales) = mxfp4_ggml_to_hf(&raw);
+        let mut group_dims = info.shape.clone();
+        *group_dims.last_mut().unwrap_or(&mut 0) /= MXFP4_BLOCK;
+        let scales = Tensor::from_vec(scales, group_dims.as_slice(), &Device::Cpu)?;
+        group_dims.push(16);
+        let packed = Tensor::from_vec(packed, group_dims.as_slice(), &Device::Cpu)?;
+        crate::kernels::mxfp4_dequant(&packed, &scales, DType::F32)?.reshape(info.shape.as_slice())
+    }
+}
+
+/// ggml MXFP4 blocks (17 bytes each: the exponent, then values j and j + 16 in byte j's low and
+/// high nibble) as transformers' `*_blocks` (16 bytes a block, values 2b and 2b + 1 in byte b's
+/// low and high nibble) and `*_scales` (one exponent a block).
+fn mxfp4_ggml_to_hf(raw: &[u8]) -> (Vec<u8>, Vec<u8>) {
+    let n = raw.len() / MXFP4_BLOCK_BYTES;
+    let (mut packed, mut scales) = (Vec::with_capacity(n * 16), Vec::with_capacity(n));
+    for block in raw.chunks_exact(MXFP4_BLOCK_BYTES) {
+        scales.push(block[0]);
+        let qs = &block[1..];
+        let value = |j: usize| {
+            if j < 16 {
+                qs[j] & 0x0f
+            } else {
+                qs[j - 16] >> 4
+            }
+        };
+        packed.extend((0..16).map(|b| value(2 * b) | (value(2 * b + 1) << 4)));
+    }
+    (packed, scales)
 }
 
 /// `Read + Seek` over a shared file by positioned reads, for candle's GGUF tensor reader (a
@@ -362,8 +432,8 @@ fn unpermute_rows(path: &Path, name: &str, t: &Tensor, heads: usize) -> Result<T
     undo().ctx(|| format!("{}: un-permuting {name}", path.display()))
 }
 
-/// HF name for a GGUF tensor name; `None` for names outside the dense decoder.
-fn hf_name(gguf: &str, num_layers: usize, moe: bool) -> Option<String> {
+/// HF name for a GGUF tensor name of an `arch` file; `None` for names outside the decoder.
+fn hf_name(gguf: &str, arch: &str, num_layers: usize, moe: bool) -> Option<String> {
     let fixed = match gguf {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -397,7 +467,17 @@ fn hf_name(gguf: &str, num_layers: usize, moe: bool) -> Option<String> {
         "attn_output.weight" => "self_attn.o_proj.weight",
         "attn_q_norm.weight" => "self_attn.q_norm.weight",
         "attn_k_norm.weight" => "self_attn.k_norm.weight",
+        "attn_output.bias" => "self_attn.o_proj.bias",
         "ffn_norm.weight" => "post_attention_layernorm.weight",
+        // gpt-oss (gguf-py tensor_mapping.py: `post_attention_layernorm` is ATTN_POST_NORM for an
+        // architecture without FFN_NORM; `self_attn.sinks` is ATTN_SINKS, "openai-moe").
+        "post_attention_norm.weight" if arch == "gpt-oss" => "post_attention_layernorm.weight",
+        "attn_sinks.weight" if arch == "gpt-oss" => "self_attn.sinks",
+        "ffn_gate_inp.weight" if arch == "gpt-oss" => "mlp.router.weight",
+        "ffn_gate_inp.bias" if arch == "gpt-oss" => "mlp.router.bias",
+        "ffn_gate_exps.bias" if arch == "gpt-oss" => "mlp.experts.gate_proj_bias",
+        "ffn_up_exps.bias" if arch == "gpt-oss" => "mlp.experts.up_proj_bias",
+        "ffn_down_exps.bias" if arch == "gpt-oss" => "mlp.experts.down_proj_bias",
         "ffn_gate.weight" => "mlp.gate_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",
@@ -509,12 +589,13 @@ fn config_file(
 ) -> Result<ConfigFile> {
     let path = meta.path;
     let experts = meta.usize_opt("expert_count")?.unwrap_or(0);
+    let gpt_oss = model_type == "gpt_oss";
     let moe = model_type == "qwen3_moe";
-    if experts > 0 && !moe {
+    if experts > 0 && !moe && !gpt_oss {
         return Err(Error::config(
             path,
             format!(
-                "GGUF metadata `{}` > 0: MoE GGUF targets of `{}` are not supported (qwen3moe is)",
+                "GGUF metadata `{}` > 0: MoE GGUF targets of `{}` are not supported (qwen3moe and gpt-oss are)",
                 meta.key("expert_count"),
                 meta.arch
             ),
@@ -614,7 +695,14 @@ fn config_file(
         )?;
     }
 
-    Ok(ConfigFile {
+    if gpt_oss && let Some(p) = rope_scaling.as_mut() {
+        // GGUF has no key for it; gpt-oss's YaRN does not round its correction range
+        // (`GptOssConfig` writes `truncate: False`, transformers 5.24 configuration_gpt_oss.py).
+        // llama.cpp's own rope rounds it (ggml.c `ggml_rope_yarn_corr_dims`: floorf/ceilf);
+        // we follow the model's definition, as for its safetensors checkpoints.
+        p["truncate"] = serde_json::json!(false);
+    }
+    let base = ConfigFile {
         model_type: Some(model_type.to_string()),
         hidden_size: Some(hidden),
         num_hidden_layers: Some(blocks),
@@ -670,6 +758,26 @@ fn config_file(
                 .collect()
         }),
         ..ConfigFile::default()
+    };
+    if !gpt_oss {
+        return Ok(base);
+    }
+    // gpt-oss (convert_hf_to_gguf.py `GptOssModel.set_gguf_parameters`): every block holds
+    // experts of `feed_forward_length` (= `expert_feed_forward_length`), the window is
+    // `attention.sliding_window` and llama.cpp alternates it from block 0
+    // (llama-model.cpp `LLM_ARCH_OPENAI_MOE`: `set_swa_pattern(2)`), which is `GptOssConfig`'s
+    // default `layer_types`; q/k/v/o are biased. The clamped SwiGLU's alpha 1.702 and limit 7.0
+    // are not stored (llama.cpp hard-codes both), so the config's defaults apply.
+    Ok(ConfigFile {
+        intermediate_size: Some(
+            meta.usize_opt("expert_feed_forward_length")?
+                .map_or_else(|| meta.usize("feed_forward_length"), Ok)?,
+        ),
+        num_local_experts: Some(experts),
+        num_experts_per_tok: Some(meta.usize("expert_used_count")?),
+        sliding_window: Some(meta.usize("attention.sliding_window")?),
+        attention_bias: Some(true),
+        ..base
     })
 }
 
@@ -815,34 +923,40 @@ mod tests {
     #[test]
     fn names_map_to_hf_and_refuse_what_they_do_not_know() {
         assert_eq!(
-            hf_name("blk.3.attn_q.weight", 4, false).as_deref(),
+            hf_name("blk.3.attn_q.weight", "qwen3moe", 4, false).as_deref(),
             Some("model.layers.3.self_attn.q_proj.weight")
         );
         assert_eq!(
-            hf_name("blk.0.ffn_norm.weight", 1, false).as_deref(),
+            hf_name("blk.0.ffn_norm.weight", "qwen3moe", 1, false).as_deref(),
             Some("model.layers.0.post_attention_layernorm.weight")
         );
         assert_eq!(
-            hf_name("output.weight", 1, false).as_deref(),
+            hf_name("output.weight", "qwen3moe", 1, false).as_deref(),
             Some("lm_head.weight")
         );
         assert_eq!(
-            hf_name("blk.4.attn_q.weight", 4, false),
+            hf_name("blk.4.attn_q.weight", "qwen3moe", 4, false),
             None,
             "layer past block_count"
         );
         assert_eq!(
-            hf_name("blk.01.attn_q.weight", 4, false),
+            hf_name("blk.01.attn_q.weight", "qwen3moe", 4, false),
             None,
             "non-canonical index"
         );
-        assert_eq!(hf_name("blk.+1.attn_q.weight", 4, false), None);
-        assert_eq!(hf_name("blk.0.ffn_gate_exps.weight", 4, false), None);
+        assert_eq!(hf_name("blk.+1.attn_q.weight", "qwen3moe", 4, false), None);
         assert_eq!(
-            hf_name("blk.0.ffn_gate_exps.weight", 4, true).as_deref(),
+            hf_name("blk.0.ffn_gate_exps.weight", "qwen3moe", 4, false),
+            None
+        );
+        assert_eq!(
+            hf_name("blk.0.ffn_gate_exps.weight", "qwen3moe", 4, true).as_deref(),
             Some("model.layers.0.mlp.experts.gate_proj")
         );
-        assert_eq!(hf_name("blk.0.attn_output.bias", 4, false), None);
+        assert_eq!(
+            hf_name("blk.0.attn_output.bias", "qwen3moe", 4, false),
+            None
+        );
     }
 
     /// The inverse of llama.cpp's `LlamaModel.permute`, applied to its output, is the identity.

@@ -534,12 +534,9 @@ fn expert_mlp(vb: &Vb, h: usize, inter: usize, names: [&str; 3]) -> Result<Mlp> 
 /// into the stacked rows every expert path reads; each expert's [`Mlp`] is views of them.
 fn load_gpt_oss_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
     let (e, inter) = (moe.n_routed_experts, moe.moe_intermediate_size);
-    let ExpertsAct::ClampedSwiglu { alpha, limit } = moe.act else {
-        return Err(Error::config(
-            ex.origin(),
-            "gpt-oss experts without the clamped SwiGLU".to_string(),
-        ));
-    };
+    if ex.contains("gate_proj") {
+        return load_gpt_oss_gguf_experts(ex, moe, h);
+    }
     let (gate_up, down) = if ex.contains("gate_up_proj_blocks") {
         (
             mxfp4(ex, "gate_up_proj", e, 2 * inter, h)?,
@@ -553,6 +550,50 @@ fn load_gpt_oss_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
     };
     let gate_up_bias = ex.get("gate_up_proj_bias", &[e, 2 * inter])?;
     let down_bias = ex.get("down_proj_bias", &[e, h])?;
+    gpt_oss_stacked(ex, moe, [gate_up, gate_up_bias, down, down_bias])
+}
+
+/// A gpt-oss GGUF's experts, as llama.cpp's converter splits them
+/// (convert_hf_to_gguf.py `GptOssModel`: `gate_up_proj[:, ::2]` becomes `ffn_gate_exps`,
+/// `[:, 1::2]` `ffn_up_exps`, each `[E, I, H]` output by input, `ffn_down_exps` `[E, H, I]`, the
+/// biases likewise): interleaved back into transformers' layout, then stacked as above.
+fn load_gpt_oss_gguf_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
+    let (e, inter) = (moe.n_routed_experts, moe.moe_intermediate_size);
+    let gate = ex.get("gate_proj", &[e, inter, h])?;
+    let up = ex.get("up_proj", &[e, inter, h])?;
+    let down = ex.get("down_proj", &[e, h, inter])?;
+    let gate_b = ex.get("gate_proj_bias", &[e, inter])?;
+    let up_b = ex.get("up_proj_bias", &[e, inter])?;
+    let down_b = ex.get("down_proj_bias", &[e, h])?;
+    let hf = || -> candle_core::Result<[Tensor; 4]> {
+        // [E, H, I, 2] -> [E, H, 2I]: column 2j is gate j, 2j + 1 up j.
+        let gate_up = Tensor::stack(&[gate.transpose(1, 2)?, up.transpose(1, 2)?], 3)?
+            .reshape((e, h, 2 * inter))?;
+        let gate_up_b = Tensor::stack(&[&gate_b, &up_b], 2)?.reshape((e, 2 * inter))?;
+        Ok([
+            gate_up,
+            gate_up_b,
+            down.transpose(1, 2)?.contiguous()?,
+            down_b.clone(),
+        ])
+    };
+    let parts = hf().ctx(|| ex.path("gate_proj"))?;
+    gpt_oss_stacked(ex, moe, parts)
+}
+
+/// gpt-oss experts from transformers' layout: `gate_up_proj` [E, H, 2I] (interleaved), its
+/// bias [E, 2I], `down_proj` [E, I, H], its bias [E, H].
+fn gpt_oss_stacked(
+    ex: &Vb,
+    moe: &MoeConfig,
+    [gate_up, gate_up_bias, down, down_bias]: [Tensor; 4],
+) -> Result<Experts> {
+    let ExpertsAct::ClampedSwiglu { alpha, limit } = moe.act else {
+        return Err(Error::config(
+            ex.origin(),
+            "gpt-oss experts without the clamped SwiGLU".to_string(),
+        ));
+    };
     let stacked =
         kernels::stack_gpt_oss_experts(&gate_up, &gate_up_bias, &down, &down_bias, alpha, limit)
             .ctx(|| ex.path("gate_up_proj"))?;
