@@ -393,3 +393,16 @@ fn gpu_streamed_run_dumps_what_the_resident_gpu_run_dumps() {
         }
     }
 }
+
+/// `run`, `diff` and `probe` through the binary on every MoE family's tiny checkpoint on the
+/// GPU (f32): the expectations of the CPU test hold (`moe_families`), and every command's exit
+/// code, findings and probed layouts equal the CPU's.
+#[test]
+fn gpu_cli_on_every_moe_family_gives_the_cpu_verdicts() {
+    gpu();
+    let cpu = crate::moe_families::run_diff_and_probe_on_every_family(&["--device", "cpu"]);
+    let gpu = crate::moe_families::run_diff_and_probe_on_every_family(&[
+        "--device", "cuda", "--dtype", "f32",
+    ]);
+    assert_eq!(gpu, cpu);
+}

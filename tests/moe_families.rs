@@ -410,8 +410,19 @@ fn captures_of(dir: &Path, name: &str, b: [usize; 3]) -> std::path::PathBuf {
 /// tiny EAGLE-3 draft of fixtures/models/qwen3-draft (hidden 64, vocab 256, ids [0, 1, 2]).
 #[test]
 fn run_diff_and_probe_work_on_every_moe_family() {
+    run_diff_and_probe_on_every_family(&[]);
+}
+
+/// What [`run_diff_and_probe_work_on_every_moe_family`] checks, with `extra` arguments added to
+/// every command (`tests/gpu.rs` passes `--device cuda`); each command's exit code, finding
+/// names and (for probe) measured layouts, in order, for a comparison across devices.
+pub(crate) fn run_diff_and_probe_on_every_family(
+    extra: &[&str],
+) -> Vec<(String, i32, Vec<String>)> {
     use crate::support::{eagle_check, p};
-    let dir = scratch("moe-cli");
+    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let mut seen = Vec::new();
+    let dir = scratch(&format!("moe-cli{}", extra.join("")));
     let draft = fixture("models/qwen3-draft");
     let probe_tokens: Vec<String> = (0..160u64)
         .map(|i| (((1103515245 * i + 12345) % (1 << 31)) % 256).to_string())
@@ -443,7 +454,9 @@ fn run_diff_and_probe_work_on_every_moe_family() {
         };
         let mut run = args("run");
         run.extend(["--tokens".into(), tokens]);
+        run.extend(extra.iter().cloned());
         let out = eagle_check(run);
+        seen.push((format!("run {name}"), out.code, out.finding_names()));
         let want = if l > 3 { 0 } else { 1 };
         assert_eq!(
             out.code, want,
@@ -453,7 +466,7 @@ fn run_diff_and_probe_work_on_every_moe_family() {
         // diff: HF's own boundaries are identified as what they are, a shifted capture is not.
         let spec = spec_for(&dir, &format!("{name}-diff"), l, [1, 2, l - 1]);
         for (b, code) in [([1, 2, l - 1], 0), ([0, 1, l - 2], 1)] {
-            let out = eagle_check([
+            let mut diff: Vec<String> = [
                 "diff",
                 "--spec",
                 &p(&spec),
@@ -463,7 +476,13 @@ fn run_diff_and_probe_work_on_every_moe_family() {
                 &p(&captures_of(&dir, name, b)),
                 "--format",
                 "json",
-            ]);
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            diff.extend(extra.iter().cloned());
+            let out = eagle_check(diff);
+            seen.push((format!("diff {name} {b:?}"), out.code, out.finding_names()));
             assert_eq!(
                 out.code, code,
                 "diff {name} {b:?}: {}\n{}",
@@ -488,11 +507,20 @@ fn run_diff_and_probe_work_on_every_moe_family() {
             let shallow = spec_for(&dir, &format!("{name}-probe"), l, [0, 1, l]);
             probe.extend(["--spec".into(), p(&shallow)]);
         }
+        probe.extend(extra.iter().cloned());
         let out = eagle_check(probe);
         assert_ne!(out.code, 2, "probe {name}: {}\n{}", out.stdout, out.stderr);
-        let rows = out.json()["probe"].as_array().map_or(0, Vec::len);
-        assert!(rows > 0, "probe {name}: no layout measured: {}", out.stdout);
+        let rows = out.json()["probe"].as_array().cloned().unwrap_or_default();
+        assert!(
+            !rows.is_empty(),
+            "probe {name}: no layout measured: {}",
+            out.stdout
+        );
+        let mut found = out.finding_names();
+        found.extend(rows.iter().map(|r| r["labels"].to_string()));
+        seen.push((format!("probe {name}"), out.code, found));
     }
+    seen
 }
 
 /// Our MXFP4 dequantisation alone against transformers' own (`Mxfp4Config(dequantize=True)`,
