@@ -620,6 +620,13 @@ mod gpu {
                     errors.insert(format!("b{b}"), serde_json::json!(e));
                 }
             }
+            // Against the peer's f32 run of the same weights, where it kept one (F32_TRUTH=1).
+            let worst_vs_f32 = (0..=l)
+                .filter_map(|b| {
+                    let r = hf.get(&format!("f32.t{t}.b{b}"))?;
+                    Some(normwise(&cap.hidden[&b], r))
+                })
+                .reduce(f64::max);
             let greedy_agree = hf.get(&format!("t{t}.logits_argmax")).map(|r| {
                 let ours: Vec<u32> = cap
                     .logits
@@ -707,6 +714,7 @@ mod gpu {
                 "ratio_to_floor": median / floor_ms,
                 "normwise_err": errors,
                 "worst_normwise_err": worst,
+                "worst_normwise_err_vs_hf_f32": worst_vs_f32,
                 "tolerance": BF16_NORMWISE_TOL,
                 "within_tolerance": worst <= BF16_NORMWISE_TOL,
                 "greedy_agreement": greedy_agree,

@@ -45,7 +45,7 @@ for s in ${STEPS:-kernels gpu throughput bench}; do
     bench) step bench bash benches/gpu/run.sh "$out/bench" ;;
     bench-deepseek) step bench-deepseek env SHAPE=deepseek-v3-3l TOKENS=${DS_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-deepseek" ;;
     bench-qwen3moe) step bench-qwen3moe env SHAPE=qwen3-30b-a3b TOKENS=${MOE_BENCH_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-qwen3moe" ;;
-    bench-gptoss) step bench-gptoss env SHAPE=gpt-oss-20b TOKENS=${MOE_BENCH_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-gptoss" ;;
+    bench-gptoss) step bench-gptoss env SHAPE=gpt-oss-20b F32_TRUTH=${F32_TRUTH:-1} TOKENS=${MOE_BENCH_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-gptoss" ;;
     stream) step stream bash benches/gpu/stream.sh "$out/stream" ;;
     score) step score bins/gpu-bench score ${REPS:-5} ;;
     gemm) step gemm bins/gpu-bench gemm ${GEMM_TOKENS:-2048,8192} ${REPS:-5} ;;

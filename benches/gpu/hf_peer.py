@@ -166,6 +166,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (0: all)")
+    ap.add_argument(
+        "--f32-truth",
+        action="store_true",
+        help="after timing, run the same weights in f32 and keep those states too (f32.t{T}.b{b}): "
+        "which bf16 forward is nearer the f32 one",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     (out / "model").mkdir(parents=True, exist_ok=True)
@@ -223,6 +229,27 @@ def main() -> None:
         print(f"hf_peer: T = {t}: {statistics.median(ms):.2f} ms (median of {args.reps})", flush=True)
         del o
         torch.cuda.empty_cache()
+    bf16_vs_f32 = {}
+    if args.f32_truth:
+        # The same weights in f32 (bf16 values are exact in f32), eager attention as before: the
+        # forward both bf16 runs approximate. How far HF's own bf16 run is from it says how far
+        # eagle-check's may be.
+        model.float()
+        torch.cuda.empty_cache()
+        for t in [int(x) for x in args.tokens.split(",")]:
+            ids = torch.tensor([token_ids(t, cfg.vocab_size)], device="cuda")
+            with torch.no_grad():
+                o = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            worst = 0.0
+            for b in keep:
+                truth = o.hidden_states[b][0].contiguous()
+                states[f"f32.t{t}.b{b}"] = truth
+                d = (states[f"t{t}.b{b}"].double() - truth.double()).norm() / truth.double().norm()
+                worst = max(worst, d.item())
+            bf16_vs_f32[str(t)] = worst
+            print(f"hf_peer: T = {t}: HF bf16 vs HF f32, worst normwise {worst:.3e}", flush=True)
+            del o
+            torch.cuda.empty_cache()
     save_file(states, str(out / "hf_states.safetensors"))
     meta = {
         "shape": args.shape,
@@ -233,6 +260,7 @@ def main() -> None:
         "transformers": __import__("transformers").__version__,
         "gpu": torch.cuda.get_device_name(0),
         "times": times,
+        "hf_bf16_vs_f32": bf16_vs_f32,
     }
     (out / "hf_times.json").write_text(json.dumps(meta, indent=1))
 

@@ -44,3 +44,9 @@ for o in ours:
         total = sum(p["ms"] for p in o["phases"])
         parts = ", ".join(f"{p['phase']} {p['ms']:.2f} ({p['marks']}x)" for p in o["phases"])
         print(f"T = {o['T']} phases, {total:.2f} ms in all: {parts}")
+# With F32_TRUTH=1: both bf16 forwards against the peer's f32 forward of the same weights.
+for o in ours:
+    f = o.get("worst_normwise_err_vs_hf_f32")
+    h = hf.get("hf_bf16_vs_f32", {}).get(str(o["T"]))
+    if f is not None and h is not None:
+        print(f"T = {o['T']} against HF f32: eagle-check bf16 {f:.2e}, HF bf16 {h:.2e}")
