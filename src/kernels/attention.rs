@@ -366,13 +366,14 @@ pub fn flash_attention_sinks_on(
 #[cfg(feature = "cuda")]
 pub mod launch {
     use crate::kernels::cuda::{
-        DevPtr, Module, allow_shared_memory, cfg, function, grid_dim, grid_dim_yz, launch,
-        tensor_map,
+        DevPtr, Module, TensorMap, allow_shared_memory, cfg, function, grid_dim, grid_dim_yz,
+        launch, tensor_map,
     };
     use crate::kernels::dispatch::hopper;
     use crate::kernels::{KernelDType, to_i32, to_i64};
     use candle_core::Result;
     use candle_core::cuda_backend::CudaDevice;
+    use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
     /// `flash_attn_*`: see kernels/attention.cu. `q` is `[tq, nh * dk]`, `k` `[tk, nkv * dk]`,
     /// `v` `[tk, nkv * dv]`, `out` `[tq, nh * dv]`, each at its row stride (elements).
@@ -584,7 +585,9 @@ pub mod launch {
 
     /// [`flash_attn_on`] with gpt-oss's attention sinks: `sinks` `[nh]` f32 on the device (one
     /// logit per query head in every row's softmax denominator; kernels/attention.cu), or `None`.
-    /// Every path takes them.
+    /// Every path takes them. In three steps: the path is checked against the arguments
+    /// (`check_path`), its entry point and launch shape chosen (`flash_entry`), and the one
+    /// launch made with the path's q, k and v (`flash_inputs`, `launch_flash`).
     pub fn flash_attn_sinks_on(
         dev: &CudaDevice,
         dtype: KernelDType,
@@ -598,15 +601,43 @@ pub mod launch {
         if a.tq == 0 || a.nh == 0 {
             return Ok(());
         }
-        let common = |name: &str| -> Result<[i32; 4]> {
-            Ok([
-                to_i32(a.tq, name)?,
-                to_i32(a.tk, name)?,
-                to_i32(a.nh, name)?,
-                to_i32(a.nkv, name)?,
-            ])
-        };
-        match path {
+        check_path(dev, dtype, a, path)?;
+        let entry = flash_entry(dtype, a, path)?;
+        let func = function(dev, entry.module, &entry.name)?;
+        allow_shared_memory(&func, entry.smem, &entry.name)?;
+        let config = cfg(
+            (
+                grid_dim(entry.blocks.0, &entry.name)?,
+                grid_dim_yz(entry.blocks.1, &entry.name)?,
+                1,
+            ),
+            entry.threads as u32,
+            entry.smem,
+        )?;
+        let inputs = flash_inputs(dtype, a, path)?;
+        let head_dims = path == FlashPath::Generic;
+        launch_flash(
+            dev,
+            &func,
+            &entry.name,
+            config,
+            a,
+            &inputs,
+            head_dims,
+            sinks,
+        )
+    }
+
+    /// Refuses a path that cannot run these arguments: head dims past the generic kernel's, a
+    /// tile or Hopper kernel for other head dims or for f32, the Hopper kernel off an sm_90
+    /// device (or with the mma.sync kernels preferred), rows not 16-byte aligned.
+    fn check_path(
+        dev: &CudaDevice,
+        dtype: KernelDType,
+        a: &FlashArgs,
+        path: FlashPath,
+    ) -> Result<()> {
+        let (what, tag, dims) = match path {
             FlashPath::Generic => {
                 if a.dk > GENERIC_MAX_HEAD_DIM || a.dv > GENERIC_MAX_HEAD_DIM {
                     candle_core::bail!(
@@ -615,148 +646,153 @@ pub mod launch {
                         a.dv
                     );
                 }
-                let name = format!("flash_attn_generic_{}", dtype.suffix());
-                let func = function(dev, Module::Attention, &name)?;
+                return Ok(());
+            }
+            FlashPath::TensorCore(c) => ("tile", c.tag, (c.dk, c.dv)),
+            FlashPath::Hopper(c) => ("kernel", c.tag, (c.dk, c.dv)),
+        };
+        if dtype == KernelDType::F32 || dims != (a.dk, a.dv) {
+            candle_core::bail!(
+                "attention: {what} {tag} cannot run {dtype:?} with dk {} dv {}",
+                a.dk,
+                a.dv
+            );
+        }
+        if matches!(path, FlashPath::Hopper(_)) && !hopper(dev) {
+            candle_core::bail!("attention: kernel {tag} needs an sm_90 device");
+        }
+        if !rows_aligned(a) {
+            candle_core::bail!("attention: {what} {tag} needs 16-byte aligned rows");
+        }
+        Ok(())
+    }
+
+    /// The entry point a path launches and its launch shape.
+    struct FlashEntry {
+        name: String,
+        module: Module,
+        /// Grid (x, y).
+        blocks: (usize, usize),
+        threads: usize,
+        /// Dynamic shared memory, bytes.
+        smem: usize,
+    }
+
+    /// The generic kernel: one warp per (query row, head), [`GENERIC_WARPS`] a block. A
+    /// tensor-core tile or the Hopper kernel: a block per (head, `BM` query rows) with the
+    /// tile's shared memory.
+    fn flash_entry(dtype: KernelDType, a: &FlashArgs, path: FlashPath) -> Result<FlashEntry> {
+        let suffix = dtype.suffix();
+        Ok(match path {
+            FlashPath::Generic => {
                 let items = a.tq.checked_mul(a.nh).ok_or_else(|| {
                     candle_core::Error::Msg("attention: tq * nh overflows".into())
                 })?;
-                let config = cfg(
-                    (grid_dim(items.div_ceil(GENERIC_WARPS), &name)?, 1, 1),
-                    (GENERIC_WARPS * 32) as u32,
-                    0,
-                )?;
-                let [tq, tk, nh, nkv] = common(&name)?;
-                launch!(
-                    dev,
-                    func,
-                    name,
-                    config,
-                    [
-                        a.q,
-                        to_i64(a.q_stride, "q stride")?,
-                        a.k,
-                        to_i64(a.k_stride, "k stride")?,
-                        a.v,
-                        to_i64(a.v_stride, "v stride")?,
-                        a.out,
-                        to_i64(a.o_stride, "out stride")?,
-                        tq,
-                        tk,
-                        nh,
-                        nkv,
-                        to_i32(a.dk, "dk")?,
-                        to_i32(a.dv, "dv")?,
-                        a.scale,
-                        to_i32(a.window, "window")?,
-                        sinks,
-                    ]
-                );
+                FlashEntry {
+                    name: format!("flash_attn_generic_{suffix}"),
+                    module: Module::Attention,
+                    blocks: (items.div_ceil(GENERIC_WARPS), 1),
+                    threads: GENERIC_WARPS * 32,
+                    smem: 0,
+                }
             }
-            FlashPath::TensorCore(c) => {
-                if dtype == KernelDType::F32 || (c.dk, c.dv) != (a.dk, a.dv) {
-                    candle_core::bail!(
-                        "attention: tile {} cannot run {dtype:?} with dk {} dv {}",
-                        c.tag,
-                        a.dk,
-                        a.dv
-                    );
-                }
-                if !rows_aligned(a) {
-                    candle_core::bail!("attention: tile {} needs 16-byte aligned rows", c.tag);
-                }
-                let name = format!("flash_attn_tc_{}_{}", c.tag, dtype.suffix());
-                let func = function(dev, Module::Attention, &name)?;
-                let smem = c.shared_bytes(dtype.size());
-                allow_shared_memory(&func, smem, &name)?;
-                let config = cfg(
-                    (
-                        grid_dim(a.nh, &name)?,
-                        grid_dim_yz(a.tq.div_ceil(c.bm()), &name)?,
-                        1,
-                    ),
-                    (c.nw * 32) as u32,
-                    smem,
-                )?;
-                let [tq, tk, nh, nkv] = common(&name)?;
-                launch!(
-                    dev,
-                    func,
-                    name,
-                    config,
-                    [
-                        a.q,
-                        to_i64(a.q_stride, "q stride")?,
-                        a.k,
-                        to_i64(a.k_stride, "k stride")?,
-                        a.v,
-                        to_i64(a.v_stride, "v stride")?,
-                        a.out,
-                        to_i64(a.o_stride, "out stride")?,
-                        tq,
-                        tk,
-                        nh,
-                        nkv,
-                        a.scale,
-                        to_i32(a.window, "window")?,
-                        sinks,
-                    ]
-                );
+            FlashPath::TensorCore(c) => FlashEntry {
+                name: format!("flash_attn_tc_{}_{suffix}", c.tag),
+                module: Module::Attention,
+                blocks: (a.nh, a.tq.div_ceil(c.bm())),
+                threads: c.nw * 32,
+                smem: c.shared_bytes(dtype.size()),
+            },
+            FlashPath::Hopper(c) => FlashEntry {
+                name: format!("flash_attn_{}_{suffix}", c.tag),
+                module: Module::AttentionSm90,
+                blocks: (a.nh, a.tq.div_ceil(WgConfig::BM)),
+                threads: WgConfig::THREADS,
+                smem: c.shared_bytes(),
+            },
+        })
+    }
+
+    /// How an entry point reads q, k and v: at their pointers with their row strides (the
+    /// generic and tensor-core kernels), or through TMA maps (the Hopper kernel). One lives on
+    /// the stack for one launch, so the maps' 384 bytes are not boxed.
+    #[allow(clippy::large_enum_variant)]
+    enum FlashInputs {
+        Rows([(DevPtr, i64); 3]),
+        Maps([TensorMap; 3]),
+    }
+
+    /// The Hopper kernel's maps read q in boxes of one consumer warpgroup's 64 rows and k and v
+    /// in boxes of a key tile.
+    fn flash_inputs(dtype: KernelDType, a: &FlashArgs, path: FlashPath) -> Result<FlashInputs> {
+        Ok(match path {
+            FlashPath::Hopper(_) => {
+                let (q_box, kv_box) = (WgConfig::BM / 2, WgConfig::BN);
+                FlashInputs::Maps([
+                    tensor_map(dtype, a.q, a.nh * a.dk, a.tq, a.q_stride, q_box)?,
+                    tensor_map(dtype, a.k, a.nkv * a.dk, a.tk, a.k_stride, kv_box)?,
+                    tensor_map(dtype, a.v, a.nkv * a.dv, a.tk, a.v_stride, kv_box)?,
+                ])
             }
-            FlashPath::Hopper(c) => {
-                if dtype == KernelDType::F32 || (c.dk, c.dv) != (a.dk, a.dv) {
-                    candle_core::bail!(
-                        "attention: kernel {} cannot run {dtype:?} with dk {} dv {}",
-                        c.tag,
-                        a.dk,
-                        a.dv
-                    );
+            FlashPath::Generic | FlashPath::TensorCore(_) => FlashInputs::Rows([
+                (a.q, to_i64(a.q_stride, "q stride")?),
+                (a.k, to_i64(a.k_stride, "k stride")?),
+                (a.v, to_i64(a.v_stride, "v stride")?),
+            ]),
+        })
+    }
+
+    /// Launches an attention entry point with the arguments every one takes, in its order
+    /// (kernels/attention.cu, kernels/attention_sm90.cu): q, k and v (`inputs`), `out` and its
+    /// row stride, tq, tk, nh, nkv, dk and dv (`head_dims`: the generic kernel only), the scale,
+    /// the window and the sinks.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_flash(
+        dev: &CudaDevice,
+        func: &CudaFunction,
+        name: &str,
+        config: LaunchConfig,
+        a: &FlashArgs,
+        inputs: &FlashInputs,
+        head_dims: bool,
+        sinks: DevPtr,
+    ) -> Result<()> {
+        let o_stride = to_i64(a.o_stride, "out stride")?;
+        let sizes = [
+            to_i32(a.tq, name)?,
+            to_i32(a.tk, name)?,
+            to_i32(a.nh, name)?,
+            to_i32(a.nkv, name)?,
+        ];
+        let dims = [to_i32(a.dk, "dk")?, to_i32(a.dv, "dv")?];
+        let window = to_i32(a.window, "window")?;
+        let stream = dev.cuda_stream();
+        let mut args = stream.launch_builder(func);
+        match inputs {
+            FlashInputs::Rows(rows) => {
+                for (ptr, stride) in rows {
+                    args.arg(ptr).arg(stride);
                 }
-                if !hopper(dev) {
-                    candle_core::bail!("attention: kernel {} needs an sm_90 device", c.tag);
+            }
+            FlashInputs::Maps(maps) => {
+                for map in maps {
+                    args.arg(map);
                 }
-                if !rows_aligned(a) {
-                    candle_core::bail!("attention: kernel {} needs 16-byte aligned rows", c.tag);
-                }
-                let name = format!("flash_attn_{}_{}", c.tag, dtype.suffix());
-                let func = function(dev, Module::AttentionSm90, &name)?;
-                let smem = c.shared_bytes();
-                allow_shared_memory(&func, smem, &name)?;
-                let config = cfg(
-                    (
-                        grid_dim(a.nh, &name)?,
-                        grid_dim_yz(a.tq.div_ceil(WgConfig::BM), &name)?,
-                        1,
-                    ),
-                    WgConfig::THREADS as u32,
-                    smem,
-                )?;
-                let box_rows = (WgConfig::BM / 2, WgConfig::BN);
-                let q_map = tensor_map(dtype, a.q, a.nh * a.dk, a.tq, a.q_stride, box_rows.0)?;
-                let k_map = tensor_map(dtype, a.k, a.nkv * a.dk, a.tk, a.k_stride, box_rows.1)?;
-                let v_map = tensor_map(dtype, a.v, a.nkv * a.dv, a.tk, a.v_stride, box_rows.1)?;
-                let [tq, tk, nh, nkv] = common(&name)?;
-                launch!(
-                    dev,
-                    func,
-                    name,
-                    config,
-                    [
-                        q_map,
-                        k_map,
-                        v_map,
-                        a.out,
-                        to_i64(a.o_stride, "out stride")?,
-                        tq,
-                        tk,
-                        nh,
-                        nkv,
-                        a.scale,
-                        to_i32(a.window, "window")?,
-                        sinks,
-                    ]
-                );
             }
         }
+        args.arg(&a.out).arg(&o_stride);
+        for n in &sizes {
+            args.arg(n);
+        }
+        if head_dims {
+            args.arg(&dims[0]).arg(&dims[1]);
+        }
+        args.arg(&a.scale).arg(&window).arg(&sinks);
+        // SAFETY: the arguments are the entry points' signatures (kernels/attention.cu,
+        // kernels/attention_sm90.cu, checked by the device tests); the buffers' sizes are the
+        // caller's contract, documented on `FlashArgs`.
+        unsafe { args.launch(config) }
+            .map_err(|e| candle_core::Error::Msg(format!("launching {name}: {e:?}")))?;
         Ok(())
     }
 
