@@ -32,7 +32,7 @@ fn main() {
 mod gpu {
     use candle_core::{DType, Device, Tensor};
     use eagle_check::compare::closeness;
-    use eagle_check::kernels::cuda;
+    use eagle_check::kernels::{cuda, dispatch};
     use eagle_check::model::{CaptureRequest, Progress, open_target, phases};
     use std::path::Path;
     use std::time::Instant;
@@ -144,7 +144,8 @@ mod gpu {
     /// touched experts' weight bytes over the time, for the whole experts step and for each
     /// Hopper launch.
     fn moe_gemm(ts: &[usize], reps: usize, e: usize) {
-        use eagle_check::kernels::cuda::{MoeGemmArgs, MoeGemmKind, moe_gemm_wg, tensor_ptr};
+        use eagle_check::kernels::cuda::tensor_ptr;
+        use eagle_check::kernels::moe::launch::{MoeGemmArgs, MoeGemmKind, moe_gemm_wg};
         use eagle_check::kernels::{KernelDType, StackedExperts, moe_experts};
         let dev = cuda::open_device(0).unwrap();
         let device = Device::Cuda(dev.clone());
@@ -222,9 +223,9 @@ mod gpu {
                 let bytes_gu = (touched * 2 * inter * h) as f64 * 2.0;
                 let bytes_d = (touched * h * inter) as f64 * 2.0;
                 let run = |grouped: bool| {
-                    cuda::prefer_grouped_experts(grouped);
+                    dispatch::prefer_grouped_experts(grouped);
                     let ms = time(&|| drop(moe_experts(&x, &offsets, &w).unwrap()));
-                    cuda::prefer_grouped_experts(false);
+                    dispatch::prefer_grouped_experts(false);
                     ms
                 };
                 let grouped_ms = run(true);
@@ -275,8 +276,9 @@ mod gpu {
     /// byte read once (the slots and the states) over 4.3 TB/s; `hbm_fraction` is that floor over
     /// the kernel's time (the finish pass included), timed over 20 back-to-back launches.
     fn score(reps: usize) {
-        use eagle_check::kernels::cuda::{self, ScoreArgs, score_workspace_len, tensor_ptr};
+        use eagle_check::kernels::cuda::{self, tensor_ptr};
         use eagle_check::kernels::score::ScoreKernel;
+        use eagle_check::kernels::score::launch::{self, ScoreArgs, score_workspace_len};
         let dev = cuda::open_device(0).unwrap();
         let device = Device::Cuda(dev.clone());
         let k = 3usize;
@@ -328,14 +330,14 @@ mod gpu {
                 ("per_slot", ScoreKernel::PerSlot),
                 ("vec4", ScoreKernel::Vec4),
             ] {
-                let ran = cuda::score(&dev, &args, kernel).unwrap();
+                let ran = launch::score(&dev, &args, kernel).unwrap();
                 assert_eq!(ran, kernel, "{name}: another kernel ran");
                 let launches = 20;
                 let time = || {
                     device.synchronize().unwrap();
                     let s = Instant::now();
                     for _ in 0..launches {
-                        cuda::score(&dev, &args, kernel).unwrap();
+                        launch::score(&dev, &args, kernel).unwrap();
                     }
                     device.synchronize().unwrap();
                     s.elapsed().as_secs_f64() * 1e3 / launches as f64
@@ -592,17 +594,17 @@ mod gpu {
             };
             // The same forwards with the mma.sync attention kernels (the default before the
             // Hopper kernels; the same as the default on a GPU that is not sm_90).
-            cuda::prefer_mma_attention(true);
+            dispatch::prefer_mma_attention(true);
             run();
             let ms_mma = timed();
-            cuda::prefer_mma_attention(false);
+            dispatch::prefer_mma_attention(false);
             // MoE targets: the same forwards with the routed experts as cuBLAS grouped GEMMs
             // (the default before kernels/moe_gemm_sm90.cu, and off sm_90).
             let ms_grouped = cfg.moe.is_some().then(|| {
-                cuda::prefer_grouped_experts(true);
+                dispatch::prefer_grouped_experts(true);
                 run();
                 let ms = timed();
-                cuda::prefer_grouped_experts(false);
+                dispatch::prefer_grouped_experts(false);
                 ms[ms.len() / 2]
             });
             run();
@@ -647,7 +649,7 @@ mod gpu {
             // an even spread of as many rows (the Hopper expert kernel takes an expert's rows
             // in chunks of MOE_GEMM_CHUNK, each chunk one more pass over its weight tiles).
             let routing = cfg.moe.as_ref().map(|m| {
-                let chunk = cuda::MOE_GEMM_CHUNK;
+                let chunk = eagle_check::kernels::moe::launch::MOE_GEMM_CHUNK;
                 let e = m.n_routed_experts;
                 let chunks =
                     |counts: &[usize]| counts.iter().map(|c| c.div_ceil(chunk)).sum::<usize>();

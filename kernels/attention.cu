@@ -716,7 +716,7 @@ FLASH_TC_TYPES(d128_v128_m1, 128, 128, 1, 4, 64)
 FLASH_TC_TYPES(d192_v128, 192, 128, 1, 4, 64)
 
 // flash_tc2 entry points: flash_attn_tc_{TAG}_{bf16,f16} with (DK, DV, MT, NW, BN, BC, ST, PIPE)
-// repeated in cuda.rs `TC_CONFIGS`; MINB is __launch_bounds__' blocks per SM (2 caps an 8-warp
+// repeated in attention.rs `TC_CONFIGS`; MINB is __launch_bounds__' blocks per SM (2 caps an 8-warp
 // block at 128 registers, so that two blocks fit).
 #define FLASH_TC2(T, SUFFIX, TAG, DK, DV, MT, NW, BN, BC, ST, PIPE, MINB)                         \
     extern "C" __global__ void __launch_bounds__(NW * 32, MINB) flash_attn_tc_##TAG##_##SUFFIX(   \

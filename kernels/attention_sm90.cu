@@ -414,7 +414,7 @@ __device__ __forceinline__ void tile_check(const CUtensorMap *q_map, const CUten
 
 } // namespace sm90
 
-// Entry points: flash_attn_wg_d{DK}_{bf16,f16} (cuda.rs `WG_CONFIGS` repeats DK, DV, ST and
+// Entry points: flash_attn_wg_d{DK}_{bf16,f16} (attention.rs `WG_CONFIGS` repeats DK, DV, ST and
 // sizes the launch: grid (nh, ceil(tq / 128)), 384 threads, `Smem::TOTAL` bytes).
 #define FLASH_WG(T, SUFFIX, TAG, DK, DV, ST)                                                      \
     extern "C" __global__ void __launch_bounds__(384, 1) flash_attn_wg_##TAG##_##SUFFIX(          \

@@ -60,7 +60,7 @@ constexpr int MAX_EXPERTS = 512;
 constexpr int A_BYTES = ROWS * KB * 2;                  // one A box
 constexpr int B_BYTES = CHUNK * KB * 2;                 // the token chunk
 constexpr int STAGE_BYTES = MATS * A_BYTES + B_BYTES;   // 44 KiB
-constexpr int SMEM_BYTES = ST * STAGE_BYTES + 1024;     // + alignment slack (cuda.rs repeats it)
+constexpr int SMEM_BYTES = ST * STAGE_BYTES + 1024;     // + alignment slack (moe/launch.rs repeats)
 static_assert(SMEM_BYTES + (MAX_EXPERTS + 1) * 4 + 2 * ST * 8 <= 227 * 1024, "shared memory");
 
 // d (+)= A (64 x 16, shared memory, K-major) x B (16 x N, shared memory, K-major):
@@ -314,7 +314,7 @@ __device__ __forceinline__ void moe_gemm(const CUtensorMap *w_map, const CUtenso
 
 } // namespace moe90
 
-// Entry points: moe_gemm_wg_{gate_up,down}_{bf16,f16} (cuda.rs `moe_gemm_wg` sizes the launch:
+// Entry points: moe_gemm_wg_{gate_up,down}_{bf16,f16} (moe/launch.rs `moe_gemm_wg` sizes the launch:
 // min(SMs, an upper bound on the tiles) blocks of 384 threads, SMEM_BYTES of shared memory).
 #define MOE_GEMM_WG(T, SUFFIX, TAG, GATE_UP)                                                      \
     extern "C" __global__ void __launch_bounds__(384, 1) moe_gemm_wg_##TAG##_##SUFFIX(            \

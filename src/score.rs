@@ -348,20 +348,6 @@ pub fn non_finite(x: View) -> usize {
         .sum()
 }
 
-/// Which partial-sums kernel of kernels/score.cu runs on a CUDA device (the same sums, added
-/// in another order: they agree to f32 rounding). It sits here rather than in
-/// [`crate::kernels::score`] because `kernels/cuda.rs` launches it and `kernels::score`
-/// chooses it: both import it from below.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScoreKernel {
-    /// `score_partials`: one block per (chunk, slot, four candidates).
-    PerSlot,
-    /// `score_partials_vec`: one block per (four candidates, chunk, four slots), float4 reads,
-    /// each reference value read once for every slot of the block; rows whose columns, stride
-    /// or base are not 16-byte multiples take `PerSlot` instead.
-    Vec4,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,7 +2,9 @@
 //! belongs to a wing, no module imports from a higher wing, the units (the entries of
 //! [`WINGS`]) form no circle, no command imports another, and the files inside a unit form no
 //! circle either. Test modules (`#[cfg(test)] mod ... { }`) are left out: a kernel's test may
-//! compare against the model's CPU code. Each test here plants the edge it guards against.
+//! compare against the model's CPU code. `kernels/cuda.rs` holds only the launch machinery:
+//! each op's launch arguments and launch live in its room. Each test here plants the edge (or
+//! the launch) it guards against.
 
 use crate::support::root;
 use std::collections::{BTreeMap, BTreeSet};
@@ -555,4 +557,72 @@ fn test_modules_strings_and_comments_are_not_imports() {
         !paths.is_empty() && paths.iter().all(|p| *p == report),
         "{paths:?}"
     );
+}
+
+/// What `kernels/cuda.rs` holds that belongs in an op's room (`kernels::X::launch`), one line
+/// each: a launch-arguments struct (`*Args`), a `launch!` of a kernel, or a kernel looked up
+/// (`function(..)`). The loader, the macro's definition, allocation and device set-up stay.
+fn launches_in_cuda_rs(src: &str) -> Vec<String> {
+    let code = without_test_modules(&code_only(src));
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut problems = Vec::new();
+    for (n, line) in code.lines().enumerate() {
+        let words: Vec<&str> = line
+            .split(|c: char| !is_ident(c))
+            .filter(|w| !w.is_empty())
+            .collect();
+        if let Some(w) = words
+            .windows(2)
+            .find(|w| w[0] == "struct" && w[1].ends_with("Args"))
+        {
+            problems.push(format!(
+                "line {}: struct {} (launch arguments)",
+                n + 1,
+                w[1]
+            ));
+        }
+        let squeezed: String = line.chars().filter(|c| !c.is_whitespace()).collect();
+        if squeezed.contains("launch!(") {
+            problems.push(format!("line {}: a kernel launch", n + 1));
+        }
+        // A call, not the definition (`fn function(` squeezes to `fnfunction(`).
+        let looked_up = squeezed
+            .match_indices("function(")
+            .any(|(at, _)| !squeezed[..at].ends_with(is_ident));
+        if looked_up {
+            problems.push(format!("line {}: a kernel looked up", n + 1));
+        }
+    }
+    problems
+}
+
+#[test]
+fn kernel_launches_live_in_their_rooms() {
+    let src = std::fs::read_to_string(root().join("src/kernels/cuda.rs")).unwrap();
+    let problems = launches_in_cuda_rs(&src);
+    assert!(
+        problems.is_empty(),
+        "kernels/cuda.rs holds what belongs in an op's room (kernels::X::launch):\n{}",
+        problems.join("\n")
+    );
+    for (plant, needle) in [
+        (
+            "pub struct RopeArgs {\n    pub x: DevPtr,\n}\n",
+            "struct RopeArgs",
+        ),
+        (
+            "fn f(dev: &CudaDevice) -> Result<()> {\n    let func = function(dev, Module::Rope, \"rope_f32\")?;\n    launch!(dev, func, \"rope_f32\", cfg((1, 1, 1), 32, 0)?, [0u64]);\n    Ok(())\n}\n",
+            "a kernel launch",
+        ),
+        (
+            "fn f(dev: &CudaDevice) -> Result<CudaFunction> {\n    function(dev, Module::Rope, \"rope_f32\")\n}\n",
+            "a kernel looked up",
+        ),
+    ] {
+        let problems = launches_in_cuda_rs(&format!("{src}\n{plant}"));
+        assert!(
+            problems.iter().any(|p| p.contains(needle)),
+            "planting `{plant}` in kernels/cuda.rs: {problems:?}"
+        );
+    }
 }

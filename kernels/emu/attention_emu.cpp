@@ -3,7 +3,7 @@
 // float64 reference, with the tolerances of src/kernels/attention.rs `check`.
 //
 //   attention_emu TAG DTYPE TQ TK NH NKV WINDOW [SCALE RAMP SEED MODE SINKS]
-//     TAG    a tensor-core tile tag (the table below repeats cuda.rs TC_CONFIGS)
+//     TAG    a tensor-core tile tag (the table below repeats attention.rs TC_CONFIGS)
 //     DTYPE  bf16 | f16
 //     WINDOW 0 for none
 //     SCALE  softmax scale; 0 (default) for dk^-0.5

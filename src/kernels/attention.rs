@@ -243,13 +243,14 @@ impl CustomOp3 for FlashAttention {
         v: &candle_core::CudaStorage,
         vl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use super::cuda::{self, FlashPath, TC_CONFIGS, WG_CONFIGS, storage_ptr};
+        use super::cuda::{self, storage_ptr};
+        use launch::{FlashPath, TC_CONFIGS, WG_CONFIGS};
         let [qm, km, vm] = shapes(&self.p, ql, kl, vl)?;
         let p = &self.p;
         let dtype = q.dtype();
         let kd = super::KernelDType::of(dtype)?;
         let out = cuda::alloc(&q.device, dtype, qm.rows * p.nh * p.dv)?;
-        let args = cuda::FlashArgs {
+        let args = launch::FlashArgs {
             q: storage_ptr(q, qm.offset)?,
             q_stride: qm.stride,
             k: storage_ptr(k, km.offset)?,
@@ -268,7 +269,7 @@ impl CustomOp3 for FlashAttention {
             window: p.window.unwrap_or(0),
         };
         let path = match self.path {
-            None => cuda::flash_path(&q.device, kd, &args),
+            None => launch::flash_path(&q.device, kd, &args),
             Some("generic") => FlashPath::Generic,
             Some(tag) => match TC_CONFIGS.iter().find(|c| c.tag == tag) {
                 Some(c) => FlashPath::TensorCore(*c),
@@ -280,7 +281,7 @@ impl CustomOp3 for FlashAttention {
             },
         };
         let sinks = self.sinks.as_ref().map(cuda::tensor_ptr).transpose()?;
-        cuda::flash_attn_sinks_on(&q.device, kd, &args, sinks, path)?;
+        launch::flash_attn_sinks_on(&q.device, kd, &args, sinks, path)?;
         Ok((out, Shape::from((qm.rows, p.nh * p.dv))))
     }
 }
@@ -307,8 +308,8 @@ pub fn flash_attention_with_sinks(
     flash_attention_sinks_on(q, k, v, p, sinks, None)
 }
 
-/// [`flash_attention`] on a chosen kernel (a tensor-core tile tag from `cuda::TC_CONFIGS`, a
-/// Hopper kernel's from `cuda::WG_CONFIGS`, or "generic"); the CPU ignores the choice.
+/// [`flash_attention`] on a chosen kernel (a tensor-core tile tag from `launch::TC_CONFIGS`, a
+/// Hopper kernel's from `launch::WG_CONFIGS`, or "generic"); the CPU ignores the choice.
 pub fn flash_attention_on(
     q: &Tensor,
     k: &Tensor,
@@ -356,6 +357,474 @@ pub fn flash_attention_sinks_on(
         );
     }
     q.apply_op3_no_bwd(k, v, &FlashAttention { p: *p, sinks, path })
+}
+
+/// The attention kernels (kernels/attention.cu, kernels/attention_sm90.cu) launched from raw
+/// device pointers: their tile tables, the choice between them ([`launch::flash_path`]), their
+/// arguments and the launches on the device's stream. The candle op above calls them, and so
+/// does the runner's forward (`model::fast`).
+#[cfg(feature = "cuda")]
+pub mod launch {
+    use crate::kernels::cuda::{
+        DevPtr, Module, TensorMap, allow_shared_memory, cfg, function, grid_dim, grid_dim_yz,
+        launch, tensor_map,
+    };
+    use crate::kernels::dispatch::hopper;
+    use crate::kernels::{KernelDType, to_i32, to_i64};
+    use candle_core::Result;
+    use candle_core::cuda_backend::CudaDevice;
+    use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+
+    /// `flash_attn_*`: see kernels/attention.cu. `q` is `[tq, nh * dk]`, `k` `[tk, nkv * dk]`,
+    /// `v` `[tk, nkv * dv]`, `out` `[tq, nh * dv]`, each at its row stride (elements).
+    #[derive(Clone, Copy, Debug)]
+    pub struct FlashArgs {
+        pub q: DevPtr,
+        pub q_stride: usize,
+        pub k: DevPtr,
+        pub k_stride: usize,
+        pub v: DevPtr,
+        pub v_stride: usize,
+        pub out: DevPtr,
+        pub o_stride: usize,
+        pub tq: usize,
+        pub tk: usize,
+        pub nh: usize,
+        pub nkv: usize,
+        pub dk: usize,
+        pub dv: usize,
+        pub scale: f32,
+        /// 0: no sliding window.
+        pub window: usize,
+    }
+
+    /// One tensor-core tile configuration, as instantiated at the end of kernels/attention.cu
+    /// (`flash_attn_tc_{tag}_{bf16,f16}`): `mt` 16-row tiles per warp, `nw` warps, `bn` keys per
+    /// K/V tile, `stages` K/V tiles in shared memory.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct TcConfig {
+        pub tag: &'static str,
+        pub dk: usize,
+        pub dv: usize,
+        pub mt: usize,
+        pub nw: usize,
+        pub bn: usize,
+        pub stages: usize,
+    }
+
+    impl TcConfig {
+        /// Query rows per block.
+        pub fn bm(&self) -> usize {
+            16 * self.mt * self.nw
+        }
+
+        /// The Q tile plus `stages` K and V tiles, rows padded by 8 elements (see `Padded` in the
+        /// .cu).
+        pub fn shared_bytes(&self, elem: usize) -> usize {
+            (self.bm() * (self.dk + 8) + self.stages * self.bn * (self.dk + 8 + self.dv + 8)) * elem
+        }
+    }
+
+    const fn tc(
+        tag: &'static str,
+        (dk, dv): (usize, usize),
+        mt: usize,
+        nw: usize,
+        bn: usize,
+        stages: usize,
+    ) -> TcConfig {
+        TcConfig {
+            tag,
+            dk,
+            dv,
+            mt,
+            nw,
+            bn,
+            stages,
+        }
+    }
+
+    /// Every tensor-core entry point; the first one matching (dk, dv) is the default, chosen by
+    /// measurement on the H200 (BENCHMARKS.md, `device_throughput`, 2026-12-01): d128 `c64`
+    /// 252 / 326 / 366 TFLOP/s at T = 2048 / 4096 / 8192 against the first tile's 198 / 244 / 267;
+    /// d192 (MLA) `lean` 304 / 344 / 328 against 202 / 214 / 211. The `_lean`, `_n64`, `_c64`, `_s3`,
+    /// `_w8pipe`, `_w8m1` tiles are flash_tc2 (kernels/README.md has each one's design, registers
+    /// and expected rate); the others are the first kernel, kept for comparison and tests. ptxas
+    /// (sm_90), registers: d64_v64 222, d128_v128 250, d128_v128_m1 166, d192_v128 178; d128 lean
+    /// 242, n64 241, c64 255, s3 242, w8pipe 192, w8m1 128; d192 lean 244, lean_m1 174, w8m1 128;
+    /// no stack frame, no spills.
+    pub const TC_CONFIGS: &[TcConfig] = &[
+        tc("d64_v64", (64, 64), 2, 4, 64, 2),
+        // flash_tc2 (BC, the keys per compute chunk, and PIPE live only in the .cu instantiation).
+        tc("d128_v128_c64", (128, 128), 2, 4, 64, 2),
+        tc("d192_v128_lean", (192, 128), 2, 4, 32, 2),
+        tc("d128_v128_lean", (128, 128), 2, 4, 32, 2),
+        tc("d128_v128_n64", (128, 128), 2, 4, 64, 2),
+        tc("d128_v128_s3", (128, 128), 2, 4, 32, 3),
+        tc("d128_v128_w8pipe", (128, 128), 1, 8, 32, 4),
+        tc("d128_v128_w8m1", (128, 128), 1, 8, 64, 2),
+        tc("d192_v128_lean_m1", (192, 128), 1, 4, 64, 2),
+        tc("d192_v128_w8m1", (192, 128), 1, 8, 32, 2),
+        // The first kernel.
+        tc("d128_v128", (128, 128), 2, 4, 32, 2),
+        tc("d128_v128_m1", (128, 128), 1, 4, 64, 2),
+        tc("d192_v128", (192, 128), 1, 4, 64, 2),
+    ];
+
+    /// Which attention kernel runs.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum FlashPath {
+        Generic,
+        TensorCore(TcConfig),
+        /// kernels/attention_sm90.cu: wgmma and TMA, sm_90 devices only.
+        Hopper(WgConfig),
+    }
+
+    /// One Hopper kernel, as instantiated at the end of kernels/attention_sm90.cu
+    /// (`flash_attn_wg_{tag}_{bf16,f16}`): blocks of [`WgConfig::BM`] query rows, key tiles of
+    /// [`WgConfig::BN`], `stages` K/V tiles in shared memory.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct WgConfig {
+        pub tag: &'static str,
+        pub dk: usize,
+        pub dv: usize,
+        pub stages: usize,
+    }
+
+    impl WgConfig {
+        /// Query rows per block (two consumer warpgroups of 64).
+        pub const BM: usize = 128;
+        /// Keys per K/V tile.
+        pub const BN: usize = 128;
+        /// Threads per block: a producer warpgroup and two consumers.
+        pub const THREADS: usize = 384;
+
+        /// The Q tile, `stages` K and V tiles (2-byte elements) and 1 KiB to align them to the
+        /// 128-byte swizzle's 1024-byte pattern (`Smem::TOTAL` in the .cu).
+        pub fn shared_bytes(&self) -> usize {
+            Self::BM * self.dk * 2 + self.stages * (self.dk + self.dv) * Self::BN * 2 + 1024
+        }
+    }
+
+    /// Every Hopper entry point; the one matching (dk, dv) is the default on an sm_90 device.
+    pub const WG_CONFIGS: &[WgConfig] = &[
+        WgConfig {
+            tag: "wg_d128",
+            dk: 128,
+            dv: 128,
+            stages: 2,
+        },
+        WgConfig {
+            tag: "wg_d192",
+            dk: 192,
+            dv: 128,
+            stages: 2,
+        },
+    ];
+
+    /// The generic path's limit on dk and dv (kernels/attention.cu `GEN_MAX_D`).
+    pub const GENERIC_MAX_HEAD_DIM: usize = 256;
+    const GENERIC_WARPS: usize = 4;
+
+    /// The path [`flash_attn`] takes: the Hopper kernel on an sm_90 device, else the mma.sync
+    /// tensor-core kernel, for bf16/f16 with a configured (dk, dv) and 16-byte aligned rows; the
+    /// generic kernel otherwise.
+    pub fn flash_path(dev: &CudaDevice, dtype: KernelDType, a: &FlashArgs) -> FlashPath {
+        if dtype == KernelDType::F32 || !rows_aligned(a) {
+            return FlashPath::Generic;
+        }
+        if let Some(c) = WG_CONFIGS.iter().find(|c| c.dk == a.dk && c.dv == a.dv)
+            && hopper(dev)
+        {
+            return FlashPath::Hopper(*c);
+        }
+        match TC_CONFIGS.iter().find(|c| c.dk == a.dk && c.dv == a.dv) {
+            Some(c) => FlashPath::TensorCore(*c),
+            None => FlashPath::Generic,
+        }
+    }
+
+    /// Every pointer and row of q, k, v and out 16-byte aligned (in 2-byte elements): what the
+    /// tensor-core and Hopper kernels' 16-byte copies need.
+    fn rows_aligned(a: &FlashArgs) -> bool {
+        [a.q, a.k, a.v, a.out].iter().all(|p| p.is_multiple_of(16))
+            && [a.q_stride, a.k_stride, a.v_stride, a.o_stride]
+                .iter()
+                .all(|s| s.is_multiple_of(8))
+    }
+
+    fn check_flash(a: &FlashArgs) -> Result<()> {
+        if a.nkv == 0 || !a.nh.is_multiple_of(a.nkv) {
+            candle_core::bail!("attention: {} query heads in {} KV groups", a.nh, a.nkv);
+        }
+        if a.tq > a.tk {
+            candle_core::bail!("attention: {} queries but only {} keys", a.tq, a.tk);
+        }
+        if !(a.scale > 0.0 && a.scale.is_finite()) {
+            candle_core::bail!("attention: softmax scale {} must be positive", a.scale);
+        }
+        Ok(())
+    }
+
+    /// Runs attention on the default path ([`flash_path`]) and says which one ran.
+    pub fn flash_attn(dev: &CudaDevice, dtype: KernelDType, a: &FlashArgs) -> Result<FlashPath> {
+        let path = flash_path(dev, dtype, a);
+        flash_attn_on(dev, dtype, a, path)?;
+        Ok(path)
+    }
+
+    /// Runs attention on a chosen path (tests and benchmarks compare the paths).
+    pub fn flash_attn_on(
+        dev: &CudaDevice,
+        dtype: KernelDType,
+        a: &FlashArgs,
+        path: FlashPath,
+    ) -> Result<()> {
+        flash_attn_sinks_on(dev, dtype, a, None, path)
+    }
+
+    /// [`flash_attn_on`] with gpt-oss's attention sinks: `sinks` `[nh]` f32 on the device (one
+    /// logit per query head in every row's softmax denominator; kernels/attention.cu), or `None`.
+    /// Every path takes them. In three steps: the path is checked against the arguments
+    /// (`check_path`), its entry point and launch shape chosen (`flash_entry`), and the one
+    /// launch made with the path's q, k and v (`flash_inputs`, `launch_flash`).
+    pub fn flash_attn_sinks_on(
+        dev: &CudaDevice,
+        dtype: KernelDType,
+        a: &FlashArgs,
+        sinks: Option<DevPtr>,
+        path: FlashPath,
+    ) -> Result<()> {
+        check_flash(a)?;
+        // The kernels read a null pointer as "no sinks".
+        let sinks: DevPtr = sinks.unwrap_or(0);
+        if a.tq == 0 || a.nh == 0 {
+            return Ok(());
+        }
+        check_path(dev, dtype, a, path)?;
+        let entry = flash_entry(dtype, a, path)?;
+        let func = function(dev, entry.module, &entry.name)?;
+        allow_shared_memory(&func, entry.smem, &entry.name)?;
+        let config = cfg(
+            (
+                grid_dim(entry.blocks.0, &entry.name)?,
+                grid_dim_yz(entry.blocks.1, &entry.name)?,
+                1,
+            ),
+            entry.threads as u32,
+            entry.smem,
+        )?;
+        let inputs = flash_inputs(dtype, a, path)?;
+        let head_dims = path == FlashPath::Generic;
+        launch_flash(
+            dev,
+            &func,
+            &entry.name,
+            config,
+            a,
+            &inputs,
+            head_dims,
+            sinks,
+        )
+    }
+
+    /// Refuses a path that cannot run these arguments: head dims past the generic kernel's, a
+    /// tile or Hopper kernel for other head dims or for f32, the Hopper kernel off an sm_90
+    /// device (or with the mma.sync kernels preferred), rows not 16-byte aligned.
+    fn check_path(
+        dev: &CudaDevice,
+        dtype: KernelDType,
+        a: &FlashArgs,
+        path: FlashPath,
+    ) -> Result<()> {
+        let (what, tag, dims) = match path {
+            FlashPath::Generic => {
+                if a.dk > GENERIC_MAX_HEAD_DIM || a.dv > GENERIC_MAX_HEAD_DIM {
+                    candle_core::bail!(
+                        "attention: head dims dk {} dv {} exceed {GENERIC_MAX_HEAD_DIM}",
+                        a.dk,
+                        a.dv
+                    );
+                }
+                return Ok(());
+            }
+            FlashPath::TensorCore(c) => ("tile", c.tag, (c.dk, c.dv)),
+            FlashPath::Hopper(c) => ("kernel", c.tag, (c.dk, c.dv)),
+        };
+        if dtype == KernelDType::F32 || dims != (a.dk, a.dv) {
+            candle_core::bail!(
+                "attention: {what} {tag} cannot run {dtype:?} with dk {} dv {}",
+                a.dk,
+                a.dv
+            );
+        }
+        if matches!(path, FlashPath::Hopper(_)) && !hopper(dev) {
+            candle_core::bail!("attention: kernel {tag} needs an sm_90 device");
+        }
+        if !rows_aligned(a) {
+            candle_core::bail!("attention: {what} {tag} needs 16-byte aligned rows");
+        }
+        Ok(())
+    }
+
+    /// The entry point a path launches and its launch shape.
+    struct FlashEntry {
+        name: String,
+        module: Module,
+        /// Grid (x, y).
+        blocks: (usize, usize),
+        threads: usize,
+        /// Dynamic shared memory, bytes.
+        smem: usize,
+    }
+
+    /// The generic kernel: one warp per (query row, head), [`GENERIC_WARPS`] a block. A
+    /// tensor-core tile or the Hopper kernel: a block per (head, `BM` query rows) with the
+    /// tile's shared memory.
+    fn flash_entry(dtype: KernelDType, a: &FlashArgs, path: FlashPath) -> Result<FlashEntry> {
+        let suffix = dtype.suffix();
+        Ok(match path {
+            FlashPath::Generic => {
+                let items = a.tq.checked_mul(a.nh).ok_or_else(|| {
+                    candle_core::Error::Msg("attention: tq * nh overflows".into())
+                })?;
+                FlashEntry {
+                    name: format!("flash_attn_generic_{suffix}"),
+                    module: Module::Attention,
+                    blocks: (items.div_ceil(GENERIC_WARPS), 1),
+                    threads: GENERIC_WARPS * 32,
+                    smem: 0,
+                }
+            }
+            FlashPath::TensorCore(c) => FlashEntry {
+                name: format!("flash_attn_tc_{}_{suffix}", c.tag),
+                module: Module::Attention,
+                blocks: (a.nh, a.tq.div_ceil(c.bm())),
+                threads: c.nw * 32,
+                smem: c.shared_bytes(dtype.size()),
+            },
+            FlashPath::Hopper(c) => FlashEntry {
+                name: format!("flash_attn_{}_{suffix}", c.tag),
+                module: Module::AttentionSm90,
+                blocks: (a.nh, a.tq.div_ceil(WgConfig::BM)),
+                threads: WgConfig::THREADS,
+                smem: c.shared_bytes(),
+            },
+        })
+    }
+
+    /// How an entry point reads q, k and v: at their pointers with their row strides (the
+    /// generic and tensor-core kernels), or through TMA maps (the Hopper kernel). One lives on
+    /// the stack for one launch, so the maps' 384 bytes are not boxed.
+    #[allow(clippy::large_enum_variant)]
+    enum FlashInputs {
+        Rows([(DevPtr, i64); 3]),
+        Maps([TensorMap; 3]),
+    }
+
+    /// The Hopper kernel's maps read q in boxes of one consumer warpgroup's 64 rows and k and v
+    /// in boxes of a key tile.
+    fn flash_inputs(dtype: KernelDType, a: &FlashArgs, path: FlashPath) -> Result<FlashInputs> {
+        Ok(match path {
+            FlashPath::Hopper(_) => {
+                let (q_box, kv_box) = (WgConfig::BM / 2, WgConfig::BN);
+                FlashInputs::Maps([
+                    tensor_map(dtype, a.q, a.nh * a.dk, a.tq, a.q_stride, q_box)?,
+                    tensor_map(dtype, a.k, a.nkv * a.dk, a.tk, a.k_stride, kv_box)?,
+                    tensor_map(dtype, a.v, a.nkv * a.dv, a.tk, a.v_stride, kv_box)?,
+                ])
+            }
+            FlashPath::Generic | FlashPath::TensorCore(_) => FlashInputs::Rows([
+                (a.q, to_i64(a.q_stride, "q stride")?),
+                (a.k, to_i64(a.k_stride, "k stride")?),
+                (a.v, to_i64(a.v_stride, "v stride")?),
+            ]),
+        })
+    }
+
+    /// Launches an attention entry point with the arguments every one takes, in its order
+    /// (kernels/attention.cu, kernels/attention_sm90.cu): q, k and v (`inputs`), `out` and its
+    /// row stride, tq, tk, nh, nkv, dk and dv (`head_dims`: the generic kernel only), the scale,
+    /// the window and the sinks.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_flash(
+        dev: &CudaDevice,
+        func: &CudaFunction,
+        name: &str,
+        config: LaunchConfig,
+        a: &FlashArgs,
+        inputs: &FlashInputs,
+        head_dims: bool,
+        sinks: DevPtr,
+    ) -> Result<()> {
+        let o_stride = to_i64(a.o_stride, "out stride")?;
+        let sizes = [
+            to_i32(a.tq, name)?,
+            to_i32(a.tk, name)?,
+            to_i32(a.nh, name)?,
+            to_i32(a.nkv, name)?,
+        ];
+        let dims = [to_i32(a.dk, "dk")?, to_i32(a.dv, "dv")?];
+        let window = to_i32(a.window, "window")?;
+        let stream = dev.cuda_stream();
+        let mut args = stream.launch_builder(func);
+        match inputs {
+            FlashInputs::Rows(rows) => {
+                for (ptr, stride) in rows {
+                    args.arg(ptr).arg(stride);
+                }
+            }
+            FlashInputs::Maps(maps) => {
+                for map in maps {
+                    args.arg(map);
+                }
+            }
+        }
+        args.arg(&a.out).arg(&o_stride);
+        for n in &sizes {
+            args.arg(n);
+        }
+        if head_dims {
+            args.arg(&dims[0]).arg(&dims[1]);
+        }
+        args.arg(&a.scale).arg(&window).arg(&sinks);
+        // SAFETY: the arguments are the entry points' signatures (kernels/attention.cu,
+        // kernels/attention_sm90.cu, checked by the device tests); the buffers' sizes are the
+        // caller's contract, documented on `FlashArgs`.
+        unsafe { args.launch(config) }
+            .map_err(|e| candle_core::Error::Msg(format!("launching {name}: {e:?}")))?;
+        Ok(())
+    }
+
+    /// `wg_tile_check_bf16` (kernels/attention_sm90.cu, for the device test): `s_out[64, 128]` =
+    /// `q[64, 128] k[128, 128]^T` and `o_out[64, 128]` = `p[64, 128] v[128, 128]`, f32 out, the
+    /// inputs bf16 and contiguous.
+    pub fn wg_tile_check(
+        dev: &CudaDevice,
+        q: DevPtr,
+        k: DevPtr,
+        v: DevPtr,
+        p: DevPtr,
+        s_out: DevPtr,
+        o_out: DevPtr,
+    ) -> Result<()> {
+        let name = "wg_tile_check_bf16";
+        let func = function(dev, Module::AttentionSm90, name)?;
+        let smem = (2 * 64 * 128 + 4 * 128 * 128) + 1024;
+        allow_shared_memory(&func, smem, name)?;
+        let bf = KernelDType::BF16;
+        let q_map = tensor_map(bf, q, 128, 64, 128, 64)?;
+        let k_map = tensor_map(bf, k, 128, 128, 128, 128)?;
+        let v_map = tensor_map(bf, v, 128, 128, 128, 128)?;
+        launch!(
+            dev,
+            func,
+            name,
+            cfg((1, 1, 1), 128, smem)?,
+            [q_map, k_map, v_map, p, s_out, o_out]
+        );
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -590,7 +1059,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     mod device {
         use super::*;
-        use crate::kernels::cuda::{TC_CONFIGS, WG_CONFIGS};
+        use crate::kernels::attention::launch::{TC_CONFIGS, WG_CONFIGS};
 
         /// The CUDA device when it runs the Hopper kernels (sm_90), else `None` after saying why.
         fn hopper_device() -> Option<Device> {
@@ -598,7 +1067,7 @@ mod tests {
             let Device::Cuda(dev) = &gpu else {
                 return None;
             };
-            if !crate::kernels::cuda::hopper(dev) {
+            if !crate::kernels::dispatch::hopper(dev) {
                 eprintln!("skipped: not an sm_90 device (or EAGLE_CHECK_ATTENTION=mma)");
                 return None;
             }
@@ -865,7 +1334,7 @@ mod tests {
             };
             let (s_out, o_out) = (out(64 * 128), out(64 * 128));
             let ptr = |t: &Tensor| crate::kernels::cuda::tensor_ptr(t).unwrap();
-            crate::kernels::cuda::wg_tile_check(
+            crate::kernels::attention::launch::wg_tile_check(
                 dev,
                 ptr(&gq),
                 ptr(&gk),
@@ -894,7 +1363,7 @@ mod tests {
             let Device::Cuda(dev) = &gpu else {
                 unreachable!("hopper_device is a CUDA device")
             };
-            let llama = crate::kernels::cuda::FlashArgs {
+            let llama = crate::kernels::attention::launch::FlashArgs {
                 q: 0,
                 q_stride: 6144,
                 k: 8192,
@@ -913,8 +1382,12 @@ mod tests {
                 window: 0,
             };
             assert_eq!(
-                crate::kernels::cuda::flash_path(dev, crate::kernels::KernelDType::BF16, &llama),
-                crate::kernels::cuda::FlashPath::Hopper(WG_CONFIGS[0])
+                crate::kernels::attention::launch::flash_path(
+                    dev,
+                    crate::kernels::KernelDType::BF16,
+                    &llama
+                ),
+                crate::kernels::attention::launch::FlashPath::Hopper(WG_CONFIGS[0])
             );
             // The default path, which is the Hopper kernel here.
             realistic_cases(&gpu, |_, _| None);

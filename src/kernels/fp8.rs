@@ -117,10 +117,10 @@ impl CustomOp2 for Fp8Dequant {
             candle_core::bail!("fp8_dequant: expected F8E4M3/U8 weight and f32 scale_inv");
         }
         let out = cuda::alloc(&w.device, self.dtype, wm.rows * wm.cols)?;
-        cuda::fp8_dequant(
+        launch::fp8_dequant(
             &w.device,
             super::KernelDType::of(self.dtype)?,
-            &cuda::Fp8Args {
+            &launch::Fp8Args {
                 w: storage_ptr(w, wm.offset)?,
                 scale_inv: storage_ptr(s, sm.offset)?,
                 out: storage_ptr(&out, 0)?,
@@ -147,6 +147,61 @@ pub fn fp8_dequant(
     let scale = scale_inv.to_dtype(DType::F32)?.contiguous()?;
     w.contiguous()?
         .apply_op2_no_bwd(&scale, &Fp8Dequant { block, dtype })
+}
+
+/// The launch of `fp8_dequant_*` (kernels/fp8_dequant.cu) from raw device pointers: its arguments
+/// and the launch on the device's stream. The candle op above calls it.
+#[cfg(feature = "cuda")]
+pub mod launch {
+    use crate::kernels::cuda::{DevPtr, Module, cfg, function, grid_dim, launch};
+    use crate::kernels::{KernelDType, to_i32};
+    use candle_core::Result;
+    use candle_core::cuda_backend::CudaDevice;
+
+    /// `fp8_dequant_*`: see kernels/fp8_dequant.cu. `w` `[rows, cols]` E4M3 bytes, `scale_inv`
+    /// `[ceil(rows / block_rows), ceil(cols / block_cols)]` f32, `out` `[rows, cols]`; contiguous.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Fp8Args {
+        pub w: DevPtr,
+        pub scale_inv: DevPtr,
+        pub out: DevPtr,
+        pub rows: usize,
+        pub cols: usize,
+        pub block_rows: usize,
+        pub block_cols: usize,
+    }
+
+    pub fn fp8_dequant(dev: &CudaDevice, dtype: KernelDType, a: &Fp8Args) -> Result<()> {
+        if a.block_rows == 0 || a.block_cols == 0 {
+            candle_core::bail!(
+                "fp8_dequant: block {}x{} must be positive",
+                a.block_rows,
+                a.block_cols
+            );
+        }
+        if a.rows == 0 || a.cols == 0 {
+            return Ok(());
+        }
+        let name = format!("fp8_dequant_{}", dtype.suffix());
+        let func = function(dev, Module::Fp8, &name)?;
+        let config = cfg((grid_dim(a.rows, &name)?, 1, 1), 256, 0)?;
+        launch!(
+            dev,
+            func,
+            name,
+            config,
+            [
+                a.w,
+                a.scale_inv,
+                a.out,
+                to_i32(a.rows, "rows")?,
+                to_i32(a.cols, "cols")?,
+                to_i32(a.block_rows, "block rows")?,
+                to_i32(a.block_cols, "block cols")?,
+            ]
+        );
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -95,10 +95,10 @@ impl CustomOp2 for GatherRows {
         let rows = im.cols; // a rank-1 index tensor is one row of `len` columns
         let dtype = src.dtype();
         let out = cuda::alloc(&src.device, dtype, rows * sm.cols)?;
-        cuda::gather_rows(
+        launch::gather_rows(
             &src.device,
             super::KernelDType::of(dtype)?,
-            &cuda::GatherArgs {
+            &launch::GatherArgs {
                 src: storage_ptr(src, sm.offset)?,
                 src_stride: sm.stride,
                 src_rows: sm.rows,
@@ -118,6 +118,61 @@ impl CustomOp2 for GatherRows {
 /// an error.
 pub fn gather_rows(src: &Tensor, idx: &Tensor) -> Result<Tensor> {
     src.apply_op2_no_bwd(idx, &GatherRows)
+}
+
+/// The launch of `gather_rows_*` (kernels/gather.cu) from raw device pointers: its arguments and
+/// the launch on the device's stream. The candle op above calls it, and so does the runner's
+/// forward (`model::fast`).
+#[cfg(feature = "cuda")]
+pub mod launch {
+    use crate::kernels::cuda::{DevPtr, Module, cfg, function, grid_dim, launch, row_threads};
+    use crate::kernels::{KernelDType, to_i32, to_i64};
+    use candle_core::Result;
+    use candle_core::cuda_backend::CudaDevice;
+
+    /// `gather_rows_*`: see kernels/gather.cu. `src` is `[src_rows, cols]`, `idx` `[rows]` 32-bit,
+    /// `dst` `[rows, cols]`; an index outside `0..src_rows` gives a NaN row.
+    #[derive(Clone, Copy, Debug)]
+    pub struct GatherArgs {
+        pub src: DevPtr,
+        pub src_stride: usize,
+        pub src_rows: usize,
+        pub idx: DevPtr,
+        pub dst: DevPtr,
+        pub dst_stride: usize,
+        pub rows: usize,
+        pub cols: usize,
+    }
+
+    pub fn gather_rows(dev: &CudaDevice, dtype: KernelDType, a: &GatherArgs) -> Result<()> {
+        if a.rows == 0 || a.cols == 0 {
+            return Ok(());
+        }
+        let name = format!("gather_rows_{}", dtype.suffix());
+        let func = function(dev, Module::Gather, &name)?;
+        let config = cfg(
+            (grid_dim(a.rows, &name)?, 1, 1),
+            row_threads(a.cols, dtype.size()),
+            0,
+        )?;
+        launch!(
+            dev,
+            func,
+            name,
+            config,
+            [
+                a.src,
+                to_i64(a.src_stride, "src stride")?,
+                a.idx,
+                a.dst,
+                to_i64(a.dst_stride, "dst stride")?,
+                to_i32(a.rows, "rows")?,
+                to_i32(a.cols, "cols")?,
+                to_i32(a.src_rows, "src rows")?,
+            ]
+        );
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -26,6 +26,8 @@ pub mod silu_mul;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
+pub mod dispatch;
+#[cfg(feature = "cuda")]
 pub mod gemm;
 
 #[cfg(test)]

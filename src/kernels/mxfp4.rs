@@ -86,10 +86,10 @@ pub fn mxfp4_dequant(blocks: &Tensor, scales: &Tensor, dtype: DType) -> Result<T
         Device::Cuda(dev) => {
             use super::cuda;
             let out = cuda::alloc(dev, dtype, groups * 32)?;
-            cuda::mxfp4_dequant(
+            launch::mxfp4_dequant(
                 dev,
                 super::KernelDType::of(dtype)?,
-                &cuda::Mxfp4Args {
+                &launch::Mxfp4Args {
                     blocks: cuda::tensor_ptr(&blocks)?,
                     scales: cuda::tensor_ptr(&scales)?,
                     out: cuda::storage_ptr(&out, 0)?,
@@ -102,6 +102,45 @@ pub fn mxfp4_dequant(blocks: &Tensor, scales: &Tensor, dtype: DType) -> Result<T
             let _ = groups;
             candle_core::bail!("mxfp4_dequant: no kernel for {:?}", other.location())
         }
+    }
+}
+
+/// The launch of `mxfp4_dequant_*` (kernels/mxfp4.cu) from raw device pointers: its arguments and
+/// the launch on the device's stream. [`mxfp4_dequant`] calls it.
+#[cfg(feature = "cuda")]
+pub mod launch {
+    use crate::kernels::cuda::{DevPtr, Module, cfg, function, grid_dim, launch};
+    use crate::kernels::{KernelDType, to_i64};
+    use candle_core::Result;
+    use candle_core::cuda_backend::CudaDevice;
+
+    /// `mxfp4_dequant_*`: see kernels/mxfp4.cu. `blocks` `[groups, 16]` bytes, `scales`
+    /// `[groups]` bytes, `out` `[groups, 32]`; contiguous.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Mxfp4Args {
+        pub blocks: DevPtr,
+        pub scales: DevPtr,
+        pub out: DevPtr,
+        pub groups: usize,
+    }
+
+    pub fn mxfp4_dequant(dev: &CudaDevice, dtype: KernelDType, a: &Mxfp4Args) -> Result<()> {
+        if a.groups == 0 {
+            return Ok(());
+        }
+        let name = format!("mxfp4_dequant_{}", dtype.suffix());
+        let func = function(dev, Module::Mxfp4, &name)?;
+        // One thread per group, a grid-stride loop past 2^16 blocks of 256.
+        let blocks = a.groups.div_ceil(256).min(1 << 16);
+        let config = cfg((grid_dim(blocks, &name)?, 1, 1), 256, 0)?;
+        launch!(
+            dev,
+            func,
+            name,
+            config,
+            [a.blocks, a.scales, a.out, to_i64(a.groups, "groups")?]
+        );
+        Ok(())
     }
 }
 

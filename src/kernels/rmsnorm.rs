@@ -128,10 +128,10 @@ impl AddRmsNorm {
             ),
             None => (None, base, Shape::from((xm.rows, xm.cols))),
         };
-        cuda::add_rmsnorm(
+        launch::add_rmsnorm(
             dev,
             kd,
-            &cuda::RmsNormArgs {
+            &launch::RmsNormArgs {
                 x: storage_ptr(x.0, xm.offset)?,
                 x_stride: xm.stride,
                 delta: delta_ptr,
@@ -238,6 +238,71 @@ pub fn add_rms_norm(
             let both = x.apply_op3_no_bwd(d, w, &op)?;
             Ok((both.get(0)?, both.get(1)?))
         }
+    }
+}
+
+/// The launch of `add_rmsnorm_*` (kernels/rmsnorm.cu) from raw device pointers: its arguments and
+/// the launch on the device's stream. The candle op above calls it, and so do the runner's forward
+/// (`model::fast`) and DeepSeek's MLA on its own buffers.
+#[cfg(feature = "cuda")]
+pub mod launch {
+    use crate::kernels::cuda::{DevPtr, Module, cfg, function, grid_dim, launch, row_threads};
+    use crate::kernels::{KernelDType, to_i32, to_i64};
+    use candle_core::Result;
+    use candle_core::cuda_backend::CudaDevice;
+
+    /// `add_rmsnorm_*`: see kernels/rmsnorm.cu. Matrices are `[rows, cols]` with the given row
+    /// strides (elements); `w` is `[cols]`.
+    #[derive(Clone, Copy, Debug)]
+    pub struct RmsNormArgs {
+        pub x: DevPtr,
+        pub x_stride: usize,
+        /// The residual branch added to `x` before the norm, with its row stride.
+        pub delta: Option<(DevPtr, usize)>,
+        pub w: DevPtr,
+        /// Where `x + delta` is written, with its row stride (may alias `x` or `delta`).
+        pub resid: Option<(DevPtr, usize)>,
+        pub normed: DevPtr,
+        pub normed_stride: usize,
+        pub rows: usize,
+        pub cols: usize,
+        pub eps: f32,
+    }
+
+    pub fn add_rmsnorm(dev: &CudaDevice, dtype: KernelDType, a: &RmsNormArgs) -> Result<()> {
+        if a.rows == 0 || a.cols == 0 {
+            return Ok(());
+        }
+        let name = format!("add_rmsnorm_{}", dtype.suffix());
+        let func = function(dev, Module::Rmsnorm, &name)?;
+        let config = cfg(
+            (grid_dim(a.rows, &name)?, 1, 1),
+            row_threads(a.cols, dtype.size()),
+            0,
+        )?;
+        let (delta, delta_stride) = a.delta.unwrap_or((0, 0));
+        let (resid, resid_stride) = a.resid.unwrap_or((0, 0));
+        launch!(
+            dev,
+            func,
+            name,
+            config,
+            [
+                a.x,
+                to_i64(a.x_stride, "x stride")?,
+                delta,
+                to_i64(delta_stride, "delta stride")?,
+                a.w,
+                resid,
+                to_i64(resid_stride, "resid stride")?,
+                a.normed,
+                to_i64(a.normed_stride, "normed stride")?,
+                to_i32(a.rows, "rows")?,
+                to_i32(a.cols, "cols")?,
+                a.eps,
+            ]
+        );
+        Ok(())
     }
 }
 

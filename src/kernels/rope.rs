@@ -148,7 +148,7 @@ impl InplaceOp3 for Rope {
         sin: &candle_core::CudaStorage,
         sl: &Layout,
     ) -> Result<()> {
-        use super::cuda::{self, storage_ptr};
+        use super::cuda::storage_ptr;
         let p = &self.0;
         let xm = Matrix::of(xl, "rope x")?;
         p.check(xm.cols)?;
@@ -159,10 +159,10 @@ impl InplaceOp3 for Rope {
             candle_core::bail!("rope: cos and sin must be f32 tables");
         }
         let dtype = super::KernelDType::of(x.dtype())?;
-        cuda::rope(
+        launch::rope(
             &x.device.clone(),
             dtype,
-            &cuda::RopeArgs {
+            &launch::RopeArgs {
                 x: storage_ptr(x, xm.offset)?,
                 row_stride: xm.stride,
                 tokens: xm.rows,
@@ -199,6 +199,147 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, p: &RopeParams) -> Result<Te
     let out = x.copy()?;
     rope_in_place(&out, cos, sin, p)?;
     Ok(out)
+}
+
+/// The launch of `rope_*` and `rope_half_vec_*` (kernels/rope.cu) from raw device pointers: its
+/// arguments and the launch on the device's stream. The candle op above calls it, and so does the
+/// runner's forward (`model::fast`).
+#[cfg(feature = "cuda")]
+pub mod launch {
+    use crate::kernels::cuda::{DevPtr, Module, cfg, function, grid_dim, launch};
+    use crate::kernels::{KernelDType, to_i32, to_i64};
+    use candle_core::Result;
+    use candle_core::cuda_backend::CudaDevice;
+
+    /// `rope_*`: see kernels/rope.cu. Rotates `x[t * row_stride + h * head_stride + rot_offset + d]`
+    /// in place for d < rot_dim; `cos`, `sin` are `[tokens, rot_dim / 2]` f32, contiguous.
+    #[derive(Clone, Copy, Debug)]
+    pub struct RopeArgs {
+        pub x: DevPtr,
+        pub row_stride: usize,
+        pub tokens: usize,
+        pub heads: usize,
+        pub head_stride: usize,
+        pub rot_offset: usize,
+        pub rot_dim: usize,
+        pub cos: DevPtr,
+        pub sin: DevPtr,
+        pub interleaved: bool,
+    }
+
+    /// Warps (one (token, head) each) per rope block.
+    const ROPE_WARPS: usize = 4;
+    /// Threads per block of `rope_half_vec_*`.
+    const ROPE_VEC_THREADS: usize = 256;
+
+    /// Which rope kernel ran.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum RopeKernel {
+        /// `rope_*`: one warp per (token, head), any layout.
+        Warp,
+        /// `rope_half_vec_*`: 16-byte vectors, rotate-half with aligned rows.
+        HalfVec,
+    }
+
+    /// The kernel [`rope`] takes: [`RopeKernel::HalfVec`] for rotate-half when every row and head
+    /// start is 16-byte aligned and `rot_dim / 2` is a multiple of the vector width and of 4 (the
+    /// float4 reads of the tables), [`RopeKernel::Warp`] otherwise.
+    pub fn rope_kernel(dtype: KernelDType, a: &RopeArgs) -> RopeKernel {
+        let (size, half) = (dtype.size(), a.rot_dim / 2);
+        let vec = 16 / size;
+        let aligned = a.x.is_multiple_of(16)
+            && [a.row_stride, a.head_stride, a.rot_offset, half]
+                .iter()
+                .all(|n| (n * size).is_multiple_of(16))
+            && a.cos.is_multiple_of(16)
+            && a.sin.is_multiple_of(16);
+        if !a.interleaved && aligned && half.is_multiple_of(vec) && half.is_multiple_of(4) {
+            RopeKernel::HalfVec
+        } else {
+            RopeKernel::Warp
+        }
+    }
+
+    /// Rotates in place with the kernel [`rope_kernel`] picks, and says which one ran.
+    pub fn rope(dev: &CudaDevice, dtype: KernelDType, a: &RopeArgs) -> Result<RopeKernel> {
+        if a.rot_dim == 0 || !a.rot_dim.is_multiple_of(2) || a.rot_dim > 2048 {
+            candle_core::bail!("rope: rot_dim {} must be even and in 2..=2048", a.rot_dim);
+        }
+        let items = a
+            .tokens
+            .checked_mul(a.heads)
+            .ok_or_else(|| candle_core::Error::Msg("rope: tokens * heads overflows".into()))?;
+        let kernel = rope_kernel(dtype, a);
+        if items == 0 {
+            return Ok(kernel);
+        }
+        let (name, config) = match kernel {
+            RopeKernel::Warp => {
+                let name = format!("rope_{}", dtype.suffix());
+                let config = cfg(
+                    (grid_dim(items.div_ceil(ROPE_WARPS), &name)?, 1, 1),
+                    (ROPE_WARPS * 32) as u32,
+                    ROPE_WARPS * a.rot_dim * 4,
+                )?;
+                (name, config)
+            }
+            RopeKernel::HalfVec => {
+                let name = format!("rope_half_vec_{}", dtype.suffix());
+                let threads = items
+                    .checked_mul(a.rot_dim / 2 / (16 / dtype.size()))
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg("rope: thread count overflows".into())
+                    })?;
+                let config = cfg(
+                    (grid_dim(threads.div_ceil(ROPE_VEC_THREADS), &name)?, 1, 1),
+                    ROPE_VEC_THREADS as u32,
+                    0,
+                )?;
+                (name, config)
+            }
+        };
+        let func = function(dev, Module::Rope, &name)?;
+        let common = (
+            a.x,
+            to_i64(a.row_stride, "row stride")?,
+            to_i32(a.tokens, "tokens")?,
+            to_i32(a.heads, "heads")?,
+            to_i64(a.head_stride, "head stride")?,
+            to_i32(a.rot_offset, "rot_offset")?,
+            to_i32(a.rot_dim, "rot_dim")?,
+        );
+        match kernel {
+            RopeKernel::Warp => launch!(
+                dev,
+                func,
+                name,
+                config,
+                [
+                    common.0,
+                    common.1,
+                    common.2,
+                    common.3,
+                    common.4,
+                    common.5,
+                    common.6,
+                    a.cos,
+                    a.sin,
+                    i32::from(a.interleaved),
+                ]
+            ),
+            RopeKernel::HalfVec => launch!(
+                dev,
+                func,
+                name,
+                config,
+                [
+                    common.0, common.1, common.2, common.3, common.4, common.5, common.6, a.cos,
+                    a.sin,
+                ]
+            ),
+        }
+        Ok(kernel)
+    }
 }
 
 #[cfg(test)]
@@ -355,7 +496,7 @@ mod tests {
                 );
                 let window = xg.narrow(1, col, cols).unwrap();
                 let ptr = |t: &Tensor| crate::kernels::cuda::tensor_ptr(t).unwrap();
-                let args = crate::kernels::cuda::RopeArgs {
+                let args = crate::kernels::rope::launch::RopeArgs {
                     x: ptr(&window),
                     row_stride: width,
                     tokens,
@@ -370,7 +511,7 @@ mod tests {
                 let kd = crate::kernels::KernelDType::of(dtype).unwrap();
                 kernels.insert(format!(
                     "{:?}",
-                    crate::kernels::cuda::rope_kernel(kd, &args)
+                    crate::kernels::rope::launch::rope_kernel(kd, &args)
                 ));
                 rope_in_place(&window, &cg, &sg, &p).unwrap();
                 let got = xg.narrow(1, col, cols).unwrap();

@@ -3,8 +3,20 @@
 //! count per (slot, candidate), from which [`crate::score::Score::from_sums`] derives cosine, relative error
 //! and norm ratio exactly as [`crate::score::score_all`] does.
 
-pub use crate::score::{PairSums, ScoreKernel};
+pub use crate::score::PairSums;
 use candle_core::{DType, Device, Result, Tensor};
+
+/// Which partial-sums kernel of kernels/score.cu runs on a CUDA device (the same sums, added
+/// in another order: they agree to f32 rounding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScoreKernel {
+    /// `score_partials`: one block per (chunk, slot, four candidates).
+    PerSlot,
+    /// `score_partials_vec`: one block per (four candidates, chunk, four slots), float4 reads,
+    /// each reference value read once for every slot of the block; rows whose columns, stride
+    /// or base are not 16-byte multiples take `PerSlot` instead.
+    Vec4,
+}
 
 /// Where the slots and the reference states sit.
 #[derive(Clone, Copy, Debug)]
@@ -183,13 +195,13 @@ fn score_on_gpu(
     let ws = cuda::alloc(
         dev,
         DType::F64,
-        cuda::score_workspace_len(s.rows, s.slots, n),
+        launch::score_workspace_len(s.rows, s.slots, n),
     )?;
     let out = cuda::alloc(dev, DType::F64, s.slots * n * 3)?;
     let rows_out = cuda::alloc(dev, DType::I32, s.slots * n)?;
-    let ran = cuda::score(
+    let ran = launch::score(
         dev,
-        &cuda::ScoreArgs {
+        &launch::ScoreArgs {
             x: cuda::tensor_ptr(x)?,
             x_stride: s.x_stride,
             rows: s.rows,
@@ -221,6 +233,146 @@ fn score_on_gpu(
         })
         .collect();
     Ok((sums, ran))
+}
+
+/// The launch of `score_partials`, `score_partials_vec` and `score_finish` (kernels/score.cu) from
+/// raw device pointers: its arguments and the launch on the device's stream. [`score_slots`] calls
+/// it.
+#[cfg(feature = "cuda")]
+pub mod launch {
+    use super::ScoreKernel;
+    use crate::kernels::cuda::{DevPtr, Module, cfg, function, grid_dim, grid_dim_yz, launch};
+    use crate::kernels::{to_i32, to_i64};
+    use candle_core::Result;
+    use candle_core::cuda_backend::CudaDevice;
+
+    /// `score_partials` + `score_finish`: see kernels/score.cu. `x` `[rows, x_stride]` f32 holds
+    /// `slots` slots of `cols`; `refs` `[n_states, ref_rows, ref_stride]` f32; `cand_state`,
+    /// `cand_shift` `[n_cand]` i32; writes `out` `[slots, n_cand, 3]` f64 and `rows_out`
+    /// `[slots, n_cand]` i32, using `workspace` (`score_workspace_len` doubles).
+    #[derive(Clone, Copy, Debug)]
+    pub struct ScoreArgs {
+        pub x: DevPtr,
+        pub x_stride: usize,
+        pub rows: usize,
+        pub cols: usize,
+        pub slots: usize,
+        pub refs: DevPtr,
+        pub n_states: usize,
+        pub ref_rows: usize,
+        pub ref_stride: usize,
+        pub cand_state: DevPtr,
+        pub cand_shift: DevPtr,
+        pub n_cand: usize,
+        pub workspace: DevPtr,
+        pub out: DevPtr,
+        pub rows_out: DevPtr,
+    }
+
+    /// Captured rows per block of `score_partials`.
+    const SCORE_ROWS_PER_CHUNK: usize = 32;
+    /// Candidates per block (kernels/score.cu `SCORE_GROUP`).
+    const SCORE_GROUP: usize = 4;
+
+    /// Doubles of workspace [`score`] needs.
+    pub fn score_workspace_len(rows: usize, slots: usize, n_cand: usize) -> usize {
+        slots * n_cand * rows.div_ceil(SCORE_ROWS_PER_CHUNK).max(1) * 3
+    }
+
+    /// Slots per block of `score_partials_vec` (kernels/score.cu `SCORE_SLOTS`).
+    const SCORE_SLOTS: usize = 4;
+    /// Threads per block of `score_partials_vec`.
+    const SCORE_VEC_THREADS: u32 = 128;
+
+    /// Launches the scoring with `kernel`, or with `score_partials` where `Vec4` cannot read the
+    /// rows as float4s (a column count, stride or base not a multiple of 16 bytes). Returns the
+    /// kernel that ran.
+    pub fn score(dev: &CudaDevice, a: &ScoreArgs, kernel: ScoreKernel) -> Result<ScoreKernel> {
+        if a.slots == 0 || a.n_cand == 0 {
+            return Ok(kernel);
+        }
+        let aligned = a.cols.is_multiple_of(4)
+            && a.x_stride.is_multiple_of(4)
+            && a.ref_stride.is_multiple_of(4)
+            && a.x.is_multiple_of(16)
+            && a.refs.is_multiple_of(16);
+        let kernel = match kernel {
+            ScoreKernel::Vec4 if !aligned => ScoreKernel::PerSlot,
+            k => k,
+        };
+        let chunks = a.rows.div_ceil(SCORE_ROWS_PER_CHUNK).max(1);
+        let groups = a.n_cand.div_ceil(SCORE_GROUP);
+        let (name, grid, threads) = match kernel {
+            ScoreKernel::PerSlot => (
+                "score_partials",
+                (
+                    grid_dim(chunks, "score_partials")?,
+                    grid_dim_yz(a.slots, "score_partials slots")?,
+                    grid_dim_yz(groups, "score_partials candidates")?,
+                ),
+                256,
+            ),
+            ScoreKernel::Vec4 => (
+                "score_partials_vec",
+                (
+                    grid_dim(groups, "score_partials_vec candidates")?,
+                    grid_dim_yz(chunks, "score_partials_vec chunks")?,
+                    grid_dim_yz(a.slots.div_ceil(SCORE_SLOTS), "score_partials_vec slots")?,
+                ),
+                SCORE_VEC_THREADS,
+            ),
+        };
+        let partials = function(dev, Module::Score, name)?;
+        let n_cand = to_i32(a.n_cand, "candidates")?;
+        let (rows, ref_rows) = (to_i32(a.rows, "rows")?, to_i32(a.ref_rows, "ref rows")?);
+        launch!(
+            dev,
+            partials,
+            name,
+            cfg(grid, threads, 0)?,
+            [
+                a.x,
+                to_i64(a.x_stride, "x stride")?,
+                rows,
+                to_i32(a.cols, "cols")?,
+                to_i32(a.slots, "slots")?,
+                a.refs,
+                to_i32(a.n_states, "states")?,
+                ref_rows,
+                to_i64(a.ref_stride, "ref stride")?,
+                a.cand_state,
+                a.cand_shift,
+                n_cand,
+                SCORE_ROWS_PER_CHUNK as i32,
+                a.workspace,
+            ]
+        );
+        let finish = function(dev, Module::Score, "score_finish")?;
+        let pairs = a.slots * a.n_cand;
+        let config = cfg(
+            (grid_dim(pairs.div_ceil(256), "score_finish")?, 1, 1),
+            256,
+            0,
+        )?;
+        launch!(
+            dev,
+            finish,
+            "score_finish",
+            config,
+            [
+                a.workspace,
+                to_i32(chunks, "chunks")?,
+                to_i32(a.slots, "slots")?,
+                n_cand,
+                rows,
+                ref_rows,
+                a.cand_shift,
+                a.out,
+                a.rows_out,
+            ]
+        );
+        Ok(kernel)
+    }
 }
 
 #[cfg(test)]

@@ -69,10 +69,10 @@ impl CustomOp2 for SiluMul {
         let (gm, um) = shapes(gl, ul)?;
         let dtype = g.dtype();
         let out = cuda::alloc(&g.device, dtype, gm.rows * gm.cols)?;
-        cuda::silu_mul(
+        launch::silu_mul(
             &g.device,
             super::KernelDType::of(dtype)?,
-            &cuda::SiluMulArgs {
+            &launch::SiluMulArgs {
                 gate: storage_ptr(g, gm.offset)?,
                 g_stride: gm.stride,
                 up: storage_ptr(u, um.offset)?,
@@ -94,6 +94,107 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         candle_core::bail!("silu_mul: gate is {:?}, up {:?}", gate.dtype(), up.dtype());
     }
     gate.apply_op2_no_bwd(up, &SiluMul)
+}
+
+/// The launch of `silu_mul_*` and `silu_mul_vec_*` (kernels/silu_mul.cu) from raw device pointers:
+/// its arguments and the launch on the device's stream. The candle op above calls it, and so does
+/// the runner's forward (`model::fast`).
+#[cfg(feature = "cuda")]
+pub mod launch {
+    use crate::kernels::cuda::{DevPtr, Module, cfg, function, grid_dim, launch, row_threads};
+    use crate::kernels::{KernelDType, to_i32, to_i64};
+    use candle_core::Result;
+    use candle_core::cuda_backend::CudaDevice;
+
+    /// `silu_mul_*`: see kernels/silu_mul.cu. Three `[rows, cols]` matrices at their row strides.
+    #[derive(Clone, Copy, Debug)]
+    pub struct SiluMulArgs {
+        pub gate: DevPtr,
+        pub g_stride: usize,
+        pub up: DevPtr,
+        pub u_stride: usize,
+        pub out: DevPtr,
+        pub o_stride: usize,
+        pub rows: usize,
+        pub cols: usize,
+    }
+
+    /// Which SiLU-mul kernel ran.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum SiluKernel {
+        /// `silu_mul_*`: one block per row, any layout.
+        Row,
+        /// `silu_mul_vec_*`: one thread per 16-byte vector over the whole matrix.
+        Flat,
+    }
+
+    /// Threads per block of `silu_mul_vec_*`.
+    const SILU_VEC_THREADS: usize = 256;
+
+    /// [`SiluKernel::Flat`] when every row of the three matrices starts 16-byte aligned and `cols`
+    /// is a multiple of the vector width, [`SiluKernel::Row`] otherwise.
+    pub fn silu_kernel(dtype: KernelDType, a: &SiluMulArgs) -> SiluKernel {
+        let size = dtype.size();
+        let aligned = [a.gate, a.up, a.out].iter().all(|p| p.is_multiple_of(16))
+            && [a.g_stride, a.u_stride, a.o_stride]
+                .iter()
+                .all(|s| (s * size).is_multiple_of(16));
+        if aligned && a.cols.is_multiple_of(16 / size) {
+            SiluKernel::Flat
+        } else {
+            SiluKernel::Row
+        }
+    }
+
+    /// Runs the kernel [`silu_kernel`] picks and says which one ran.
+    pub fn silu_mul(dev: &CudaDevice, dtype: KernelDType, a: &SiluMulArgs) -> Result<SiluKernel> {
+        let kernel = silu_kernel(dtype, a);
+        if a.rows == 0 || a.cols == 0 {
+            return Ok(kernel);
+        }
+        let (name, config) = match kernel {
+            SiluKernel::Row => {
+                let name = format!("silu_mul_{}", dtype.suffix());
+                let config = cfg(
+                    (grid_dim(a.rows, &name)?, 1, 1),
+                    row_threads(a.cols, dtype.size()),
+                    0,
+                )?;
+                (name, config)
+            }
+            SiluKernel::Flat => {
+                let name = format!("silu_mul_vec_{}", dtype.suffix());
+                let vectors = a
+                    .rows
+                    .checked_mul(a.cols / (16 / dtype.size()))
+                    .ok_or_else(|| candle_core::Error::Msg("silu_mul: size overflows".into()))?;
+                let config = cfg(
+                    (grid_dim(vectors.div_ceil(SILU_VEC_THREADS), &name)?, 1, 1),
+                    SILU_VEC_THREADS as u32,
+                    0,
+                )?;
+                (name, config)
+            }
+        };
+        let func = function(dev, Module::SiluMul, &name)?;
+        launch!(
+            dev,
+            func,
+            name,
+            config,
+            [
+                a.gate,
+                to_i64(a.g_stride, "gate stride")?,
+                a.up,
+                to_i64(a.u_stride, "up stride")?,
+                a.out,
+                to_i64(a.o_stride, "out stride")?,
+                to_i32(a.rows, "rows")?,
+                to_i32(a.cols, "cols")?,
+            ]
+        );
+        Ok(kernel)
+    }
 }
 
 #[cfg(test)]
@@ -148,7 +249,7 @@ mod tests {
                     gug.narrow(1, cols, cols).unwrap(),
                 );
                 let ptr = |t: &Tensor| crate::kernels::cuda::tensor_ptr(t).unwrap();
-                let args = crate::kernels::cuda::SiluMulArgs {
+                let args = crate::kernels::silu_mul::launch::SiluMulArgs {
                     gate: ptr(&g),
                     g_stride: 2 * cols,
                     up: ptr(&u),
@@ -161,7 +262,7 @@ mod tests {
                 let kd = crate::kernels::KernelDType::of(dtype).unwrap();
                 kernels.insert(format!(
                     "{:?}",
-                    crate::kernels::cuda::silu_kernel(kd, &args)
+                    crate::kernels::silu_mul::launch::silu_kernel(kd, &args)
                 ));
                 let got = silu_mul(&g, &u).unwrap();
                 // CUDA's expf is within 2 ulp of the CPU's exp: a few f32 ulps, at most one

@@ -247,16 +247,17 @@ impl Mla {
         };
         #[cfg(feature = "cuda")]
         if let (Some((wk, wv)), candle_core::Device::Cuda(cuda_dev)) = (&self.kv_b_split, dev) {
-            use crate::kernels::cuda::{self, tensor_ptr};
+            use crate::kernels::cuda::tensor_ptr;
+            use crate::kernels::rmsnorm::launch::{RmsNormArgs, add_rmsnorm};
             // kv_a's output in place: the latent normed, the rope key rotated; then the keys
             // and values as one GEMM each (see `kv_b_split`).
             let ckv = ckv.contiguous()?;
             let width = self.kv_rank + rd;
             let p = tensor_ptr(&ckv)?;
-            cuda::add_rmsnorm(
+            add_rmsnorm(
                 cuda_dev,
                 kernels::KernelDType::of(ckv.dtype())?,
-                &cuda::RmsNormArgs {
+                &RmsNormArgs {
                     x: p,
                     x_stride: width,
                     delta: None,

@@ -23,8 +23,13 @@ use super::{Capture, CaptureRequest, EmbedRows, Progress, Target, phases};
 use crate::config::ModelConfig;
 use crate::error::{CandleContext, Result};
 use crate::kernels::KernelDType;
+use crate::kernels::attention::launch::{FlashArgs, flash_attn};
 use crate::kernels::cuda::{self, DevPtr, tensor_ptr};
+use crate::kernels::gather::launch::{GatherArgs, gather_rows};
 use crate::kernels::gemm::{GemmArgs, gemm_add_raw, gemm_raw};
+use crate::kernels::rmsnorm::launch::{RmsNormArgs, add_rmsnorm};
+use crate::kernels::rope::launch::{RopeArgs, rope};
+use crate::kernels::silu_mul::launch::{SiluMulArgs, silu_mul};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Tensor};
 
@@ -193,10 +198,10 @@ impl FastLlama {
         if let Some(b) = &p.b {
             // Every row of `out` starts as the bias (row 0 of a one-row matrix, gathered T
             // times), then the GEMM accumulates onto it.
-            cuda::gather_rows(
+            gather_rows(
                 &self.dev,
                 self.kd,
-                &cuda::GatherArgs {
+                &GatherArgs {
                     src: ptr(b)?,
                     src_stride: p.n,
                     src_rows: 1,
@@ -317,10 +322,10 @@ impl FastLlama {
         phases::mark("start", &device);
         launch(
             "embedding",
-            cuda::gather_rows(
+            gather_rows(
                 &self.dev,
                 self.kd,
-                &cuda::GatherArgs {
+                &GatherArgs {
                     src: ptr(&self.inner.embed)?,
                     src_stride: h,
                     src_rows: cfg.vocab_size,
@@ -334,10 +339,10 @@ impl FastLlama {
         )?;
         launch(
             "input norm",
-            cuda::add_rmsnorm(
+            add_rmsnorm(
                 &self.dev,
                 self.kd,
-                &cuda::RmsNormArgs {
+                &RmsNormArgs {
                     x: caps_p,
                     x_stride: h,
                     delta: None,
@@ -389,10 +394,10 @@ impl FastLlama {
                     if let Some(w) = w {
                         launch(
                             "q/k norm",
-                            cuda::add_rmsnorm(
+                            add_rmsnorm(
                                 &self.dev,
                                 self.kd,
-                                &cuda::RmsNormArgs {
+                                &RmsNormArgs {
                                     x: base,
                                     x_stride: hd,
                                     delta: None,
@@ -412,10 +417,10 @@ impl FastLlama {
             };
             phases::mark("qkv gemm", &device);
             let rope_on = |base: DevPtr, stride: usize, heads: usize| {
-                cuda::rope(
+                rope(
                     &self.dev,
                     self.kd,
-                    &cuda::RopeArgs {
+                    &RopeArgs {
                         x: base,
                         row_stride: stride,
                         tokens: t,
@@ -440,10 +445,10 @@ impl FastLlama {
             phases::mark("rope", &device);
             launch(
                 "attention",
-                cuda::flash_attn(
+                flash_attn(
                     &self.dev,
                     self.kd,
-                    &cuda::FlashArgs {
+                    &FlashArgs {
                         q,
                         q_stride: qs,
                         k,
@@ -483,10 +488,10 @@ impl FastLlama {
             phases::mark("o gemm", &device);
             launch(
                 "post-attention norm",
-                cuda::add_rmsnorm(
+                add_rmsnorm(
                     &self.dev,
                     self.kd,
-                    &cuda::RmsNormArgs {
+                    &RmsNormArgs {
                         x: if folded { mid_p } else { x },
                         x_stride: h,
                         delta: (!folded).then_some((proj_p, h)),
@@ -512,10 +517,10 @@ impl FastLlama {
             phases::mark("gate_up gemm", &device);
             launch(
                 "silu-mul",
-                cuda::silu_mul(
+                silu_mul(
                     &self.dev,
                     self.kd,
-                    &cuda::SiluMulArgs {
+                    &SiluMulArgs {
                         gate: gu_p,
                         g_stride: 2 * inter,
                         up: gu_p + inter as u64 * el,
@@ -556,10 +561,10 @@ impl FastLlama {
             phases::mark("down gemm", &device);
             launch(
                 "residual add + norm",
-                cuda::add_rmsnorm(
+                add_rmsnorm(
                     &self.dev,
                     self.kd,
-                    &cuda::RmsNormArgs {
+                    &RmsNormArgs {
                         x: if folded { next_x } else { mid_p },
                         x_stride: h,
                         delta: (!folded).then_some((down_out, h)),

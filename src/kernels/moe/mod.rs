@@ -9,7 +9,11 @@
 //! (weighted sum of each token's picks plus the shared expert).
 //!
 //! These ops have several outputs (or four inputs), so they dispatch on the device themselves
-//! instead of going through a candle `CustomOp`.
+//! instead of going through a candle `CustomOp`. Their launches from raw device pointers are
+//! [`launch`].
+
+#[cfg(feature = "cuda")]
+pub mod launch;
 
 use super::{Elem, with_float_type};
 pub use crate::routing::Routing as RouteParams;
@@ -77,9 +81,9 @@ pub fn moe_route(logits: &Tensor, bias: &Tensor, p: &RouteParams) -> Result<MoeR
                 cuda::alloc(dev, DType::U32, n)?,
                 cuda::alloc(dev, DType::F32, n)?,
             );
-            cuda::moe_route(
+            launch::moe_route(
                 dev,
-                &cuda::MoeRouteArgs {
+                &launch::MoeRouteArgs {
                     logits: cuda::tensor_ptr(&logits)?,
                     bias: cuda::tensor_ptr(&bias)?,
                     topk_idx: cuda::storage_ptr(&idx, 0)?,
@@ -197,15 +201,15 @@ pub fn moe_plan(topk_idx: &Tensor, experts: usize) -> Result<MoePlan> {
             let ws = cuda::alloc(
                 dev,
                 DType::U32,
-                cuda::moe_plan_workspace_len(tokens, experts),
+                launch::moe_plan_workspace_len(tokens, experts),
             )?;
             let counts = cuda::alloc(dev, DType::U32, experts)?;
             let offsets = cuda::alloc(dev, DType::U32, experts + 1)?;
             let perm = cuda::alloc(dev, DType::U32, n)?;
             let row_of = cuda::alloc(dev, DType::U32, n)?;
-            cuda::moe_plan(
+            launch::moe_plan(
                 dev,
-                &cuda::MoePlanArgs {
+                &launch::MoePlanArgs {
                     topk_idx: cuda::tensor_ptr(&idx)?,
                     tokens,
                     k,
@@ -310,10 +314,10 @@ pub fn moe_combine(
         Device::Cuda(dev) => {
             use super::cuda;
             let out = cuda::alloc(dev, ys.dtype(), tokens * hidden)?;
-            cuda::moe_combine(
+            launch::moe_combine(
                 dev,
                 super::KernelDType::of(ys.dtype())?,
-                &cuda::MoeCombineArgs {
+                &launch::MoeCombineArgs {
                     ys: cuda::tensor_ptr(&ys)?,
                     row_of: cuda::tensor_ptr(&row_of)?,
                     topk_w: cuda::tensor_ptr(&w)?,
@@ -623,8 +627,10 @@ pub fn moe_experts(
         )),
         #[cfg(feature = "cuda")]
         Device::Cuda(dev) => {
-            use super::cuda::{self, MoeGemmArgs, MoeGemmKind};
+            use super::cuda;
+            use super::dispatch::hopper_experts;
             use candle_core::cuda_backend::CudaStorage;
+            use launch::{MoeGemmArgs, MoeGemmKind};
             let dtype = super::KernelDType::of(sorted.dtype())?;
             let (rows, inter) = (sorted.dims2()?.0, w.dims()?.1);
             let args = |kind: MoeGemmKind,
@@ -647,18 +653,18 @@ pub fn moe_experts(
                     n_out,
                 })
             };
-            if cuda::hopper_experts(dev) && w.plain() {
+            if hopper_experts(dev) && w.plain() {
                 let act = cuda::alloc(dev, sorted.dtype(), rows * inter)?;
                 let first = args(MoeGemmKind::GateUp, &sorted, h, &w.gate_up, &act, inter)?;
                 let act = cuda::tensor(act, (rows, inter));
                 let out = cuda::alloc(dev, sorted.dtype(), rows * h)?;
                 let down = args(MoeGemmKind::Down, &act, inter, &w.down, &out, h)?;
                 if first.unsupported(dtype).is_none() && down.unsupported(dtype).is_none() {
-                    cuda::moe_gemm_wg(dev, dtype, &first)?;
-                    cuda::moe_gemm_wg(dev, dtype, &down)?;
+                    launch::moe_gemm_wg(dev, dtype, &first)?;
+                    launch::moe_gemm_wg(dev, dtype, &down)?;
                     return Ok((cuda::tensor(out, (rows, h)), ExpertsPath::Hopper));
                 }
-            } else if cuda::hopper_experts(dev) {
+            } else if hopper_experts(dev) {
                 // The gate/up GEMM without its SiLU-mul epilogue: the `down` kernel over the
                 // 2I rows of each expert's gate_up block.
                 let gu = cuda::alloc(dev, sorted.dtype(), rows * 2 * inter)?;
@@ -669,9 +675,9 @@ pub fn moe_experts(
                 let out = cuda::alloc(dev, sorted.dtype(), rows * h)?;
                 let down = args(MoeGemmKind::Down, &act, inter, &w.down, &out, h)?;
                 if first.unsupported(dtype).is_none() && down.unsupported(dtype).is_none() {
-                    cuda::moe_gemm_wg(dev, dtype, &first)?;
+                    launch::moe_gemm_wg(dev, dtype, &first)?;
                     expert_act_on_device(&gu, &act, offsets, w)?;
-                    cuda::moe_gemm_wg(dev, dtype, &down)?;
+                    launch::moe_gemm_wg(dev, dtype, &down)?;
                     let out = cuda::tensor(out, (rows, h));
                     expert_down_bias_on_device(&out, offsets, w)?;
                     return Ok((out, ExpertsPath::Hopper));
@@ -698,9 +704,9 @@ fn expert_act_on_device(
     };
     let (rows, inter) = act.dims2()?;
     let kind = match w.act {
-        ExpertAct::SiluMul => cuda::ExpertActKind::SiluMul,
+        ExpertAct::SiluMul => launch::ExpertActKind::SiluMul,
         ExpertAct::ClampedSwiglu { alpha, limit } => {
-            cuda::ExpertActKind::ClampedSwiglu { alpha, limit }
+            launch::ExpertActKind::ClampedSwiglu { alpha, limit }
         }
     };
     let bias = w
@@ -708,10 +714,10 @@ fn expert_act_on_device(
         .as_ref()
         .map(Tensor::contiguous)
         .transpose()?;
-    cuda::expert_act(
+    launch::expert_act(
         dev,
         super::KernelDType::of(gu.dtype())?,
-        &cuda::ExpertActArgs {
+        &launch::ExpertActArgs {
             gu: cuda::tensor_ptr(gu)?,
             gu_stride: 2 * inter,
             bias: bias.as_ref().map(cuda::tensor_ptr).transpose()?,
@@ -739,10 +745,10 @@ fn expert_down_bias_on_device(out: &Tensor, offsets: &Tensor, w: &StackedExperts
     };
     let (rows, h) = out.dims2()?;
     let bias = bias.contiguous()?;
-    cuda::expert_bias_add(
+    launch::expert_bias_add(
         dev,
         super::KernelDType::of(out.dtype())?,
-        &cuda::ExpertBiasArgs {
+        &launch::ExpertBiasArgs {
             y: cuda::tensor_ptr(out)?,
             y_stride: h,
             bias: cuda::tensor_ptr(&bias)?,
@@ -1138,7 +1144,7 @@ mod tests {
         let Device::Cuda(dev) = &gpu else {
             unreachable!("cuda_device is a CUDA device")
         };
-        let hopper = crate::kernels::cuda::hopper_experts(dev);
+        let hopper = crate::kernels::dispatch::hopper_experts(dev);
         if !hopper {
             eprintln!("skipped the Hopper expert kernel: not an sm_90 device");
         }
@@ -1379,7 +1385,7 @@ mod tests {
         let Device::Cuda(dev) = &gpu else {
             unreachable!("cuda_device is a CUDA device")
         };
-        let hopper = crate::kernels::cuda::hopper_experts(dev);
+        let hopper = crate::kernels::dispatch::hopper_experts(dev);
         if !hopper {
             eprintln!("skipped the Hopper expert kernel: not an sm_90 device");
         }
