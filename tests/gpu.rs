@@ -74,7 +74,7 @@ fn worst(name: &str, cfg: &ModelConfig, cap: &Capture) -> f64 {
     worst
 }
 
-const TARGETS: [&str; 15] = [
+const TARGETS: [&str; 16] = [
     "llama",
     "llama_linear_bias",
     "mistral",
@@ -90,10 +90,11 @@ const TARGETS: [&str; 15] = [
     "glm4_moe_lite",
     "gpt_oss",
     "gpt_oss_mxfp4",
+    "llama4",
 ];
 
 /// The MoE fixtures whose routing the GPU must reproduce.
-const MOE_TARGETS: [&str; 10] = [
+const MOE_TARGETS: [&str; 11] = [
     "deepseek_v3",
     "deepseek_v3_noq",
     "qwen3_moe",
@@ -104,6 +105,7 @@ const MOE_TARGETS: [&str; 10] = [
     "glm4_moe_lite",
     "gpt_oss",
     "gpt_oss_mxfp4",
+    "llama4",
 ];
 
 #[test]

@@ -23,7 +23,7 @@ use std::path::Path;
 const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
 
 /// (fixture, the HF modeling file its numbers come from)
-const FAMILIES: [(&str, &str); 8] = [
+const FAMILIES: [(&str, &str); 9] = [
     ("qwen3_moe", "models/qwen3_moe/modeling_qwen3_moe.py"),
     ("qwen2_moe", "models/qwen2_moe/modeling_qwen2_moe.py"),
     ("minimax_m2", "models/minimax_m2/modeling_minimax_m2.py"),
@@ -38,6 +38,7 @@ const FAMILIES: [(&str, &str); 8] = [
         "gpt_oss_mxfp4",
         "models/gpt_oss/modeling_gpt_oss.py + integrations/mxfp4.py",
     ),
+    ("llama4", "models/llama4/modeling_llama4.py"),
 ];
 
 fn reference(name: &str) -> HashMap<String, Tensor> {
@@ -248,6 +249,34 @@ fn planted_family_bugs_break_the_parity() {
     assert!(
         worst_of(&full_rope, "glm4_moe") > 1e-2,
         "full rotary must fail"
+    );
+    // Llama-4 (modeling_llama4.py): chunked attention off (every layer attends over every
+    // earlier position), the NoPE layers' temperature off, and rope on the NoPE layers.
+    let llama4 = |tag: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        worst_of(&planted("llama4", tag, edit, |_| {}), "llama4")
+    };
+    let n = 4;
+    let unchunked = llama4("chunks", &|c| {
+        c["layer_types"] = serde_json::json!(vec!["full_attention"; n]);
+    });
+    assert!(
+        unchunked > 1e-2,
+        "chunked attention off must fail: {unchunked:.2e}"
+    );
+    let untempered = llama4("temperature", &|c| {
+        c["attn_temperature_tuning"] = serde_json::json!(false);
+    });
+    assert!(
+        untempered > 1e-3,
+        "temperature off must fail: {untempered:.2e}"
+    );
+    let all_rope = llama4("nope", &|c| {
+        c["no_rope_layers"] = serde_json::json!(vec![1; n]);
+        c["layer_types"] = serde_json::json!(vec!["chunked_attention"; n]);
+    });
+    assert!(
+        all_rope > 1e-2,
+        "rope on the NoPE layers must fail: {all_rope:.2e}"
     );
 }
 
@@ -548,5 +577,51 @@ fn mxfp4_experts_dequantise_as_transformers_does() {
             .zip(&want)
             .all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "{name}: our MXFP4 values differ from transformers'");
+    }
+}
+
+/// Llama-4 Scout's published config (the `Llama4ForConditionalGeneration` wrapper, its text
+/// model under `text_config`) resolves as `Llama4TextConfig.__post_init__` fills it in, and
+/// gates on both engines.
+#[test]
+fn llama4_scout_config_resolves_and_gates() {
+    let file = "target_llama-4-scout-17b-16e-instruct__aiconfigurator_model_configs.json";
+    let path = fixture(&format!("real-configs/targets/{file}"));
+    let dir = scratch("llama4-scout");
+    let cfg_path = dir.join("config.json");
+    std::fs::copy(&path, &cfg_path).unwrap();
+    let cfg = ModelConfig::load(&cfg_path).unwrap();
+    assert_eq!(cfg.arch, eagle_check::config::Arch::Llama4);
+    assert_eq!(
+        (cfg.num_layers, cfg.hidden_size, cfg.head_dim),
+        (48, 5120, 128)
+    );
+    // Dense layers would be intermediate_size_mlp wide; Scout has none (interleave step 1).
+    assert_eq!(cfg.intermediate_size, 16384);
+    let moe = cfg.moe.as_ref().unwrap();
+    assert_eq!(
+        (moe.n_routed_experts, moe.k(), moe.moe_intermediate_size),
+        (16, 1, 8192)
+    );
+    assert_eq!(moe.shared_intermediate, 8192);
+    assert!(moe.weights_on_input && !moe.routing.norm_topk);
+    assert!((0..48).all(|l| moe.is_moe_layer(l)));
+    let l4 = cfg.llama4.as_ref().unwrap();
+    let nope: Vec<usize> = (0..48).filter(|&l| !l4.rope_layers[l]).collect();
+    assert_eq!(nope, (3..48).step_by(4).collect::<Vec<_>>());
+    assert_eq!(l4.chunk, 8192);
+    assert_eq!(l4.chunked_layers, l4.rope_layers);
+    assert!(l4.l2_qk_norm);
+    assert_eq!(l4.temperature, Some((0.1, 8192.0)));
+    let spec = dir.join("spec.yaml");
+    std::fs::write(
+        &spec,
+        "name: scout\ncapture:\n  boundaries: [2, 24, 45]\nfc: { in_features: 15360 }\n",
+    )
+    .unwrap();
+    let draft = draft_for(&dir, 5120, 202048);
+    for engine in ["sglang", "vllm"] {
+        let out = crate::support::gate_json(&spec, &draft, Some(&cfg_path), engine);
+        assert_ne!(out.code, 2, "Scout on {engine}: {}", out.stdout);
     }
 }

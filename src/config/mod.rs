@@ -84,6 +84,20 @@ pub struct ConfigFile {
     pub rotary_dim: Option<usize>,
     pub swiglu_alpha: Option<f64>,
     pub swiglu_limit: Option<f64>,
+    // Llama-4.
+    pub intermediate_size_mlp: Option<usize>,
+    #[serde(default, deserialize_with = "null_as_none")]
+    pub moe_layers: Option<Vec<usize>>,
+    pub interleave_moe_layer_step: Option<usize>,
+    #[serde(default, deserialize_with = "null_as_none")]
+    pub no_rope_layers: Option<Vec<u8>>,
+    pub no_rope_layer_interval: Option<usize>,
+    /// Absent: `Llama4TextConfig`'s 8192; `null`: no chunking.
+    #[serde(default, deserialize_with = "present")]
+    pub attention_chunk_size: Option<Option<usize>>,
+    pub attn_temperature_tuning: Option<bool>,
+    pub floor_scale: Option<f64>,
+    pub attn_scale: Option<f64>,
 }
 
 /// An optional value that may be written as `null`.
@@ -93,6 +107,16 @@ where
     T: Deserialize<'de>,
 {
     Option::<T>::deserialize(de)
+}
+
+/// A key that may be written as `null`, told apart from an absent one (`#[serde(default)]`
+/// gives `None` for absent; this gives `Some(None)` for `null`).
+fn present<'de, D, T>(de: D) -> std::result::Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Ok(Some(Option::<T>::deserialize(de)?))
 }
 
 /// A list that may be written as `null`: read as empty.
@@ -123,6 +147,8 @@ pub enum Arch {
     /// GLM-4.7-Flash: DeepSeek-V3's MLA and MoE under another name.
     Glm4MoeLite,
     GptOss,
+    /// Llama-4 Scout / Maverick text (`llama4_text`, and `llama4`'s `text_config`).
+    Llama4,
 }
 
 /// The `model_type`s the runner executes, in the order a refusal lists them.
@@ -139,6 +165,8 @@ pub const RUNNABLE_MODEL_TYPES: &[&str] = &[
     "glm4_moe",
     "glm4_moe_lite",
     "gpt_oss",
+    "llama4",
+    "llama4_text",
 ];
 
 impl Arch {
@@ -155,6 +183,7 @@ impl Arch {
             "glm4_moe" => Arch::Glm4Moe,
             "glm4_moe_lite" => Arch::Glm4MoeLite,
             "gpt_oss" => Arch::GptOss,
+            "llama4_text" | "llama4" => Arch::Llama4,
             _ => return None,
         })
     }
@@ -261,6 +290,8 @@ pub struct ModelConfig {
     /// gpt-oss: a learned per-head logit in every softmax denominator (`self_attn.sinks`).
     pub attn_sinks: bool,
     pub mla: Option<MlaConfig>,
+    /// Llama-4's per-layer attention (NoPE layers, chunked attention, temperature tuning).
+    pub llama4: Option<Llama4Attention>,
     pub moe: Option<MoeConfig>,
     /// FP8 block-quantised weights: the `weight_block_size` of `quantization_config`.
     pub fp8_block: Option<[usize; 2]>,
@@ -411,6 +442,10 @@ impl ConfigFile {
             ),
             ("decoder_sparse_step", self.decoder_sparse_step),
             ("rotary_dim", self.rotary_dim),
+            ("intermediate_size_mlp", self.intermediate_size_mlp),
+            ("attention_chunk_size", self.attention_chunk_size.flatten()),
+            ("no_rope_layer_interval", self.no_rope_layer_interval),
+            ("interleave_moe_layer_step", self.interleave_moe_layer_step),
         ];
         for (key, value) in sizes {
             if let Some(v) = value {
@@ -520,6 +555,9 @@ impl ModelConfig {
             None
         };
         let moe = moe::resolve(arch, &raw, path)?;
+        let llama4 = (arch == Arch::Llama4)
+            .then(|| resolve_llama4(&raw, num_layers, path))
+            .transpose()?;
         let fp8_block = resolve_fp8(&raw, path)?;
         let sliding_window = match (arch, raw.use_sliding_window) {
             (Arch::Mistral | Arch::GptOss, _) => raw.sliding_window,
@@ -578,7 +616,11 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            intermediate_size: raw.intermediate_size.unwrap_or(0),
+            // Llama-4's dense layers are `intermediate_size_mlp` wide (`Llama4TextDecoderLayer`).
+            intermediate_size: match arch {
+                Arch::Llama4 => raw.intermediate_size_mlp.unwrap_or(16384),
+                _ => raw.intermediate_size.unwrap_or(0),
+            },
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             rope,
             // LlamaConfig, Qwen2Config and DeepseekV3Config all default to untied.
@@ -592,10 +634,96 @@ impl ModelConfig {
             rotary_dim,
             attn_sinks: arch == Arch::GptOss,
             mla,
+            llama4,
             moe,
             fp8_block,
         })
     }
+}
+
+/// Llama-4's attention, per layer (`Llama4TextAttention`, transformers 5.24).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Llama4Attention {
+    /// Per layer: whether it rotates q and k (`no_rope_layers[i] == 1`; by default every
+    /// `no_rope_layer_interval`-th layer is a NoPE layer). Rope is the complex-pair
+    /// (interleaved) kind (`apply_rotary_emb`, `view_as_complex`).
+    pub rope_layers: Vec<bool>,
+    /// Per layer: whether it attends only within its chunk of `chunk` positions
+    /// (`layer_types` "chunked_attention", by default the rope layers when
+    /// `attention_chunk_size` is set; `create_chunked_causal_mask`).
+    pub chunked_layers: Vec<bool>,
+    pub chunk: usize,
+    /// q and k RMS-normalised per head without a weight (`Llama4TextL2Norm`), after rope, on
+    /// the rope layers (`use_qk_norm`).
+    pub l2_qk_norm: bool,
+    /// NoPE layers scale q by `log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1`
+    /// (`attn_temperature_tuning`): `(attn_scale, floor_scale)`.
+    pub temperature: Option<(f64, f64)>,
+}
+
+/// Llama-4's attention settings as `Llama4TextConfig.__post_init__` fills them in.
+fn resolve_llama4(raw: &ConfigFile, layers: usize, path: &Path) -> Result<Llama4Attention> {
+    let rope_layers: Vec<bool> = match &raw.no_rope_layers {
+        Some(list) if !list.is_empty() => list.iter().map(|&x| x != 0).collect(),
+        _ => {
+            let every = raw.no_rope_layer_interval.unwrap_or(4).max(1);
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    if rope_layers.len() < layers {
+        return Err(Error::config(
+            path,
+            format!(
+                "no_rope_layers lists {} layers, num_hidden_layers is {layers}",
+                rope_layers.len()
+            ),
+        ));
+    }
+    let chunk = match raw.attention_chunk_size {
+        None => Some(8192),
+        Some(c) => c.filter(|&c| c > 0),
+    };
+    let chunked_layers = match &raw.layer_types {
+        Some(types) => {
+            if types.len() < layers {
+                return Err(Error::config(
+                    path,
+                    format!(
+                        "layer_types lists {} layers, num_hidden_layers is {layers}",
+                        types.len()
+                    ),
+                ));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "chunked_attention" if chunk.is_some() => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => Err(Error::config(
+                        path,
+                        format!(
+                            "layer_types: `{other}` is not supported here (chunked_attention with \
+                             an attention_chunk_size, full_attention)"
+                        ),
+                    )),
+                })
+                .collect::<Result<Vec<bool>>>()?
+        }
+        None => rope_layers.iter().map(|&r| r && chunk.is_some()).collect(),
+    };
+    let tuning = raw.attn_temperature_tuning.unwrap_or(true);
+    Ok(Llama4Attention {
+        rope_layers,
+        chunked_layers,
+        chunk: chunk.unwrap_or(usize::MAX),
+        l2_qk_norm: raw.use_qk_norm.unwrap_or(true),
+        temperature: tuning.then(|| {
+            (
+                raw.attn_scale.unwrap_or(0.1),
+                raw.floor_scale.unwrap_or(8192.0),
+            )
+        }),
+    })
 }
 
 /// `text_config` keys override the wrapper's; the wrapper fills what the inner one lacks.

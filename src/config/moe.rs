@@ -49,6 +49,10 @@ pub struct MoeConfig {
     pub shared_gate: bool,
     pub layers: MoeLayers,
     pub act: ExpertsAct,
+    /// Llama-4: each routed expert takes its input already scaled by its router weight
+    /// (`Llama4TextMoe.forward`: `routed_in = hidden_states * router_scores`), and its output
+    /// is summed unweighted; everywhere else the weight scales the expert's output.
+    pub weights_on_input: bool,
 }
 
 impl MoeConfig {
@@ -108,6 +112,7 @@ fn checked(moe: MoeConfig, path: &Path) -> Result<MoeConfig> {
 pub(super) fn resolve(arch: Arch, raw: &ConfigFile, path: &Path) -> Result<Option<MoeConfig>> {
     let moe = match arch {
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => return Ok(None),
+        Arch::Llama4 => llama4(raw, path)?,
         Arch::DeepseekV3 | Arch::Glm4Moe | Arch::Glm4MoeLite => match raw.n_routed_experts {
             Some(n) if n > 0 => deepseek_style(arch, raw, path, n)?,
             _ => return Ok(None),
@@ -176,6 +181,7 @@ fn every_layer(
         shared_gate: false,
         layers: MoeLayers::All,
         act,
+        weights_on_input: false,
     })
 }
 
@@ -233,6 +239,7 @@ fn deepseek_style(arch: Arch, raw: &ConfigFile, path: &Path, n: usize) -> Result
         shared_gate: false,
         layers,
         act: ExpertsAct::SiluMul,
+        weights_on_input: false,
     })
 }
 
@@ -261,5 +268,43 @@ fn qwen_style(arch: Arch, raw: &ConfigFile, path: &Path, n: usize) -> Result<Moe
             mlp_only: raw.mlp_only_layers.clone().unwrap_or_default(),
         },
         act: ExpertsAct::SiluMul,
+        weights_on_input: false,
+    })
+}
+
+/// Llama-4 (`Llama4TextConfig`, transformers 5.24): `num_local_experts` (16) routed experts of
+/// `intermediate_size` and one shared expert as wide (`Llama4TextMoe`: `Llama4TextMLP(config)`),
+/// `Llama4Router`: top-k (`num_experts_per_tok`, 1) of the raw logits, each weight the sigmoid
+/// of its logit, unnormalised; the experts in `moe_layers`, else every
+/// `interleave_moe_layer_step`-th layer from `step - 1` (`__post_init__`).
+fn llama4(raw: &ConfigFile, path: &Path) -> Result<MoeConfig> {
+    let layers = need(raw.num_hidden_layers, path, "num_hidden_layers")?;
+    let listed = match &raw.moe_layers {
+        Some(l) => l.clone(),
+        None => {
+            let step = raw.interleave_moe_layer_step.unwrap_or(1).max(1);
+            (step - 1..layers).step_by(step).collect()
+        }
+    };
+    if let Some(bad_layer) = listed.iter().find(|&&l| l >= layers) {
+        return Err(bad(
+            path,
+            format!("moe_layers lists layer {bad_layer}, the model has {layers}"),
+        ));
+    }
+    let inter = need(raw.intermediate_size, path, "intermediate_size")?;
+    Ok(MoeConfig {
+        n_routed_experts: raw.num_local_experts.unwrap_or(16),
+        routing: Routing::top_k(
+            Scoring::Sigmoid,
+            raw.num_experts_per_tok.unwrap_or(1),
+            false,
+        ),
+        moe_intermediate_size: inter,
+        shared_intermediate: inter,
+        shared_gate: false,
+        layers: MoeLayers::Listed((0..layers).map(|l| listed.contains(&l)).collect()),
+        act: ExpertsAct::SiluMul,
+        weights_on_input: true,
     })
 }

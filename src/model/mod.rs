@@ -9,6 +9,7 @@ pub mod fast;
 pub mod fp8;
 pub mod gguf;
 pub mod llama;
+pub(crate) mod llama4;
 pub(crate) mod moe;
 pub mod nn;
 pub mod phases;
@@ -27,6 +28,7 @@ use crate::naming;
 use candle_core::{DType, Device, Tensor};
 use deepseek::DeepseekDecoder;
 use llama::LlamaDecoder;
+use llama4::Llama4Decoder;
 use sparse::SparseDecoder;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -270,6 +272,7 @@ pub fn load_target_on(
         (Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::MiniMaxM2 | Arch::Glm4Moe | Arch::GptOss, _) => {
             Box::new(Resident::load(SparseDecoder::new(cfg, dtype, path)?, &vb)?)
         }
+        (Arch::Llama4, _) => Box::new(Resident::load(Llama4Decoder::new(cfg, dtype, path)?, &vb)?),
     };
     refuse_unread(cfg, src, vb.unread())?;
     Ok(model)
@@ -307,6 +310,12 @@ pub fn load_streamed(
                 opts,
             )?)
         }
+        Arch::Llama4 => Box::new(stream::Streamed::open(
+            Llama4Decoder::new(cfg, dtype, path)?,
+            src,
+            device,
+            opts,
+        )?),
     })
 }
 

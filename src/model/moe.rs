@@ -36,6 +36,10 @@ pub(crate) struct MoeNames {
     /// and gpt-oss's (`F.linear(hidden_states, self.weight)` in the model dtype, the scores
     /// then taken in f32), so that a bf16 run picks the experts a bf16 HF run picks.
     pub router_f32: bool,
+    /// The fused experts' weights stored input by output (`gate_up_proj` [E, H, 2I],
+    /// `down_proj` [E, I, H]: Llama-4's `Llama4TextExperts` multiplies `hidden @ W`), not
+    /// transformers 5's usual output by input ([E, 2I, H], [E, H, I]).
+    pub experts_in_by_out: bool,
 }
 
 /// DeepSeek-V3, Kimi-K2, GLM-4.5, GLM-4.7-Flash (`DeepseekV3MoE`, `Glm4MoeMoE`).
@@ -44,6 +48,7 @@ pub(crate) const DEEPSEEK_NAMES: MoeNames = MoeNames {
     correction: &["gate.e_score_correction_bias"],
     shared: "shared_experts",
     router_f32: true,
+    experts_in_by_out: false,
 };
 
 /// Qwen3-MoE, Qwen2-MoE (`Qwen2MoeSparseMoeBlock`: `shared_expert`, `shared_expert_gate`).
@@ -52,6 +57,7 @@ pub(crate) const QWEN_NAMES: MoeNames = MoeNames {
     correction: &[],
     shared: "shared_expert",
     router_f32: false,
+    experts_in_by_out: false,
 };
 
 /// MiniMax-M2: transformers keeps the bias on the block (`MiniMaxM2SparseMoeBlock`), its
@@ -61,6 +67,7 @@ pub(crate) const MINIMAX_NAMES: MoeNames = MoeNames {
     correction: &["e_score_correction_bias", "gate.e_score_correction_bias"],
     shared: "shared_experts",
     router_f32: false,
+    experts_in_by_out: false,
 };
 
 /// gpt-oss (`GptOssMLP`: `router` with a bias, `experts`).
@@ -69,6 +76,17 @@ pub(crate) const GPT_OSS_NAMES: MoeNames = MoeNames {
     correction: &[],
     shared: "shared_experts",
     router_f32: false,
+    experts_in_by_out: false,
+};
+
+/// Llama-4 (`Llama4TextMoe`: `router` without a bias, `shared_expert`, `experts` input by
+/// output).
+pub(crate) const LLAMA4_NAMES: MoeNames = MoeNames {
+    router: "router",
+    correction: &[],
+    shared: "shared_expert",
+    router_f32: false,
+    experts_in_by_out: true,
 };
 
 /// The router: its logits in f32 or in the compute dtype as transformers computes them
@@ -222,7 +240,7 @@ impl MoeBlock {
             correction,
             correction_t,
         };
-        let experts = load_experts(&vb.pp("experts"), moe, h)?;
+        let experts = load_experts(&vb.pp("experts"), moe, h, names)?;
         let shared = if moe.shared_intermediate > 0 {
             let gate_name = format!("{}_gate", names.shared);
             Some(Shared {
@@ -272,10 +290,12 @@ impl MoeBlock {
             let n = toks.len();
             let idx = Tensor::new(toks.as_slice(), device)?;
             let w = Tensor::from_vec(ws, (n, 1), device)?.to_dtype(xs.dtype())?;
-            let y = self
-                .experts
-                .one(e, &xs.index_select(&idx, 0)?)?
-                .broadcast_mul(&w)?;
+            let rows = xs.index_select(&idx, 0)?;
+            let y = if self.cfg.weights_on_input {
+                self.experts.one(e, &rows.broadcast_mul(&w)?)?
+            } else {
+                self.experts.one(e, &rows)?.broadcast_mul(&w)?
+            };
             out = out.index_add(&idx, &y, 0)?;
         }
         if let Some(shared) = &self.shared {
@@ -296,7 +316,21 @@ impl MoeBlock {
         let logits = self.router.logits(xs)?;
         let routing = kernels::moe_route(&logits, &self.router.correction_t, &self.cfg.routing)?;
         let plan = kernels::moe_plan(&routing.topk_idx, self.cfg.n_routed_experts)?;
-        let sorted = kernels::gather_rows(xs, &plan.perm_token)?; // [T*K, H]
+        let mut sorted = kernels::gather_rows(xs, &plan.perm_token)?; // [T*K, H]
+        // Llama-4: each sorted row times its pick's weight before the experts, the outputs
+        // then summed with weight 1 (every pick has a row: the experts of a token are distinct).
+        let combine_w = if self.cfg.weights_on_input {
+            let rows = sorted.dim(0)?;
+            let w = Tensor::zeros(rows, DType::F32, xs.device())?.index_add(
+                &plan.row_of,
+                &routing.topk_w.flatten_all()?,
+                0,
+            )?;
+            sorted = sorted.broadcast_mul(&w.to_dtype(sorted.dtype())?.unsqueeze(1)?)?;
+            routing.topk_w.ones_like()?
+        } else {
+            routing.topk_w.clone()
+        };
         phases::mark("moe routing, plan, gather", xs.device());
         let ys = self.experts.sorted(&sorted, &plan)?;
         phases::mark("moe experts", xs.device());
@@ -305,7 +339,7 @@ impl MoeBlock {
             None => None,
         };
         phases::mark("moe shared expert", xs.device());
-        let out = kernels::moe_combine(&ys, &plan, &routing.topk_w, shared.as_ref())?;
+        let out = kernels::moe_combine(&ys, &plan, &combine_w, shared.as_ref())?;
         phases::mark("moe combine", xs.device());
         Ok((out, routing.topk_idx, routing.topk_w))
     }
@@ -432,10 +466,31 @@ fn linear(weight: Tensor, bias: Option<Tensor>) -> Linear {
 ///
 /// On a CUDA device also stacked as [`StackedExperts`] (SwiGLU experts): the fused tensors as
 /// they are, the per-expert ones copied into their slots as each expert loads.
-fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize) -> Result<Experts> {
+fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize, names: &MoeNames) -> Result<Experts> {
     let (e, inter) = (moe.n_routed_experts, moe.moe_intermediate_size);
     if let ExpertsAct::ClampedSwiglu { .. } = moe.act {
         return load_gpt_oss_experts(ex, moe, h);
+    }
+    if names.experts_in_by_out {
+        // Llama-4: `gate_up_proj` [E, H, 2I] (gate the first I output columns, up the rest:
+        // `gate_up.chunk(2, dim=-1)`), `down_proj` [E, I, H]; transposed into the stacked
+        // output-by-input rows every expert path reads.
+        let what = ex.path("gate_up_proj");
+        let gate_up = ex.get("gate_up_proj", &[e, h, 2 * inter])?;
+        let down = ex.get("down_proj", &[e, inter, h])?;
+        let stack = || -> candle_core::Result<StackedExperts> {
+            Ok(StackedExperts::new(
+                e,
+                gate_up
+                    .transpose(1, 2)?
+                    .contiguous()?
+                    .reshape((e * 2 * inter, h))?,
+                down.transpose(1, 2)?
+                    .contiguous()?
+                    .reshape((e * h, inter))?,
+            ))
+        };
+        return stacked_experts(stack().ctx(|| what.clone())?, moe.act, &what);
     }
     if ex.contains("gate_up_proj") {
         let what = ex.path("gate_up_proj");
