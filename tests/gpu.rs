@@ -74,7 +74,7 @@ fn worst(name: &str, cfg: &ModelConfig, cap: &Capture) -> f64 {
     worst
 }
 
-const TARGETS: [&str; 15] = [
+const TARGETS: [&str; 17] = [
     "llama",
     "llama_linear_bias",
     "mistral",
@@ -90,6 +90,8 @@ const TARGETS: [&str; 15] = [
     "glm4_moe_lite",
     "gpt_oss",
     "gpt_oss_mxfp4",
+    "phi3",
+    "phi3_window",
 ];
 
 /// The MoE fixtures whose routing the GPU must reproduce.

@@ -43,6 +43,8 @@ pub struct ConfigFile {
     pub sliding_window: Option<usize>,
     pub use_sliding_window: Option<bool>,
     pub max_position_embeddings: Option<usize>,
+    /// Phi-3/4's pretraining length, outside `rope_parameters` (LongRoPE reads it first).
+    pub original_max_position_embeddings: Option<usize>,
     // DeepSeek-V3 / Kimi-K2 (MLA + MoE).
     pub q_lora_rank: Option<usize>,
     pub kv_lora_rank: Option<usize>,
@@ -123,6 +125,8 @@ pub enum Arch {
     /// GLM-4.7-Flash: DeepSeek-V3's MLA and MoE under another name.
     Glm4MoeLite,
     GptOss,
+    /// Phi-3 / Phi-4 (fused `qkv_proj` and `gate_up_proj`, partial rotary, LongRoPE).
+    Phi3,
 }
 
 /// The `model_type`s the runner executes, in the order a refusal lists them.
@@ -139,6 +143,7 @@ pub const RUNNABLE_MODEL_TYPES: &[&str] = &[
     "glm4_moe",
     "glm4_moe_lite",
     "gpt_oss",
+    "phi3",
 ];
 
 impl Arch {
@@ -155,6 +160,7 @@ impl Arch {
             "glm4_moe" => Arch::Glm4Moe,
             "glm4_moe_lite" => Arch::Glm4MoeLite,
             "gpt_oss" => Arch::GptOss,
+            "phi3" => Arch::Phi3,
             _ => return None,
         })
     }
@@ -198,6 +204,15 @@ pub enum RopeScaling {
         truncate: bool,
         /// `attention_factor` when the config sets it (else derived from the mscale terms).
         attention_factor: Option<f64>,
+    },
+    /// LongRoPE (Phi-3/4, transformers `_compute_longrope_parameters`): each frequency divided
+    /// by its factor, the short ones up to `original_max_position_embeddings` tokens and the
+    /// long ones past it (`longrope_frequency_update`), cos/sin times `attention_factor`.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: f64,
+        attention_factor: f64,
     },
 }
 
@@ -522,7 +537,7 @@ impl ModelConfig {
         let moe = moe::resolve(arch, &raw, path)?;
         let fp8_block = resolve_fp8(&raw, path)?;
         let sliding_window = match (arch, raw.use_sliding_window) {
-            (Arch::Mistral | Arch::GptOss, _) => raw.sliding_window,
+            (Arch::Mistral | Arch::GptOss | Arch::Phi3, _) => raw.sliding_window,
             (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe, Some(true)) => {
                 raw.sliding_window
             }
@@ -530,6 +545,26 @@ impl ModelConfig {
         };
         let sliding_layers = resolve_sliding_layers(arch, &raw, num_layers, path)?;
         let rotary_dim = resolve_rotary_dim(arch, &raw, head_dim, path)?;
+        if let RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            ..
+        } = &rope.scaling
+        {
+            for (key, list) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                if list.len() != rotary_dim / 2 {
+                    return Err(Error::config(
+                        path,
+                        format!(
+                            "rope_scaling.{key} has {} entries, rope rotates {rotary_dim} dims \
+                             (it needs {})",
+                            list.len(),
+                            rotary_dim / 2
+                        ),
+                    ));
+                }
+            }
+        }
         let qk_norm = match arch {
             Arch::Qwen3 | Arch::Qwen3Moe => QkNorm::PerHead,
             // `Glm4MoeConfig.use_qk_norm` defaults to false.
@@ -676,10 +711,47 @@ pub(crate) fn resolve_rope(raw: &ConfigFile, path: &Path) -> Result<Rope> {
                 .unwrap_or(true),
             attention_factor: json_f64(p, "attention_factor"),
         },
+        // Phi3Config renames the legacy `su` to `longrope` (`convert_rope_params_to_dict`).
+        "longrope" | "su" => {
+            // transformers gives a top-level `original_max_position_embeddings` priority
+            // (`standardize_rope_params`; Phi3Config defaults it and max_position_embeddings
+            // to 4096).
+            let orig = raw
+                .original_max_position_embeddings
+                .map(|o| o as f64)
+                .or(orig)
+                .or(raw.max_position_embeddings.map(|m| m as f64))
+                .unwrap_or(4096.0);
+            let factors = |key: &str| -> Result<Vec<f64>> {
+                let list = p.get(key).and_then(serde_json::Value::as_array);
+                list.and_then(|l| l.iter().map(serde_json::Value::as_f64).collect())
+                    .ok_or_else(|| {
+                        Error::config(
+                            path,
+                            format!("rope type `longrope` needs `{key}`, a list of numbers"),
+                        )
+                    })
+            };
+            let factor = json_f64(p, "factor")
+                .unwrap_or(raw.max_position_embeddings.unwrap_or(4096) as f64 / orig);
+            let attention_factor = match json_f64(p, "attention_factor") {
+                Some(f) => f,
+                None if factor <= 1.0 => 1.0,
+                None => (1.0 + factor.ln() / orig.ln()).sqrt(),
+            };
+            RopeScaling::LongRope {
+                short_factor: factors("short_factor")?,
+                long_factor: factors("long_factor")?,
+                original_max_position_embeddings: orig,
+                attention_factor,
+            }
+        }
         other => {
             return Err(Error::config(
                 path,
-                format!("rope type `{other}` is not supported (default, linear, llama3, yarn)"),
+                format!(
+                    "rope type `{other}` is not supported (default, linear, llama3, yarn, longrope)"
+                ),
             ));
         }
     };

@@ -260,7 +260,7 @@ pub fn load_target_on(
                 &vb,
             )?)?)
         }
-        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, _) => {
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3, _) => {
             Box::new(Resident::load(LlamaDecoder::new(cfg, dtype, path), &vb)?)
         }
         (Arch::DeepseekV3 | Arch::Glm4MoeLite, _) => Box::new(Resident::load(
@@ -290,7 +290,7 @@ pub fn load_streamed(
         p => p,
     };
     Ok(match cfg.arch {
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => Box::new(
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 => Box::new(
             stream::Streamed::open(LlamaDecoder::new(cfg, dtype, path), src, device, opts)?,
         ),
         Arch::DeepseekV3 | Arch::Glm4MoeLite => Box::new(stream::Streamed::open(

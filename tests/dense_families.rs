@@ -1,0 +1,389 @@
+//! The dense families beyond Llama against HF transformers 5.24 on the tiny checkpoints of
+//! fixtures/gen_dense_models.py: every boundary, the pre-norm final state and the logits,
+//! through the candle path, the kernel path (the GPU's code path, its kernels' CPU references)
+//! and the streamed target; `run`, `diff` and `probe` through the binary; the published configs
+//! of each family resolve and gate. Each family names the HF file it follows. The negative
+//! controls plant each family's likeliest bug in a copy of the checkpoint and require the
+//! parity to break, so the fixtures can tell.
+
+use crate::support::parity::{self, ids, worst_error};
+use crate::support::{eagle_check, fixture, p, scratch};
+use candle_core::{DType, Device, Tensor};
+use eagle_check::config::ModelConfig;
+use eagle_check::model::source::SafetensorsSource;
+use eagle_check::model::stream::StreamOptions;
+use eagle_check::model::{
+    Capture, CaptureRequest, ComputePath, Progress, load_streamed, load_target_on,
+};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The f32 parity bound, with its reason: `eagle_check::tolerance::PARITY_F32`.
+const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
+
+/// (fixture, the HF modeling file its numbers come from)
+const FAMILIES: [(&str, &str); 2] = [
+    ("phi3", "models/phi3/modeling_phi3.py"),
+    ("phi3_window", "models/phi3/modeling_phi3.py"),
+];
+
+fn reference(name: &str) -> HashMap<String, Tensor> {
+    parity::reference(&format!("models/{name}/reference.safetensors"))
+}
+
+fn run(dir: &Path, r: &HashMap<String, Tensor>, path: ComputePath) -> (ModelConfig, Capture) {
+    let cfg = ModelConfig::load(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let src = SafetensorsSource::open(dir).unwrap();
+    let model = load_target_on(&cfg, &src, DType::F32, &Device::Cpu, path)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let cap = model
+        .forward(&ids(r), &CaptureRequest::all(), &mut Progress::hidden())
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    (cfg, cap)
+}
+
+#[test]
+fn dense_families_match_transformers_on_both_paths() {
+    for (name, hf) in FAMILIES {
+        let dir = fixture(&format!("models/{name}"));
+        let r = reference(name);
+        for path in [ComputePath::Candle, ComputePath::Kernels] {
+            let what = format!("{name} ({hf}, {path:?})");
+            let (cfg, cap) = run(&dir, &r, path);
+            let worst = worst_error(&what, &cfg, &cap, &r);
+            eprintln!("{what}: worst rel err {worst:.3e}");
+            assert!(worst <= F32_TOL, "{what}: worst rel err {worst:.3e}");
+        }
+    }
+}
+
+#[test]
+fn dense_families_streamed_match_transformers() {
+    for (name, _) in FAMILIES {
+        let dir = fixture(&format!("models/{name}"));
+        let r = reference(name);
+        let cfg = ModelConfig::load(&dir).unwrap();
+        let src = Box::new(SafetensorsSource::open(&dir).unwrap());
+        let streamed = load_streamed(
+            &cfg,
+            src,
+            DType::F32,
+            &Device::Cpu,
+            StreamOptions::default(),
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let cap = streamed
+            .forward(&ids(&r), &CaptureRequest::all(), &mut Progress::hidden())
+            .unwrap();
+        let worst = worst_error(&format!("{name} streamed"), &cfg, &cap, &r);
+        eprintln!("{name} streamed: worst rel err {worst:.3e}");
+        assert!(worst <= F32_TOL, "{name} streamed: {worst:.3e}");
+        let stats = streamed.stream_stats().unwrap();
+        assert_eq!(stats.layers_loaded, cfg.num_layers, "{name}");
+    }
+}
+
+/// The resolved configs say what HF's config classes say.
+#[test]
+fn dense_family_configs_resolve_as_transformers_reads_them() {
+    use eagle_check::config::{Arch, RopeScaling};
+    let cfg = |name: &str| ModelConfig::load(&fixture(&format!("models/{name}"))).unwrap();
+    let phi = cfg("phi3");
+    assert_eq!(phi.arch, Arch::Phi3);
+    assert_eq!(
+        (phi.rotary_dim, phi.head_dim),
+        (12, 16),
+        "partial_rotary_factor 0.75"
+    );
+    assert!(phi.tie_word_embeddings && phi.sliding_window.is_none());
+    match &phi.rope.scaling {
+        RopeScaling::LongRope {
+            short_factor,
+            original_max_position_embeddings,
+            attention_factor,
+            ..
+        } => {
+            assert_eq!(short_factor.len(), 6);
+            assert_eq!(*original_max_position_embeddings, 16.0);
+            // sqrt(1 + ln(64 / 16) / ln(16))
+            let want = (1.0 + (4f64).ln() / (16f64).ln()).sqrt();
+            assert!(
+                (attention_factor - want).abs() < 1e-12,
+                "{attention_factor}"
+            );
+        }
+        other => panic!("phi3 rope: {other:?}"),
+    }
+    let win = cfg("phi3_window");
+    assert_eq!(win.rotary_dim, win.head_dim);
+    assert_eq!((win.window_of(0), win.window_of(3)), (Some(8), Some(8)));
+}
+
+/// A LongRoPE config whose factors do not fit the rotated dims is refused when it is read,
+/// in one line, naming the key.
+#[test]
+fn a_longrope_of_the_wrong_length_is_refused_by_name() {
+    let dir = planted(
+        "phi3",
+        "short-list",
+        |c| c["rope_parameters"]["short_factor"] = serde_json::json!([1.0, 1.0]),
+        |_| {},
+    );
+    let err = ModelConfig::load(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains("short_factor") && err.contains("2 entries"),
+        "{err}"
+    );
+    let out = eagle_check([
+        "run",
+        "--target",
+        &p(&dir),
+        "--draft",
+        &p(&fixture("models/qwen3-draft")),
+        "--engine",
+        "sglang",
+        "--tokens",
+        "1,2,3",
+    ]);
+    out.assert_could_not_check(&["short_factor"]);
+}
+
+/// A copy of fixture `name` with `edit` applied to its config.json and `tensors` to its
+/// weights.
+fn planted(
+    name: &str,
+    tag: &str,
+    edit: impl Fn(&mut serde_json::Value),
+    tensors: impl Fn(&mut HashMap<String, Tensor>),
+) -> PathBuf {
+    let src = fixture(&format!("models/{name}"));
+    let dir = scratch(&format!("dense-planted-{name}-{tag}"));
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let mut w =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    tensors(&mut w);
+    candle_core::safetensors::save(&w, dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+fn worst_of(dir: &Path, name: &str) -> f64 {
+    let r = reference(name);
+    let (cfg, cap) = run(dir, &r, ComputePath::Candle);
+    worst_error(&format!("{name} planted"), &cfg, &cap, &r)
+}
+
+#[test]
+fn planted_dense_family_bugs_break_the_parity() {
+    // Phi-4-mini with rope over the whole head (partial_rotary_factor ignored).
+    let full_rope = planted(
+        "phi3",
+        "rope",
+        |c| {
+            c["rope_parameters"]["partial_rotary_factor"] = serde_json::json!(1.0);
+            let pad = |l: &mut serde_json::Value| {
+                l.as_array_mut().unwrap().extend([1.0.into(), 1.0.into()])
+            };
+            pad(&mut c["rope_parameters"]["short_factor"]);
+            pad(&mut c["rope_parameters"]["long_factor"]);
+        },
+        |_| {},
+    );
+    assert!(
+        worst_of(&full_rope, "phi3") > 1e-2,
+        "partial rotary ignored must fail"
+    );
+    // Phi-3 with its window off: every query sees the whole past.
+    let no_window = planted(
+        "phi3_window",
+        "window",
+        |c| c["sliding_window"] = serde_json::Value::Null,
+        |_| {},
+    );
+    assert!(
+        worst_of(&no_window, "phi3_window") > 1e-2,
+        "window off must fail"
+    );
+}
+
+/// (real target config under fixtures/real-configs/targets/, the arch it resolves to)
+const REAL: [&str; 1] = ["target_phi-4__tt-metal_model_params.json"];
+
+/// A SpecForge-style EAGLE-3 draft config for a target of `hidden` and `vocab` (SpecForge's
+/// Qwen3-8B draft with the target's widths).
+fn draft_for(dir: &Path, hidden: usize, vocab: usize) -> PathBuf {
+    let base = fixture("real-configs/draft_eagle3_qwen3-8b__SpecForge.json");
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(base).unwrap()).unwrap();
+    cfg["hidden_size"] = serde_json::json!(hidden);
+    cfg["vocab_size"] = serde_json::json!(vocab);
+    let path = dir.join(format!("draft-{hidden}.json"));
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    path
+}
+
+/// The published configs resolve to the runner's settings as transformers reads them, and the
+/// gate checks them (no `unsupported-architecture`, no exit 2) on sglang and vLLM.
+#[test]
+fn real_dense_configs_resolve_and_gate() {
+    use eagle_check::config::{Arch, RopeScaling};
+    let dir = scratch("dense-real-gate");
+    for file in REAL {
+        let path = fixture(&format!("real-configs/targets/{file}"));
+        let cfg = ModelConfig::load(&path).unwrap_or_else(|e| panic!("{file}: {e}"));
+        match cfg.arch {
+            Arch::Phi3 => {
+                // Phi-4: 40 layers, GQA 40/10, full rotary, no window, rope_theta 250000.
+                assert_eq!(
+                    (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads),
+                    (40, 40, 10)
+                );
+                assert_eq!(cfg.rotary_dim, cfg.head_dim);
+                assert_eq!(cfg.rope.theta, 250000.0);
+                assert_eq!(cfg.rope.scaling, RopeScaling::None);
+                assert!(cfg.sliding_window.is_none() && !cfg.tie_word_embeddings);
+            }
+            other => panic!("{file}: {other:?}"),
+        }
+        let (l, h) = (cfg.num_layers, cfg.hidden_size);
+        let spec = dir.join(format!("{}.yaml", cfg.model_type));
+        std::fs::write(
+            &spec,
+            format!(
+                "name: default\ncapture:\n  boundaries: [2, {}, {}]\nfc: {{ in_features: {} }}\n",
+                l / 2,
+                l - 3,
+                3 * h
+            ),
+        )
+        .unwrap();
+        let draft = draft_for(&dir, h, cfg.vocab_size);
+        for engine in ["sglang", "vllm"] {
+            let out = crate::support::gate_json(&spec, &draft, Some(&path), engine);
+            assert_ne!(out.code, 2, "{file} on {engine}: {}", out.stdout);
+            assert!(
+                !out.finding_names()
+                    .contains(&"unsupported-architecture".to_string()),
+                "{file} on {engine}: {}",
+                out.stdout
+            );
+        }
+    }
+}
+
+/// A spec for fixture `name` capturing boundaries `b` (width 64: every fixture's hidden size).
+fn spec_for(dir: &Path, name: &str, layers: usize, b: [usize; 3]) -> PathBuf {
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(
+        &path,
+        format!(
+            "name: {name}\nengine: sglang\ntarget: {{ num_hidden_layers: {layers}, hidden_size: 64 }}\n\
+             capture:\n  boundaries: [{}, {}, {}]\nfc: {{ in_features: 192 }}\n",
+            b[0], b[1], b[2]
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// A training-data file of HF's own boundaries `b` of fixture `name` on its reference tokens
+/// (`input_ids` [1, T], `aux_hidden_states` [1, T, 3H]).
+fn captures_of(dir: &Path, name: &str, b: [usize; 3]) -> PathBuf {
+    let r = reference(name);
+    let parts: Vec<&Tensor> = b
+        .iter()
+        .map(|b| &r[&format!("hidden_states.{b}")])
+        .collect();
+    let aux = Tensor::cat(&parts, 1).unwrap().unsqueeze(0).unwrap();
+    let sub = dir.join(format!("captures-{name}-{}-{}-{}", b[0], b[1], b[2]));
+    std::fs::create_dir_all(&sub).unwrap();
+    let tensors = HashMap::from([
+        (
+            "input_ids".to_string(),
+            r["input_ids"].unsqueeze(0).unwrap(),
+        ),
+        ("aux_hidden_states".to_string(), aux),
+    ]);
+    candle_core::safetensors::save(&tensors, sub.join("data_0.safetensors")).unwrap();
+    sub
+}
+
+/// `run`, `diff` and `probe` through the binary on every family's tiny checkpoint, with the
+/// tiny EAGLE-3 draft of fixtures/models/qwen3-draft (hidden 64, vocab 256, ids [0, 1, 2]).
+#[test]
+fn run_diff_and_probe_work_on_every_dense_family() {
+    let dir = scratch("dense-cli");
+    let draft = fixture("models/qwen3-draft");
+    let probe_tokens: Vec<String> = (0..160u64)
+        .map(|i| (((1103515245 * i + 12345) % (1 << 31)) % 256).to_string())
+        .collect();
+    let probe_tokens = probe_tokens.join(",");
+    for (name, hf) in FAMILIES {
+        let target = fixture(&format!("models/{name}"));
+        let l = ModelConfig::load(&target).unwrap().num_layers;
+        // run: the draft's ids [0, 1, 2] are b = [1, 2, 3] on sglang.
+        let spec = spec_for(&dir, name, l, [1, 2, 3]);
+        let tokens = ids(&reference(name))
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
+        let args = |cmd: &str| {
+            vec![
+                cmd.to_string(),
+                "--target".into(),
+                p(&target),
+                "--draft".into(),
+                p(&draft),
+                "--spec".into(),
+                p(&spec),
+                "--format".into(),
+                "json".into(),
+            ]
+        };
+        let mut run = args("run");
+        run.extend(["--tokens".into(), tokens]);
+        let out = eagle_check(run);
+        assert_eq!(
+            out.code, 0,
+            "run {name} ({hf}): {}\n{}",
+            out.stdout, out.stderr
+        );
+        // diff: HF's own boundaries are identified as what they are, a shifted capture is not.
+        let spec = spec_for(&dir, &format!("{name}-diff"), l, [1, 2, l - 1]);
+        for (b, code) in [([1, 2, l - 1], 0), ([0, 1, l - 2], 1)] {
+            let out = eagle_check([
+                "diff",
+                "--spec",
+                &p(&spec),
+                "--target",
+                &p(&target),
+                "--captures",
+                &p(&captures_of(&dir, name, b)),
+                "--format",
+                "json",
+            ]);
+            assert_eq!(
+                out.code, code,
+                "diff {name} {b:?}: {}\n{}",
+                out.stdout, out.stderr
+            );
+        }
+        // probe: every engine's layout and the usual suspects, measured through the target.
+        let out = eagle_check([
+            "probe",
+            "--target",
+            &p(&target),
+            "--draft",
+            &p(&draft),
+            "--tokens",
+            &probe_tokens,
+            "--format",
+            "json",
+        ]);
+        assert_ne!(out.code, 2, "probe {name}: {}\n{}", out.stdout, out.stderr);
+        let rows = out.json()["probe"].as_array().map_or(0, Vec::len);
+        assert!(rows > 0, "probe {name}: no layout measured: {}", out.stdout);
+    }
+}
