@@ -22,9 +22,17 @@ use std::path::{Path, PathBuf};
 const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
 
 /// (fixture, the HF modeling file its numbers come from)
-const FAMILIES: [(&str, &str); 2] = [
+const FAMILIES: [(&str, &str); 4] = [
     ("phi3", "models/phi3/modeling_phi3.py"),
     ("phi3_window", "models/phi3/modeling_phi3.py"),
+    (
+        "gemma3_text",
+        "models/gemma3/modeling_gemma3.py (Gemma3ForCausalLM)",
+    ),
+    (
+        "gemma3",
+        "models/gemma3/modeling_gemma3.py (Gemma3ForConditionalGeneration)",
+    ),
 ];
 
 fn reference(name: &str) -> HashMap<String, Tensor> {
@@ -117,6 +125,51 @@ fn dense_family_configs_resolve_as_transformers_reads_them() {
     let win = cfg("phi3_window");
     assert_eq!(win.rotary_dim, win.head_dim);
     assert_eq!((win.window_of(0), win.window_of(3)), (Some(8), Some(8)));
+    for name in ["gemma3_text", "gemma3"] {
+        let g = cfg(name);
+        assert_eq!(g.arch, Arch::Gemma3, "{name}");
+        let windows: Vec<_> = (0..g.num_layers).map(|l| g.window_of(l)).collect();
+        assert_eq!(windows, [Some(8), Some(8), None, Some(8), None], "{name}");
+        assert!(g.tie_word_embeddings, "{name}");
+        let gemma = g.gemma.as_ref().unwrap();
+        assert_eq!(gemma.query_pre_attn_scalar, 24.0);
+        assert_eq!(g.rope.theta, 1e6);
+        assert_eq!(g.rope.scaling, RopeScaling::Linear { factor: 2.0 });
+        assert_eq!(gemma.local_rope.theta, 1e4);
+        assert_eq!(gemma.local_rope.scaling, RopeScaling::None);
+    }
+    // The softcap is on the causal LM's logits; transformers 5.24's wrapper applies none.
+    let softcap = |name: &str| cfg(name).gemma.unwrap().final_logit_softcapping;
+    assert_eq!(
+        (softcap("gemma3_text"), softcap("gemma3")),
+        (Some(3.0), None)
+    );
+}
+
+/// The Gemma-3 wrapper's checkpoint as save_pretrained writes it and the published ones are
+/// laid out (`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`) loads as
+/// the transformers 5 names do, the towers it does not run left unread.
+#[test]
+fn the_gemma3_wrapper_loads_from_its_legacy_names() {
+    let legacy = planted(
+        "gemma3",
+        "legacy-names",
+        |_| {},
+        |w| {
+            let old = std::mem::take(w);
+            for (k, v) in old {
+                let k = match k.strip_prefix("model.language_model.") {
+                    Some(rest) => format!("language_model.model.{rest}"),
+                    None => k.strip_prefix("model.").unwrap_or(&k).to_string(),
+                };
+                w.insert(k, v);
+            }
+        },
+    );
+    for path in [ComputePath::Candle, ComputePath::Kernels] {
+        let w = worst_of_on(&legacy, "gemma3", path);
+        assert!(w <= F32_TOL, "gemma3 legacy names {path:?}: {w:.3e}");
+    }
 }
 
 /// A LongRoPE config whose factors do not fit the rotated dims is refused when it is read,
@@ -170,9 +223,22 @@ fn planted(
 }
 
 fn worst_of(dir: &Path, name: &str) -> f64 {
+    worst_of_on(dir, name, ComputePath::Candle)
+}
+
+fn worst_of_on(dir: &Path, name: &str, path: ComputePath) -> f64 {
     let r = reference(name);
-    let (cfg, cap) = run(dir, &r, ComputePath::Candle);
+    let (cfg, cap) = run(dir, &r, path);
     worst_error(&format!("{name} planted"), &cfg, &cap, &r)
+}
+
+/// Every tensor of `w` whose name ends with one of `ends`, through `f`.
+fn map_tensors(w: &mut HashMap<String, Tensor>, ends: &[&str], f: impl Fn(&Tensor) -> Tensor) {
+    for (k, v) in w.iter_mut() {
+        if ends.iter().any(|e| k.ends_with(e)) {
+            *v = f(v);
+        }
+    }
 }
 
 #[test]
@@ -206,10 +272,73 @@ fn planted_dense_family_bugs_break_the_parity() {
         worst_of(&no_window, "phi3_window") > 1e-2,
         "window off must fail"
     );
+    // Gemma-3 with its embedding unscaled: the weights divided by sqrt(H), so the runner's
+    // scaled rows are the raw ones HF never returns.
+    let unscaled = planted(
+        "gemma3_text",
+        "embed-scale",
+        |_| {},
+        |w| map_tensors(w, &["embed_tokens.weight"], |t| (t / 8.0).unwrap()),
+    );
+    assert!(
+        worst_of(&unscaled, "gemma3_text") > 1e-2,
+        "embedding scale missing must fail"
+    );
+    // Gemma-3's norms read as `w`, not `1 + w`: every norm weight one less.
+    let plain_norms = planted(
+        "gemma3_text",
+        "one-plus-w",
+        |_| {},
+        |w| {
+            map_tensors(w, &["norm.weight", "layernorm.weight"], |t| {
+                (t - 1.0).unwrap()
+            })
+        },
+    );
+    assert!(
+        worst_of(&plain_norms, "gemma3_text") > 1e-2,
+        "1 + w norm as w must fail"
+    );
+    // Gemma-3 with the window off (wider than the 24 tokens): the sliding layers see too far.
+    let no_window = planted(
+        "gemma3",
+        "window",
+        |c| c["text_config"]["sliding_window"] = serde_json::json!(64),
+        |_| {},
+    );
+    assert!(
+        worst_of(&no_window, "gemma3") > 1e-2,
+        "Gemma window off must fail"
+    );
+    // Gemma-3's sliding layers on the global rope base.
+    let one_base = planted(
+        "gemma3_text",
+        "local-base",
+        |c| c["rope_parameters"]["sliding_attention"]["rope_theta"] = serde_json::json!(1e6),
+        |_| {},
+    );
+    assert!(
+        worst_of(&one_base, "gemma3_text") > 1e-2,
+        "local rope base ignored must fail"
+    );
+    // Gemma-3's causal LM without its final softcap: only the logits move.
+    let no_cap = planted(
+        "gemma3_text",
+        "softcap",
+        |c| c["final_logit_softcapping"] = serde_json::Value::Null,
+        |_| {},
+    );
+    assert!(
+        worst_of(&no_cap, "gemma3_text") > 1e-2,
+        "softcap missing must fail"
+    );
 }
 
-/// (real target config under fixtures/real-configs/targets/, the arch it resolves to)
-const REAL: [&str; 1] = ["target_phi-4__tt-metal_model_params.json"];
+/// Real target configs under fixtures/real-configs/targets/.
+const REAL: [&str; 2] = [
+    "target_phi-4__tt-metal_model_params.json",
+    "target_gemma-3-1b-it__TensorRT-LLM_test_modeling_gemma3_PATCHED_L26.json",
+];
 
 /// A SpecForge-style EAGLE-3 draft config for a target of `hidden` and `vocab` (SpecForge's
 /// Qwen3-8B draft with the target's widths).
@@ -244,6 +373,24 @@ fn real_dense_configs_resolve_and_gate() {
                 assert_eq!(cfg.rope.scaling, RopeScaling::None);
                 assert!(cfg.sliding_window.is_none() && !cfg.tie_word_embeddings);
             }
+            Arch::Gemma3 => {
+                // Gemma-3-1B (a transformers 4 file): every 6th layer full, the rest on a
+                // 512 window with the local base; query_pre_attn_scalar 256, head_dim 256.
+                assert_eq!(
+                    (cfg.num_layers, cfg.head_dim, cfg.num_kv_heads),
+                    (26, 256, 1)
+                );
+                let full: Vec<usize> = (0..cfg.num_layers)
+                    .filter(|&l| cfg.window_of(l).is_none())
+                    .collect();
+                assert_eq!(full, [5, 11, 17, 23], "{file}");
+                assert_eq!(cfg.window_of(0), Some(512));
+                let g = cfg.gemma.as_ref().unwrap();
+                assert_eq!((cfg.rope.theta, g.local_rope.theta), (1e6, 1e4));
+                assert_eq!(g.query_pre_attn_scalar, 256.0);
+                assert_eq!(g.final_logit_softcapping, None);
+                assert!(cfg.tie_word_embeddings);
+            }
             other => panic!("{file}: {other:?}"),
         }
         let (l, h) = (cfg.num_layers, cfg.hidden_size);
@@ -262,9 +409,13 @@ fn real_dense_configs_resolve_and_gate() {
         for engine in ["sglang", "vllm"] {
             let out = crate::support::gate_json(&spec, &draft, Some(&path), engine);
             assert_ne!(out.code, 2, "{file} on {engine}: {}", out.stdout);
-            assert!(
-                !out.finding_names()
+            // vLLM's Gemma-3 implements no SupportsEagle3 (the rule table says so); every
+            // other pair is served.
+            let refused = cfg.arch == Arch::Gemma3 && engine == "vllm";
+            assert_eq!(
+                out.finding_names()
                     .contains(&"unsupported-architecture".to_string()),
+                refused,
                 "{file} on {engine}: {}",
                 out.stdout
             );
@@ -272,13 +423,24 @@ fn real_dense_configs_resolve_and_gate() {
     }
 }
 
+/// The engine a family's spec names: sglang, but for Gemma-3 the release whose layer still
+/// returns the residual sum (0.5.23's fused one feeds no residual stream, and vLLM serves no
+/// EAGLE-3 on it; the rule table's `missing-residual` and `unsupported-architecture`).
+fn engine_of(name: &str) -> &'static str {
+    if name.starts_with("gemma") {
+        "sglang@0.5.14"
+    } else {
+        "sglang"
+    }
+}
+
 /// A spec for fixture `name` capturing boundaries `b` (width 64: every fixture's hidden size).
-fn spec_for(dir: &Path, name: &str, layers: usize, b: [usize; 3]) -> PathBuf {
+fn spec_for(dir: &Path, name: &str, engine: &str, layers: usize, b: [usize; 3]) -> PathBuf {
     let path = dir.join(format!("{name}.yaml"));
     std::fs::write(
         &path,
         format!(
-            "name: {name}\nengine: sglang\ntarget: {{ num_hidden_layers: {layers}, hidden_size: 64 }}\n\
+            "name: {name}\nengine: {engine}\ntarget: {{ num_hidden_layers: {layers}, hidden_size: 64 }}\n\
              capture:\n  boundaries: [{}, {}, {}]\nfc: {{ in_features: 192 }}\n",
             b[0], b[1], b[2]
         ),
@@ -323,7 +485,8 @@ fn run_diff_and_probe_work_on_every_dense_family() {
         let target = fixture(&format!("models/{name}"));
         let l = ModelConfig::load(&target).unwrap().num_layers;
         // run: the draft's ids [0, 1, 2] are b = [1, 2, 3] on sglang.
-        let spec = spec_for(&dir, name, l, [1, 2, 3]);
+        let engine = engine_of(name);
+        let spec = spec_for(&dir, name, engine, l, [1, 2, 3]);
         let tokens = ids(&reference(name))
             .iter()
             .map(u32::to_string)
@@ -343,15 +506,33 @@ fn run_diff_and_probe_work_on_every_dense_family() {
             ]
         };
         let mut run = args("run");
-        run.extend(["--tokens".into(), tokens]);
+        run.extend(["--tokens".into(), tokens.clone()]);
         let out = eagle_check(run);
         assert_eq!(
             out.code, 0,
             "run {name} ({hf}): {}\n{}",
             out.stdout, out.stderr
         );
+        if engine != "sglang" {
+            // The current sglang on Gemma-3: its fused layer feeds no residual stream.
+            let mut run = args("run");
+            run.extend([
+                "--tokens".into(),
+                tokens,
+                "--engine".into(),
+                "sglang".into(),
+            ]);
+            let out = eagle_check(run);
+            assert_eq!(out.code, 1, "run {name} on sglang: {}", out.stdout);
+            assert!(
+                out.finding_names()
+                    .contains(&"missing-residual".to_string()),
+                "{name}: {}",
+                out.stdout
+            );
+        }
         // diff: HF's own boundaries are identified as what they are, a shifted capture is not.
-        let spec = spec_for(&dir, &format!("{name}-diff"), l, [1, 2, l - 1]);
+        let spec = spec_for(&dir, &format!("{name}-diff"), engine, l, [1, 2, l - 1]);
         for (b, code) in [([1, 2, l - 1], 0), ([0, 1, l - 2], 1)] {
             let out = eagle_check([
                 "diff",

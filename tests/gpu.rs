@@ -74,7 +74,7 @@ fn worst(name: &str, cfg: &ModelConfig, cap: &Capture) -> f64 {
     worst
 }
 
-const TARGETS: [&str; 17] = [
+const TARGETS: [&str; 19] = [
     "llama",
     "llama_linear_bias",
     "mistral",
@@ -92,6 +92,8 @@ const TARGETS: [&str; 17] = [
     "gpt_oss_mxfp4",
     "phi3",
     "phi3_window",
+    "gemma3_text",
+    "gemma3",
 ];
 
 /// The MoE fixtures whose routing the GPU must reproduce.

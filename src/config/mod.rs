@@ -86,6 +86,14 @@ pub struct ConfigFile {
     pub rotary_dim: Option<usize>,
     pub swiglu_alpha: Option<f64>,
     pub swiglu_limit: Option<f64>,
+    // Gemma-3.
+    pub hidden_activation: Option<String>,
+    pub query_pre_attn_scalar: Option<f64>,
+    pub final_logit_softcapping: Option<f64>,
+    pub attn_logit_softcapping: Option<f64>,
+    pub rope_local_base_freq: Option<f64>,
+    pub sliding_window_pattern: Option<usize>,
+    pub use_bidirectional_attention: Option<bool>,
 }
 
 /// An optional value that may be written as `null`.
@@ -127,6 +135,8 @@ pub enum Arch {
     GptOss,
     /// Phi-3 / Phi-4 (fused `qkv_proj` and `gate_up_proj`, partial rotary, LongRoPE).
     Phi3,
+    /// Gemma-3's text model (`gemma3_text`, and the `gemma3` wrapper's).
+    Gemma3,
 }
 
 /// The `model_type`s the runner executes, in the order a refusal lists them.
@@ -144,6 +154,8 @@ pub const RUNNABLE_MODEL_TYPES: &[&str] = &[
     "glm4_moe_lite",
     "gpt_oss",
     "phi3",
+    "gemma3_text",
+    "gemma3",
 ];
 
 impl Arch {
@@ -161,6 +173,7 @@ impl Arch {
             "glm4_moe_lite" => Arch::Glm4MoeLite,
             "gpt_oss" => Arch::GptOss,
             "phi3" => Arch::Phi3,
+            "gemma3_text" | "gemma3" => Arch::Gemma3,
             _ => return None,
         })
     }
@@ -240,6 +253,29 @@ pub enum QkNorm {
     Full,
 }
 
+/// Gemma's MLP activation (`hidden_activation`): transformers' `gelu_pytorch_tanh` (the tanh
+/// approximation, every released Gemma-3) or the exact `gelu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GeluKind {
+    Tanh,
+    Erf,
+}
+
+/// What Gemma-3's text model adds to a Llama-shaped config (`Gemma3TextConfig`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GemmaConfig {
+    /// The sliding layers' rope (`rope_parameters.sliding_attention`, or the legacy
+    /// `rope_local_base_freq`); [`ModelConfig::rope`] is the full layers'.
+    pub local_rope: Rope,
+    /// The softmax scale is `query_pre_attn_scalar ** -0.5` (default 256), not `head_dim`'s.
+    pub query_pre_attn_scalar: f64,
+    /// `tanh(logits / cap) * cap` on the logits (only them): `Gemma3ForCausalLM` applies it,
+    /// transformers 5.24's `Gemma3ForConditionalGeneration.forward` does not, so a wrapper's
+    /// is `None`.
+    pub final_logit_softcapping: Option<f64>,
+    pub act: GeluKind,
+}
+
 /// A resolved model config: what the target forward (and the gate) reads.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
@@ -279,6 +315,8 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// FP8 block-quantised weights: the `weight_block_size` of `quantization_config`.
     pub fp8_block: Option<[usize; 2]>,
+    /// Gemma-3: the local rope, the softmax scale, the logit softcap, the activation.
+    pub gemma: Option<GemmaConfig>,
 }
 
 /// What the static checks need of a target, from any `config.json` that states its layer count
@@ -472,6 +510,7 @@ impl ModelConfig {
     pub fn resolve(raw: &ConfigFile, path: &Path) -> Result<ModelConfig> {
         raw.check_sizes(path)?;
         let family = Family::of(raw);
+        let wrapped = raw.text_config.is_some();
         let raw = match &raw.text_config {
             Some(text) => merged_text_config(raw, text),
             None => raw.clone(),
@@ -503,8 +542,11 @@ impl ModelConfig {
             path,
             "num_attention_heads",
         )?;
+        // Gemma3TextConfig's defaults differ from Llama's (4 KV heads, head_dim 256).
+        let gemma = arch == Arch::Gemma3;
         let num_kv_heads = positive(
-            raw.num_key_value_heads.unwrap_or(num_heads),
+            raw.num_key_value_heads
+                .unwrap_or(if gemma { 4 } else { num_heads }),
             path,
             "num_key_value_heads",
         )?;
@@ -517,18 +559,27 @@ impl ModelConfig {
             ));
         }
         let head_dim = positive(
-            raw.head_dim.unwrap_or(hidden_size / num_heads),
+            raw.head_dim
+                .unwrap_or(if gemma { 256 } else { hidden_size / num_heads }),
             path,
             "head_dim",
         )?;
-        let act = raw.hidden_act.as_deref().unwrap_or("silu");
-        if act != "silu" {
-            return Err(Error::config(
-                path,
-                format!("hidden_act `{act}` is not supported (only silu)"),
-            ));
-        }
-        let rope = resolve_rope(&raw, path)?;
+        let gemma = if gemma {
+            Some(resolve_gemma(&raw, wrapped, path)?)
+        } else {
+            let act = raw.hidden_act.as_deref().unwrap_or("silu");
+            if act != "silu" {
+                return Err(Error::config(
+                    path,
+                    format!("hidden_act `{act}` is not supported (only silu)"),
+                ));
+            }
+            None
+        };
+        let rope = match arch {
+            Arch::Gemma3 => resolve_gemma_rope(&raw, "full_attention", 1_000_000.0, path)?,
+            _ => resolve_rope(&raw, path)?,
+        };
         let mla = if arch.is_mla() {
             Some(resolve_mla(&raw, path)?)
         } else {
@@ -538,6 +589,8 @@ impl ModelConfig {
         let fp8_block = resolve_fp8(&raw, path)?;
         let sliding_window = match (arch, raw.use_sliding_window) {
             (Arch::Mistral | Arch::GptOss | Arch::Phi3, _) => raw.sliding_window,
+            // Gemma3TextConfig.sliding_window defaults to 4096.
+            (Arch::Gemma3, _) => Some(raw.sliding_window.unwrap_or(4096)),
             (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe, Some(true)) => {
                 raw.sliding_window
             }
@@ -566,7 +619,8 @@ impl ModelConfig {
             }
         }
         let qk_norm = match arch {
-            Arch::Qwen3 | Arch::Qwen3Moe => QkNorm::PerHead,
+            // Gemma-3's q_norm/k_norm are `1 + w` norms (model::gemma adds the 1).
+            Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 => QkNorm::PerHead,
             // `Glm4MoeConfig.use_qk_norm` defaults to false.
             Arch::Glm4Moe if raw.use_qk_norm.unwrap_or(false) => QkNorm::PerHead,
             // `MiniMaxM2Attention` always norms the whole projection; the released configs
@@ -596,7 +650,7 @@ impl ModelConfig {
         // Qwen2(-MoE), Mistral, MiniMax-M2 and GLM-4.5 never.
         let o_bias = matches!(
             arch,
-            Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe | Arch::GptOss
+            Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe | Arch::GptOss | Arch::Gemma3
         ) && raw.attention_bias.unwrap_or(false);
         Ok(ModelConfig {
             path: path.to_path_buf(),
@@ -616,8 +670,9 @@ impl ModelConfig {
             intermediate_size: raw.intermediate_size.unwrap_or(0),
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             rope,
-            // LlamaConfig, Qwen2Config and DeepseekV3Config all default to untied.
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            // LlamaConfig, Qwen2Config and DeepseekV3Config all default to untied, Gemma's
+            // configs to tied.
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(arch == Arch::Gemma3),
             attention_bias,
             o_bias,
             mlp_bias: arch == Arch::Llama && raw.mlp_bias.unwrap_or(false),
@@ -629,6 +684,7 @@ impl ModelConfig {
             mla,
             moe,
             fp8_block,
+            gemma,
         })
     }
 }
@@ -758,6 +814,92 @@ pub(crate) fn resolve_rope(raw: &ConfigFile, path: &Path) -> Result<Rope> {
     Ok(Rope { theta, scaling })
 }
 
+/// Gemma-3's settings beyond Llama's (`Gemma3TextConfig`), refusing what the runner does not
+/// compute: bidirectional attention (EmbeddingGemma) and attention-logit softcapping (null in
+/// every released Gemma-3).
+fn resolve_gemma(raw: &ConfigFile, wrapped: bool, path: &Path) -> Result<GemmaConfig> {
+    if raw.use_bidirectional_attention == Some(true) {
+        return Err(Error::config(
+            path,
+            "use_bidirectional_attention is not supported (eagle-check runs causal targets)",
+        ));
+    }
+    if let Some(cap) = raw.attn_logit_softcapping {
+        return Err(Error::config(
+            path,
+            format!("attn_logit_softcapping {cap} is not supported (Gemma-3 sets it null)"),
+        ));
+    }
+    let name = raw
+        .hidden_activation
+        .as_deref()
+        .or(raw.hidden_act.as_deref())
+        .unwrap_or("gelu_pytorch_tanh");
+    let act = match name {
+        "gelu_pytorch_tanh" => GeluKind::Tanh,
+        "gelu" => GeluKind::Erf,
+        other => {
+            return Err(Error::config(
+                path,
+                format!("hidden_activation `{other}` is not supported (gelu_pytorch_tanh, gelu)"),
+            ));
+        }
+    };
+    let scalar = raw.query_pre_attn_scalar.unwrap_or(256.0);
+    if scalar.is_nan() || scalar <= 0.0 {
+        return Err(Error::config(
+            path,
+            format!("query_pre_attn_scalar must be positive, found {scalar}"),
+        ));
+    }
+    Ok(GemmaConfig {
+        local_rope: resolve_gemma_rope(raw, "sliding_attention", 10_000.0, path)?,
+        query_pre_attn_scalar: scalar,
+        final_logit_softcapping: raw.final_logit_softcapping.filter(|_| !wrapped),
+        act,
+    })
+}
+
+/// One of Gemma-3's two ropes (`Gemma3TextConfig.convert_rope_params_to_dict`): transformers 5
+/// nests them in `rope_parameters` by layer type; older files give the full layers'
+/// `rope_theta` + `rope_scaling` and the sliding layers' `rope_local_base_freq` (no scaling).
+/// `default_theta`: 1e6 global, 1e4 local (`Gemma3TextConfig.default_theta`).
+fn resolve_gemma_rope(
+    raw: &ConfigFile,
+    layer_type: &str,
+    default_theta: f64,
+    path: &Path,
+) -> Result<Rope> {
+    let nested = raw
+        .rope_parameters
+        .as_ref()
+        .and_then(|p| p.get(layer_type))
+        .filter(|v| v.is_object());
+    let legacy_theta = if layer_type == "sliding_attention" {
+        raw.rope_local_base_freq
+    } else {
+        raw.rope_theta
+    };
+    let one = match nested {
+        Some(p) => ConfigFile {
+            rope_parameters: Some(p.clone()),
+            rope_theta: legacy_theta.or(Some(default_theta)),
+            ..ConfigFile::default()
+        },
+        None if layer_type == "sliding_attention" => ConfigFile {
+            rope_theta: legacy_theta.or(Some(default_theta)),
+            ..ConfigFile::default()
+        },
+        None => ConfigFile {
+            rope_scaling: raw.rope_scaling.clone(),
+            rope_theta: legacy_theta.or(Some(default_theta)),
+            max_position_embeddings: raw.max_position_embeddings,
+            ..ConfigFile::default()
+        },
+    };
+    resolve_rope(&one, path)
+}
+
 /// DeepSeek-V3's multi-head latent attention fields (also GLM-4.7-Flash's).
 fn resolve_mla(raw: &ConfigFile, path: &Path) -> Result<MlaConfig> {
     Ok(MlaConfig {
@@ -799,7 +941,7 @@ fn resolve_sliding_layers(
     layers: usize,
     path: &Path,
 ) -> Result<Option<Vec<bool>>> {
-    if !matches!(arch, Arch::GptOss | Arch::Qwen2Moe) {
+    if !matches!(arch, Arch::GptOss | Arch::Qwen2Moe | Arch::Gemma3) {
         return Ok(None);
     }
     let listed = match &raw.layer_types {
@@ -815,6 +957,12 @@ fn resolve_sliding_layers(
             })
             .collect::<Result<Vec<bool>>>()?,
         None if arch == Arch::GptOss => (0..layers).map(|i| i % 2 == 0).collect(),
+        // Gemma3TextConfig.__post_init__: every `sliding_window_pattern`-th layer (default 6)
+        // is full, the others slide.
+        None if arch == Arch::Gemma3 => {
+            let every = raw.sliding_window_pattern.unwrap_or(6).max(1);
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
         None => {
             let max = raw.max_window_layers.unwrap_or(28);
             let on = raw.use_sliding_window.unwrap_or(false);

@@ -44,6 +44,8 @@ pub(crate) struct Attention {
     window: Option<usize>,
     /// gpt-oss: `[heads]` f32 logits in every softmax denominator.
     sinks: Option<Tensor>,
+    /// The softmax scale: `head_dim ** -0.5`, Gemma's `query_pre_attn_scalar ** -0.5`.
+    scale: f64,
     /// `q|k|v` as one `[(heads + 2 kv_heads) * head_dim, H]` projection, for the CPU forward
     /// ([`cpu`]); `q`, `k` and `v` are then views of its rows.
     qkv: Option<Linear>,
@@ -105,6 +107,9 @@ impl Attention {
             rot_dim: cfg.rotary_dim,
             window: cfg.window_of(layer),
             sinks,
+            scale: cfg.gemma.as_ref().map_or(1.0 / (hd as f64).sqrt(), |g| {
+                g.query_pre_attn_scalar.powf(-0.5)
+            }),
             qkv,
         })
     }
@@ -149,7 +154,7 @@ impl Attention {
             nkv,
             dk: hd,
             dv: hd,
-            scale: 1.0 / (hd as f64).sqrt(),
+            scale: self.scale,
             window: self.window,
         };
         let out = kernels::flash_attention_with_sinks(&q, &k, &v, &params, self.sinks.as_ref())?;
@@ -183,8 +188,7 @@ impl Attention {
         }
         let q = self.rotate(rope, &q.contiguous()?)?;
         let k = self.rotate(rope, &k.contiguous()?)?;
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let out = attention_with_sinks(&q, &k, &v, mask, scale, self.sinks.as_ref())?;
+        let out = attention_with_sinks(&q, &k, &v, mask, self.scale, self.sinks.as_ref())?;
         self.o.forward(&out)
     }
 
@@ -341,7 +345,7 @@ impl Layer {
             &sin[..t * half],
         );
         mark("qk norm + rope");
-        let scale = (1.0 / (a.head_dim as f64).sqrt()) as f32;
+        let scale = a.scale as f32;
         let attn = cpu::attention(&qkv_out, t, hs, scale, a.window)?;
         mark("attention");
         let o = cpu::project(&attn, t, &a.o)?;
