@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
 
 /// (fixture, the HF modeling file its numbers come from)
-const FAMILIES: [(&str, &str); 4] = [
+const FAMILIES: [(&str, &str); 6] = [
     ("phi3", "models/phi3/modeling_phi3.py"),
     ("phi3_window", "models/phi3/modeling_phi3.py"),
     (
@@ -32,6 +32,14 @@ const FAMILIES: [(&str, &str); 4] = [
     (
         "gemma3",
         "models/gemma3/modeling_gemma3.py (Gemma3ForConditionalGeneration)",
+    ),
+    (
+        "qwen2_5_vl",
+        "models/qwen2_5_vl/modeling_qwen2_5_vl.py (Qwen2_5_VLTextModel)",
+    ),
+    (
+        "qwen3_vl",
+        "models/qwen3_vl/modeling_qwen3_vl.py (Qwen3VLTextModel)",
     ),
 ];
 
@@ -138,12 +146,60 @@ fn dense_family_configs_resolve_as_transformers_reads_them() {
         assert_eq!(gemma.local_rope.theta, 1e4);
         assert_eq!(gemma.local_rope.scaling, RopeScaling::None);
     }
+    // The towers: Qwen2's and Qwen3's decoders, M-RoPE as the default rope, theta from
+    // text_config.rope_parameters.
+    let q25 = cfg("qwen2_5_vl");
+    assert_eq!(
+        (q25.arch, q25.model_type.as_str()),
+        (Arch::Qwen2, "qwen2_5_vl_text")
+    );
+    assert_eq!(
+        (q25.rope.theta, &q25.rope.scaling),
+        (1e6, &RopeScaling::None)
+    );
+    assert!(q25.attention_bias && !q25.o_bias);
+    let q3 = cfg("qwen3_vl");
+    assert_eq!(q3.arch, Arch::Qwen3);
+    assert_eq!(q3.qk_norm, eagle_check::config::QkNorm::PerHead);
+    assert_eq!((q3.rope.theta, &q3.rope.scaling), (5e6, &RopeScaling::None));
     // The softcap is on the causal LM's logits; transformers 5.24's wrapper applies none.
     let softcap = |name: &str| cfg(name).gemma.unwrap().final_logit_softcapping;
     assert_eq!(
         (softcap("gemma3_text"), softcap("gemma3")),
         (Some(3.0), None)
     );
+}
+
+/// The vision-language checkpoints as transformers 4 wrote them and Qwen2.5-VL-7B is published
+/// (the text tower under `model.*`, the vision tower under `visual.*`) load as the
+/// transformers 5 names (`model.language_model.*`, `model.visual.*`) do.
+#[test]
+fn the_vision_language_towers_load_from_their_legacy_names() {
+    for name in ["qwen2_5_vl", "qwen3_vl"] {
+        let legacy = planted(
+            name,
+            "legacy-names",
+            |_| {},
+            |w| {
+                let old = std::mem::take(w);
+                for (k, v) in old {
+                    let k = match (
+                        k.strip_prefix("model.language_model."),
+                        k.strip_prefix("model.visual."),
+                    ) {
+                        (Some(rest), _) => format!("model.{rest}"),
+                        (_, Some(rest)) => format!("visual.{rest}"),
+                        _ => k,
+                    };
+                    w.insert(k, v);
+                }
+            },
+        );
+        for path in [ComputePath::Candle, ComputePath::Kernels] {
+            let w = worst_of_on(&legacy, name, path);
+            assert!(w <= F32_TOL, "{name} legacy names {path:?}: {w:.3e}");
+        }
+    }
 }
 
 /// The Gemma-3 wrapper's checkpoint as save_pretrained writes it and the published ones are
@@ -321,6 +377,33 @@ fn planted_dense_family_bugs_break_the_parity() {
         worst_of(&one_base, "gemma3_text") > 1e-2,
         "local rope base ignored must fail"
     );
+    // Qwen3-VL's tower with the rope base not read from `text_config.rope_parameters`
+    // (the default 10000 instead of 5e6).
+    let wrong_base = planted(
+        "qwen3_vl",
+        "rope-base",
+        |c| c["text_config"]["rope_parameters"]["rope_theta"] = serde_json::json!(10000.0),
+        |_| {},
+    );
+    assert!(
+        worst_of(&wrong_base, "qwen3_vl") > 1e-2,
+        "the tower's rope base lost must fail"
+    );
+    // Qwen2.5-VL's tower without its q/k/v biases (zeroed): Qwen2's bias is part of it.
+    let no_bias = planted(
+        "qwen2_5_vl",
+        "bias",
+        |_| {},
+        |w| {
+            map_tensors(w, &["q_proj.bias", "k_proj.bias", "v_proj.bias"], |t| {
+                t.zeros_like().unwrap()
+            })
+        },
+    );
+    assert!(
+        worst_of(&no_bias, "qwen2_5_vl") > 1e-2,
+        "the tower's q/k/v bias dropped must fail"
+    );
     // Gemma-3's causal LM without its final softcap: only the logits move.
     let no_cap = planted(
         "gemma3_text",
@@ -335,9 +418,10 @@ fn planted_dense_family_bugs_break_the_parity() {
 }
 
 /// Real target configs under fixtures/real-configs/targets/.
-const REAL: [&str; 2] = [
+const REAL: [&str; 3] = [
     "target_phi-4__tt-metal_model_params.json",
     "target_gemma-3-1b-it__TensorRT-LLM_test_modeling_gemma3_PATCHED_L26.json",
+    "target_qwen2.5-vl-7b-instruct__tt-metal_model_params.json",
 ];
 
 /// A SpecForge-style EAGLE-3 draft config for a target of `hidden` and `vocab` (SpecForge's
@@ -390,6 +474,20 @@ fn real_dense_configs_resolve_and_gate() {
                 assert_eq!(g.query_pre_attn_scalar, 256.0);
                 assert_eq!(g.final_logit_softcapping, None);
                 assert!(cfg.tie_word_embeddings);
+            }
+            Arch::Qwen2 => {
+                // Qwen2.5-VL-7B (a transformers 4 file, no text_config): its text tower is
+                // Qwen2's; `rope_scaling: {type: mrope}` is the default rope on text.
+                assert_eq!(cfg.model_type, "qwen2_5_vl");
+                assert_eq!(
+                    (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads),
+                    (28, 28, 4)
+                );
+                assert_eq!(
+                    (cfg.rope.theta, &cfg.rope.scaling),
+                    (1e6, &RopeScaling::None)
+                );
+                assert!(cfg.attention_bias && !cfg.o_bias && cfg.sliding_window.is_none());
             }
             other => panic!("{file}: {other:?}"),
         }

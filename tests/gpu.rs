@@ -74,7 +74,7 @@ fn worst(name: &str, cfg: &ModelConfig, cap: &Capture) -> f64 {
     worst
 }
 
-const TARGETS: [&str; 19] = [
+const TARGETS: [&str; 21] = [
     "llama",
     "llama_linear_bias",
     "mistral",
@@ -94,6 +94,8 @@ const TARGETS: [&str; 19] = [
     "phi3_window",
     "gemma3_text",
     "gemma3",
+    "qwen2_5_vl",
+    "qwen3_vl",
 ];
 
 /// The MoE fixtures whose routing the GPU must reproduce.

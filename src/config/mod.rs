@@ -156,6 +156,9 @@ pub const RUNNABLE_MODEL_TYPES: &[&str] = &[
     "phi3",
     "gemma3_text",
     "gemma3",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
 ];
 
 impl Arch {
@@ -163,8 +166,15 @@ impl Arch {
         Some(match model_type {
             "llama" => Arch::Llama,
             "mistral" => Arch::Mistral,
-            "qwen2" => Arch::Qwen2,
-            "qwen3" => Arch::Qwen3,
+            // The vision-language models' text towers on text-only prompts: Qwen2-VL's and
+            // Qwen2.5-VL's decoder is Qwen2's (`Qwen2_5_VLAttention`: q/k/v biased, o_proj not),
+            // Qwen3-VL's is Qwen3's (`Qwen3VLTextAttention`: per-head q/k norm, o_proj biased
+            // with `attention_bias`), and M-RoPE is the default rope there ([`resolve_rope`]).
+            // Image tokens and Qwen3-VL's deepstack features never arise without an image.
+            "qwen2" | "qwen2_vl" | "qwen2_vl_text" | "qwen2_5_vl" | "qwen2_5_vl_text" => {
+                Arch::Qwen2
+            }
+            "qwen3" | "qwen3_vl" | "qwen3_vl_text" => Arch::Qwen3,
             "deepseek_v3" | "kimi_k2" => Arch::DeepseekV3,
             "qwen3_moe" => Arch::Qwen3Moe,
             "qwen2_moe" => Arch::Qwen2Moe,
