@@ -43,6 +43,16 @@ pub fn is_extra_layer(name: &str, num_layers: usize) -> bool {
     layer_of(name).is_some_and(|i| i >= num_layers)
 }
 
+/// The towers of a multimodal checkpoint that are not its text model (Gemma-3's SigLIP
+/// `vision_tower` and `multi_modal_projector`, Qwen2.5-VL's / Qwen3-VL's `visual`; under
+/// `model.` in transformers 5, at the top level in older exports): a text-only target never
+/// reads them.
+pub fn is_other_tower(name: &str) -> bool {
+    const TOWERS: [&str; 3] = ["vision_tower.", "multi_modal_projector.", "visual."];
+    let rest = name.strip_prefix("model.").unwrap_or(name);
+    TOWERS.iter().any(|t| rest.starts_with(t))
+}
+
 /// Non-parameter buffers older exports save beside the weights (transformers 4 wrote
 /// `rotary_emb.inv_freq` into some checkpoints); no loader reads them.
 pub fn is_ignored_buffer(name: &str) -> bool {

@@ -74,7 +74,7 @@ fn worst(name: &str, cfg: &ModelConfig, cap: &Capture) -> f64 {
     worst
 }
 
-const TARGETS: [&str; 16] = [
+const TARGETS: [&str; 22] = [
     "llama",
     "llama_linear_bias",
     "mistral",
@@ -91,6 +91,12 @@ const TARGETS: [&str; 16] = [
     "gpt_oss",
     "gpt_oss_mxfp4",
     "llama4",
+    "phi3",
+    "phi3_window",
+    "gemma3_text",
+    "gemma3",
+    "qwen2_5_vl",
+    "qwen3_vl",
 ];
 
 /// The MoE fixtures whose routing the GPU must reproduce.

@@ -5,6 +5,7 @@ mod support;
 mod architecture;
 mod deepseek;
 mod deepseek_cli;
+mod dense_families;
 mod diff;
 mod engine_dumps;
 mod engine_support;

@@ -43,6 +43,8 @@ pub struct ConfigFile {
     pub sliding_window: Option<usize>,
     pub use_sliding_window: Option<bool>,
     pub max_position_embeddings: Option<usize>,
+    /// Phi-3/4's pretraining length, outside `rope_parameters` (LongRoPE reads it first).
+    pub original_max_position_embeddings: Option<usize>,
     // DeepSeek-V3 / Kimi-K2 (MLA + MoE).
     pub q_lora_rank: Option<usize>,
     pub kv_lora_rank: Option<usize>,
@@ -98,6 +100,16 @@ pub struct ConfigFile {
     pub attn_temperature_tuning: Option<bool>,
     pub floor_scale: Option<f64>,
     pub attn_scale: Option<f64>,
+    // Gemma-3.
+    pub hidden_activation: Option<String>,
+    pub query_pre_attn_scalar: Option<f64>,
+    pub final_logit_softcapping: Option<f64>,
+    pub attn_logit_softcapping: Option<f64>,
+    pub rope_local_base_freq: Option<f64>,
+    pub sliding_window_pattern: Option<usize>,
+    /// `true` / `false` (Gemma-3), or a string naming where it applies (Gemma-4's
+    /// `"vision"`): kept as written.
+    pub use_bidirectional_attention: Option<serde_json::Value>,
 }
 
 /// An optional value that may be written as `null`.
@@ -149,6 +161,10 @@ pub enum Arch {
     GptOss,
     /// Llama-4 Scout / Maverick text (`llama4_text`, and `llama4`'s `text_config`).
     Llama4,
+    /// Phi-3 / Phi-4 (fused `qkv_proj` and `gate_up_proj`, partial rotary, LongRoPE).
+    Phi3,
+    /// Gemma-3's text model (`gemma3_text`, and the `gemma3` wrapper's).
+    Gemma3,
 }
 
 /// The `model_type`s the runner executes, in the order a refusal lists them.
@@ -167,6 +183,12 @@ pub const RUNNABLE_MODEL_TYPES: &[&str] = &[
     "gpt_oss",
     "llama4",
     "llama4_text",
+    "phi3",
+    "gemma3_text",
+    "gemma3",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
 ];
 
 impl Arch {
@@ -174,8 +196,15 @@ impl Arch {
         Some(match model_type {
             "llama" => Arch::Llama,
             "mistral" => Arch::Mistral,
-            "qwen2" => Arch::Qwen2,
-            "qwen3" => Arch::Qwen3,
+            // The vision-language models' text towers on text-only prompts: Qwen2-VL's and
+            // Qwen2.5-VL's decoder is Qwen2's (`Qwen2_5_VLAttention`: q/k/v biased, o_proj not),
+            // Qwen3-VL's is Qwen3's (`Qwen3VLTextAttention`: per-head q/k norm, o_proj biased
+            // with `attention_bias`), and M-RoPE is the default rope there ([`resolve_rope`]).
+            // Image tokens and Qwen3-VL's deepstack features never arise without an image.
+            "qwen2" | "qwen2_vl" | "qwen2_vl_text" | "qwen2_5_vl" | "qwen2_5_vl_text" => {
+                Arch::Qwen2
+            }
+            "qwen3" | "qwen3_vl" | "qwen3_vl_text" => Arch::Qwen3,
             "deepseek_v3" | "kimi_k2" => Arch::DeepseekV3,
             "qwen3_moe" => Arch::Qwen3Moe,
             "qwen2_moe" => Arch::Qwen2Moe,
@@ -184,6 +213,8 @@ impl Arch {
             "glm4_moe_lite" => Arch::Glm4MoeLite,
             "gpt_oss" => Arch::GptOss,
             "llama4_text" | "llama4" => Arch::Llama4,
+            "phi3" => Arch::Phi3,
+            "gemma3_text" | "gemma3" => Arch::Gemma3,
             _ => return None,
         })
     }
@@ -228,6 +259,15 @@ pub enum RopeScaling {
         /// `attention_factor` when the config sets it (else derived from the mscale terms).
         attention_factor: Option<f64>,
     },
+    /// LongRoPE (Phi-3/4, transformers `_compute_longrope_parameters`): each frequency divided
+    /// by its factor, the short ones up to `original_max_position_embeddings` tokens and the
+    /// long ones past it (`longrope_frequency_update`), cos/sin times `attention_factor`.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: f64,
+        attention_factor: f64,
+    },
 }
 
 /// Multi-head latent attention (DeepSeek-V2/V3).
@@ -252,6 +292,29 @@ pub enum QkNorm {
     /// One RMSNorm over the whole projection, `heads * head_dim` (MiniMax-M2's
     /// `qk_norm_type: per_layer`; `MiniMaxM2Attention`).
     Full,
+}
+
+/// Gemma's MLP activation (`hidden_activation`): transformers' `gelu_pytorch_tanh` (the tanh
+/// approximation, every released Gemma-3) or the exact `gelu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GeluKind {
+    Tanh,
+    Erf,
+}
+
+/// What Gemma-3's text model adds to a Llama-shaped config (`Gemma3TextConfig`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GemmaConfig {
+    /// The sliding layers' rope (`rope_parameters.sliding_attention`, or the legacy
+    /// `rope_local_base_freq`); [`ModelConfig::rope`] is the full layers'.
+    pub local_rope: Rope,
+    /// The softmax scale is `query_pre_attn_scalar ** -0.5` (default 256), not `head_dim`'s.
+    pub query_pre_attn_scalar: f64,
+    /// `tanh(logits / cap) * cap` on the logits (only them): `Gemma3ForCausalLM` applies it,
+    /// transformers 5.24's `Gemma3ForConditionalGeneration.forward` does not, so a wrapper's
+    /// is `None`.
+    pub final_logit_softcapping: Option<f64>,
+    pub act: GeluKind,
 }
 
 /// A resolved model config: what the target forward (and the gate) reads.
@@ -295,6 +358,8 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// FP8 block-quantised weights: the `weight_block_size` of `quantization_config`.
     pub fp8_block: Option<[usize; 2]>,
+    /// Gemma-3: the local rope, the softmax scale, the logit softcap, the activation.
+    pub gemma: Option<GemmaConfig>,
 }
 
 /// What the static checks need of a target, from any `config.json` that states its layer count
@@ -492,6 +557,7 @@ impl ModelConfig {
     pub fn resolve(raw: &ConfigFile, path: &Path) -> Result<ModelConfig> {
         raw.check_sizes(path)?;
         let family = Family::of(raw);
+        let wrapped = raw.text_config.is_some();
         let raw = match &raw.text_config {
             Some(text) => merged_text_config(raw, text),
             None => raw.clone(),
@@ -523,8 +589,11 @@ impl ModelConfig {
             path,
             "num_attention_heads",
         )?;
+        // Gemma3TextConfig's defaults differ from Llama's (4 KV heads, head_dim 256).
+        let gemma = arch == Arch::Gemma3;
         let num_kv_heads = positive(
-            raw.num_key_value_heads.unwrap_or(num_heads),
+            raw.num_key_value_heads
+                .unwrap_or(if gemma { 4 } else { num_heads }),
             path,
             "num_key_value_heads",
         )?;
@@ -537,18 +606,27 @@ impl ModelConfig {
             ));
         }
         let head_dim = positive(
-            raw.head_dim.unwrap_or(hidden_size / num_heads),
+            raw.head_dim
+                .unwrap_or(if gemma { 256 } else { hidden_size / num_heads }),
             path,
             "head_dim",
         )?;
-        let act = raw.hidden_act.as_deref().unwrap_or("silu");
-        if act != "silu" {
-            return Err(Error::config(
-                path,
-                format!("hidden_act `{act}` is not supported (only silu)"),
-            ));
-        }
-        let rope = resolve_rope(&raw, path)?;
+        let gemma = if gemma {
+            Some(resolve_gemma(&raw, wrapped, path)?)
+        } else {
+            let act = raw.hidden_act.as_deref().unwrap_or("silu");
+            if act != "silu" {
+                return Err(Error::config(
+                    path,
+                    format!("hidden_act `{act}` is not supported (only silu)"),
+                ));
+            }
+            None
+        };
+        let rope = match arch {
+            Arch::Gemma3 => resolve_gemma_rope(&raw, "full_attention", 1_000_000.0, path)?,
+            _ => resolve_rope(&raw, path)?,
+        };
         let mla = if arch.is_mla() {
             Some(resolve_mla(&raw, path)?)
         } else {
@@ -560,7 +638,9 @@ impl ModelConfig {
             .transpose()?;
         let fp8_block = resolve_fp8(&raw, path)?;
         let sliding_window = match (arch, raw.use_sliding_window) {
-            (Arch::Mistral | Arch::GptOss, _) => raw.sliding_window,
+            (Arch::Mistral | Arch::GptOss | Arch::Phi3, _) => raw.sliding_window,
+            // Gemma3TextConfig.sliding_window defaults to 4096.
+            (Arch::Gemma3, _) => Some(raw.sliding_window.unwrap_or(4096)),
             (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe, Some(true)) => {
                 raw.sliding_window
             }
@@ -568,8 +648,29 @@ impl ModelConfig {
         };
         let sliding_layers = resolve_sliding_layers(arch, &raw, num_layers, path)?;
         let rotary_dim = resolve_rotary_dim(arch, &raw, head_dim, path)?;
+        if let RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            ..
+        } = &rope.scaling
+        {
+            for (key, list) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                if list.len() != rotary_dim / 2 {
+                    return Err(Error::config(
+                        path,
+                        format!(
+                            "rope_scaling.{key} has {} entries, rope rotates {rotary_dim} dims \
+                             (it needs {})",
+                            list.len(),
+                            rotary_dim / 2
+                        ),
+                    ));
+                }
+            }
+        }
         let qk_norm = match arch {
-            Arch::Qwen3 | Arch::Qwen3Moe => QkNorm::PerHead,
+            // Gemma-3's q_norm/k_norm are `1 + w` norms (model::gemma adds the 1).
+            Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 => QkNorm::PerHead,
             // `Glm4MoeConfig.use_qk_norm` defaults to false.
             Arch::Glm4Moe if raw.use_qk_norm.unwrap_or(false) => QkNorm::PerHead,
             // `MiniMaxM2Attention` always norms the whole projection; the released configs
@@ -599,7 +700,7 @@ impl ModelConfig {
         // Qwen2(-MoE), Mistral, MiniMax-M2 and GLM-4.5 never.
         let o_bias = matches!(
             arch,
-            Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe | Arch::GptOss
+            Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe | Arch::GptOss | Arch::Gemma3
         ) && raw.attention_bias.unwrap_or(false);
         Ok(ModelConfig {
             path: path.to_path_buf(),
@@ -623,8 +724,9 @@ impl ModelConfig {
             },
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             rope,
-            // LlamaConfig, Qwen2Config and DeepseekV3Config all default to untied.
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            // LlamaConfig, Qwen2Config and DeepseekV3Config all default to untied, Gemma's
+            // configs to tied.
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(arch == Arch::Gemma3),
             attention_bias,
             o_bias,
             mlp_bias: arch == Arch::Llama && raw.mlp_bias.unwrap_or(false),
@@ -637,6 +739,7 @@ impl ModelConfig {
             llama4,
             moe,
             fp8_block,
+            gemma,
         })
     }
 }
@@ -804,14 +907,137 @@ pub(crate) fn resolve_rope(raw: &ConfigFile, path: &Path) -> Result<Rope> {
                 .unwrap_or(true),
             attention_factor: json_f64(p, "attention_factor"),
         },
+        // Phi3Config renames the legacy `su` to `longrope` (`convert_rope_params_to_dict`).
+        "longrope" | "su" => {
+            // transformers gives a top-level `original_max_position_embeddings` priority
+            // (`standardize_rope_params`; Phi3Config defaults it and max_position_embeddings
+            // to 4096).
+            let orig = raw
+                .original_max_position_embeddings
+                .map(|o| o as f64)
+                .or(orig)
+                .or(raw.max_position_embeddings.map(|m| m as f64))
+                .unwrap_or(4096.0);
+            let factors = |key: &str| -> Result<Vec<f64>> {
+                let list = p.get(key).and_then(serde_json::Value::as_array);
+                list.and_then(|l| l.iter().map(serde_json::Value::as_f64).collect())
+                    .ok_or_else(|| {
+                        Error::config(
+                            path,
+                            format!("rope type `longrope` needs `{key}`, a list of numbers"),
+                        )
+                    })
+            };
+            let factor = json_f64(p, "factor")
+                .unwrap_or(raw.max_position_embeddings.unwrap_or(4096) as f64 / orig);
+            let attention_factor = match json_f64(p, "attention_factor") {
+                Some(f) => f,
+                None if factor <= 1.0 => 1.0,
+                None => (1.0 + factor.ln() / orig.ln()).sqrt(),
+            };
+            RopeScaling::LongRope {
+                short_factor: factors("short_factor")?,
+                long_factor: factors("long_factor")?,
+                original_max_position_embeddings: orig,
+                attention_factor,
+            }
+        }
         other => {
             return Err(Error::config(
                 path,
-                format!("rope type `{other}` is not supported (default, linear, llama3, yarn)"),
+                format!(
+                    "rope type `{other}` is not supported (default, linear, llama3, yarn, longrope)"
+                ),
             ));
         }
     };
     Ok(Rope { theta, scaling })
+}
+
+/// Gemma-3's settings beyond Llama's (`Gemma3TextConfig`), refusing what the runner does not
+/// compute: bidirectional attention (EmbeddingGemma) and attention-logit softcapping (null in
+/// every released Gemma-3).
+fn resolve_gemma(raw: &ConfigFile, wrapped: bool, path: &Path) -> Result<GemmaConfig> {
+    if raw.use_bidirectional_attention == Some(serde_json::Value::Bool(true)) {
+        return Err(Error::config(
+            path,
+            "use_bidirectional_attention is not supported (eagle-check runs causal targets)",
+        ));
+    }
+    if let Some(cap) = raw.attn_logit_softcapping {
+        return Err(Error::config(
+            path,
+            format!("attn_logit_softcapping {cap} is not supported (Gemma-3 sets it null)"),
+        ));
+    }
+    let name = raw
+        .hidden_activation
+        .as_deref()
+        .or(raw.hidden_act.as_deref())
+        .unwrap_or("gelu_pytorch_tanh");
+    let act = match name {
+        "gelu_pytorch_tanh" => GeluKind::Tanh,
+        "gelu" => GeluKind::Erf,
+        other => {
+            return Err(Error::config(
+                path,
+                format!("hidden_activation `{other}` is not supported (gelu_pytorch_tanh, gelu)"),
+            ));
+        }
+    };
+    let scalar = raw.query_pre_attn_scalar.unwrap_or(256.0);
+    if scalar.is_nan() || scalar <= 0.0 {
+        return Err(Error::config(
+            path,
+            format!("query_pre_attn_scalar must be positive, found {scalar}"),
+        ));
+    }
+    Ok(GemmaConfig {
+        local_rope: resolve_gemma_rope(raw, "sliding_attention", 10_000.0, path)?,
+        query_pre_attn_scalar: scalar,
+        final_logit_softcapping: raw.final_logit_softcapping.filter(|_| !wrapped),
+        act,
+    })
+}
+
+/// One of Gemma-3's two ropes (`Gemma3TextConfig.convert_rope_params_to_dict`): transformers 5
+/// nests them in `rope_parameters` by layer type; older files give the full layers'
+/// `rope_theta` + `rope_scaling` and the sliding layers' `rope_local_base_freq` (no scaling).
+/// `default_theta`: 1e6 global, 1e4 local (`Gemma3TextConfig.default_theta`).
+fn resolve_gemma_rope(
+    raw: &ConfigFile,
+    layer_type: &str,
+    default_theta: f64,
+    path: &Path,
+) -> Result<Rope> {
+    let nested = raw
+        .rope_parameters
+        .as_ref()
+        .and_then(|p| p.get(layer_type))
+        .filter(|v| v.is_object());
+    let legacy_theta = if layer_type == "sliding_attention" {
+        raw.rope_local_base_freq
+    } else {
+        raw.rope_theta
+    };
+    let one = match nested {
+        Some(p) => ConfigFile {
+            rope_parameters: Some(p.clone()),
+            rope_theta: legacy_theta.or(Some(default_theta)),
+            ..ConfigFile::default()
+        },
+        None if layer_type == "sliding_attention" => ConfigFile {
+            rope_theta: legacy_theta.or(Some(default_theta)),
+            ..ConfigFile::default()
+        },
+        None => ConfigFile {
+            rope_scaling: raw.rope_scaling.clone(),
+            rope_theta: legacy_theta.or(Some(default_theta)),
+            max_position_embeddings: raw.max_position_embeddings,
+            ..ConfigFile::default()
+        },
+    };
+    resolve_rope(&one, path)
 }
 
 /// DeepSeek-V3's multi-head latent attention fields (also GLM-4.7-Flash's).
@@ -855,7 +1081,7 @@ fn resolve_sliding_layers(
     layers: usize,
     path: &Path,
 ) -> Result<Option<Vec<bool>>> {
-    if !matches!(arch, Arch::GptOss | Arch::Qwen2Moe) {
+    if !matches!(arch, Arch::GptOss | Arch::Qwen2Moe | Arch::Gemma3) {
         return Ok(None);
     }
     let listed = match &raw.layer_types {
@@ -871,6 +1097,12 @@ fn resolve_sliding_layers(
             })
             .collect::<Result<Vec<bool>>>()?,
         None if arch == Arch::GptOss => (0..layers).map(|i| i % 2 == 0).collect(),
+        // Gemma3TextConfig.__post_init__: every `sliding_window_pattern`-th layer (default 6)
+        // is full, the others slide.
+        None if arch == Arch::Gemma3 => {
+            let every = raw.sliding_window_pattern.unwrap_or(6).max(1);
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
         None => {
             let max = raw.max_window_layers.unwrap_or(28);
             let on = raw.use_sliding_window.unwrap_or(false);

@@ -111,7 +111,9 @@ fn checked(moe: MoeConfig, path: &Path) -> Result<MoeConfig> {
 /// The MoE settings of `arch`'s config, `None` for a dense one.
 pub(super) fn resolve(arch: Arch, raw: &ConfigFile, path: &Path) -> Result<Option<MoeConfig>> {
     let moe = match arch {
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => return Ok(None),
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 | Arch::Gemma3 => {
+            return Ok(None);
+        }
         Arch::Llama4 => llama4(raw, path)?,
         Arch::DeepseekV3 | Arch::Glm4Moe | Arch::Glm4MoeLite => match raw.n_routed_experts {
             Some(n) if n > 0 => deepseek_style(arch, raw, path, n)?,

@@ -349,16 +349,17 @@ pub(crate) fn qk_norm_in_place(qkv: &mut [f32], hs: Heads, qn: &[f32], kn: &[f32
         });
 }
 
-/// Rotate-half rope of every q and k head in place: row `t` at position `t`, `cos`/`sin`
-/// `[T, head_dim / 2]`. `x * cos + rotate_half(x) * sin` with HF's roundings.
-pub(crate) fn rope_in_place(qkv: &mut [f32], hs: Heads, cos: &[f32], sin: &[f32]) {
-    let (hd, half) = (hs.head_dim, hs.head_dim / 2);
+/// Rotate-half rope of every q and k head in place on its leading `rot` dims (the rest pass
+/// through: partial rotary): row `t` at position `t`, `cos`/`sin` `[T, rot / 2]`.
+/// `x * cos + rotate_half(x) * sin` with HF's roundings.
+pub(crate) fn rope_in_place(qkv: &mut [f32], hs: Heads, rot: usize, cos: &[f32], sin: &[f32]) {
+    let (hd, half) = (hs.head_dim, rot.min(hs.head_dim) / 2);
     qkv.par_chunks_mut(hs.ld())
         .zip(cos.par_chunks(half).zip(sin.par_chunks(half)))
         .with_min_len(ROWS_PER_TASK)
         .for_each(|(row, (c, s))| {
             for x in row[..(hs.heads + hs.kv_heads) * hd].chunks_mut(hd) {
-                let (x1, x2) = x.split_at_mut(half);
+                let (x1, x2) = x[..2 * half].split_at_mut(half);
                 for i in 0..half {
                     let (a, b) = (x1[i], x2[i]);
                     x1[i] = a * c[i] - b * s[i];

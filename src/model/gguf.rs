@@ -467,10 +467,10 @@ fn hf_name(gguf: &str, arch: &str, num_layers: usize, moe: bool) -> Option<Strin
         "attn_output.weight" => "self_attn.o_proj.weight",
         "attn_q_norm.weight" => "self_attn.q_norm.weight",
         "attn_k_norm.weight" => "self_attn.k_norm.weight",
-        "attn_output.bias" => "self_attn.o_proj.bias",
         "ffn_norm.weight" => "post_attention_layernorm.weight",
         // gpt-oss (gguf-py tensor_mapping.py: `post_attention_layernorm` is ATTN_POST_NORM for an
         // architecture without FFN_NORM; `self_attn.sinks` is ATTN_SINKS, "openai-moe").
+        "attn_output.bias" if arch == "gpt-oss" => "self_attn.o_proj.bias",
         "post_attention_norm.weight" if arch == "gpt-oss" => "post_attention_layernorm.weight",
         "attn_sinks.weight" if arch == "gpt-oss" => "self_attn.sinks",
         "ffn_gate_inp.weight" if arch == "gpt-oss" => "mlp.router.weight",

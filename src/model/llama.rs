@@ -1,8 +1,19 @@
 //! Llama-family targets: `llama` (incl. llama3 rope scaling), `mistral` (sliding window),
-//! `qwen2` (q/k/v bias), `qwen3` (per-head q/k RMSNorm). GQA, tied embeddings.
+//! `qwen2` (q/k/v bias), `qwen3` (per-head q/k RMSNorm), `phi3` (Phi-3/4). GQA, tied
+//! embeddings.
 //! Reference: transformers `models/{llama,mistral,qwen2,qwen3}/modeling_*.py`.
+//!
+//! Phi-3/4 is Llama with its data laid out otherwise (transformers 5.24
+//! `models/phi3/modeling_phi3.py`): `Phi3Attention` holds q, k and v as one `qkv_proj` (rows
+//! `[q | k | v]`, no bias), split here into views of its rows; `Phi3MLP` holds `gate_up_proj`
+//! (`chunk(2)`: gate the first half, up the second) and computes `down(up * silu(gate))`;
+//! `apply_rotary_pos_emb` rotates the leading `head_dim * partial_rotary_factor` dims
+//! (Phi-4-mini 0.75) rotate-half and passes the rest; `Phi3Model` masks every layer with
+//! `sliding_window` when set; `Phi3RotaryEmbedding` with `longrope` is
+//! `_compute_longrope_parameters` ([`crate::config::RopeScaling::LongRope`]). The decoder layer
+//! (`Phi3DecoderLayer`) is Llama's: the dropouts are identities at inference.
 
-use crate::config::{ModelConfig, QkNorm};
+use crate::config::{Arch, ModelConfig, QkNorm};
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams};
 use crate::model::cpu::{self, Held};
@@ -33,6 +44,8 @@ pub(crate) struct Attention {
     window: Option<usize>,
     /// gpt-oss: `[heads]` f32 logits in every softmax denominator.
     sinks: Option<Tensor>,
+    /// The softmax scale: `head_dim ** -0.5`, Gemma's `query_pre_attn_scalar ** -0.5`.
+    scale: f64,
     /// `q|k|v` as one `[(heads + 2 kv_heads) * head_dim, H]` projection, for the CPU forward
     /// ([`cpu`]); `q`, `k` and `v` are then views of its rows.
     qkv: Option<Linear>,
@@ -60,22 +73,20 @@ impl Attention {
                 Some(RmsNorm::load(&vb.pp("k_norm"), nkv * hd, cfg.rms_norm_eps)?),
             ),
         };
-        let q = Linear::load(&vb.pp("q_proj"), nh * hd, h, bias)?;
-        let k = Linear::load(&vb.pp("k_proj"), nkv * hd, h, bias)?;
-        let v = Linear::load(&vb.pp("v_proj"), nkv * hd, h, bias)?;
-        let (q, k, v, qkv) = if fuse {
-            let fused = || -> candle_core::Result<_> {
-                let qkv = Linear::concat(&[&q, &k, &v])?;
+        let (q, k, v, qkv) = if cfg.arch == Arch::Phi3 {
+            // Phi-3's checkpoint holds the fused projection: q, k and v are views of its rows.
+            let qkv = Linear::load(&vb.pp("qkv_proj"), (nh + 2 * nkv) * hd, h, bias)?;
+            let split = || -> candle_core::Result<_> {
                 Ok((
                     qkv.rows(0, nh * hd)?,
                     qkv.rows(nh * hd, nkv * hd)?,
                     qkv.rows((nh + nkv) * hd, nkv * hd)?,
-                    Some(qkv),
                 ))
             };
-            fused().ctx(|| vb.path("q|k|v"))?
+            let (q, k, v) = split().ctx(|| vb.path("qkv_proj"))?;
+            (q, k, v, fuse.then_some(qkv))
         } else {
-            (q, k, v, None)
+            load_qkv(vb, (nh, nkv, hd), h, bias, fuse)?
         };
         let sinks = if cfg.attn_sinks {
             Some(crate::model::moe::get_f32(vb, "sinks", &[nh])?)
@@ -96,6 +107,9 @@ impl Attention {
             rot_dim: cfg.rotary_dim,
             window: cfg.window_of(layer),
             sinks,
+            scale: cfg.gemma.as_ref().map_or(1.0 / (hd as f64).sqrt(), |g| {
+                g.query_pre_attn_scalar.powf(-0.5)
+            }),
             qkv,
         })
     }
@@ -140,7 +154,7 @@ impl Attention {
             nkv,
             dk: hd,
             dv: hd,
-            scale: 1.0 / (hd as f64).sqrt(),
+            scale: self.scale,
             window: self.window,
         };
         let out = kernels::flash_attention_with_sinks(&q, &k, &v, &params, self.sinks.as_ref())?;
@@ -174,8 +188,7 @@ impl Attention {
         }
         let q = self.rotate(rope, &q.contiguous()?)?;
         let k = self.rotate(rope, &k.contiguous()?)?;
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let out = attention_with_sinks(&q, &k, &v, mask, scale, self.sinks.as_ref())?;
+        let out = attention_with_sinks(&q, &k, &v, mask, self.scale, self.sinks.as_ref())?;
         self.o.forward(&out)
     }
 
@@ -189,6 +202,34 @@ impl Attention {
         let pass = xs.narrow(D::Minus1, self.rot_dim, self.head_dim - self.rot_dim)?;
         Tensor::cat(&[&rot, &pass], D::Minus1)
     }
+}
+
+/// q, k and v from their own projections; with `fuse`, stacked into one whose row views they
+/// become ([`Attention::qkv`]). `(heads, kv_heads, head_dim)`.
+type Qkv = (Linear, Linear, Linear, Option<Linear>);
+fn load_qkv(
+    vb: &Vb,
+    (nh, nkv, hd): (usize, usize, usize),
+    h: usize,
+    bias: bool,
+    fuse: bool,
+) -> Result<Qkv> {
+    let q = Linear::load(&vb.pp("q_proj"), nh * hd, h, bias)?;
+    let k = Linear::load(&vb.pp("k_proj"), nkv * hd, h, bias)?;
+    let v = Linear::load(&vb.pp("v_proj"), nkv * hd, h, bias)?;
+    if !fuse {
+        return Ok((q, k, v, None));
+    }
+    let fused = || -> candle_core::Result<_> {
+        let qkv = Linear::concat(&[&q, &k, &v])?;
+        Ok((
+            qkv.rows(0, nh * hd)?,
+            qkv.rows(nh * hd, nkv * hd)?,
+            qkv.rows((nh + nkv) * hd, nkv * hd)?,
+            Some(qkv),
+        ))
+    };
+    fused().ctx(|| vb.path("q|k|v"))
 }
 
 pub(crate) struct Layer {
@@ -207,6 +248,9 @@ impl Layer {
     pub(crate) fn load(cfg: &ModelConfig, m: &Vb, i: usize, fuse: bool) -> Result<Layer> {
         let (h, eps, inter) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.intermediate_size);
         let l = m.pp(format!("layers.{i}"));
+        if cfg.arch == Arch::Phi3 {
+            return Layer::load_phi3(cfg, &l, i, fuse);
+        }
         let mut mlp = Mlp::load_biased(&l.pp("mlp"), h, inter, cfg.mlp_bias)?;
         let gate_up = if fuse {
             let fused = || -> candle_core::Result<(Linear, Linear, Linear)> {
@@ -229,6 +273,26 @@ impl Layer {
             post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
             mlp,
             gate_up,
+        })
+    }
+
+    /// Phi-3's layer `l`: its checkpoint's `mlp.gate_up_proj` (gate rows first, `Phi3MLP`'s
+    /// `chunk(2)`) is the fused projection, gate and up views of its rows.
+    fn load_phi3(cfg: &ModelConfig, l: &Vb, i: usize, fuse: bool) -> Result<Layer> {
+        let (h, eps, inter) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.intermediate_size);
+        let mv = l.pp("mlp");
+        let gate_up = Linear::load(&mv.pp("gate_up_proj"), 2 * inter, h, false)?;
+        let split = || -> candle_core::Result<_> {
+            Ok((gate_up.rows(0, inter)?, gate_up.rows(inter, inter)?))
+        };
+        let (gate, up) = split().ctx(|| mv.path("gate_up_proj"))?;
+        let down = Linear::load(&mv.pp("down_proj"), h, inter, false)?;
+        Ok(Layer {
+            input_norm: RmsNorm::load(&l.pp("input_layernorm"), h, eps)?,
+            attn: Attention::load(cfg, &l.pp("self_attn"), fuse, i)?,
+            post_norm: RmsNorm::load(&l.pp("post_attention_layernorm"), h, eps)?,
+            mlp: Mlp { gate, up, down },
+            gate_up: fuse.then_some(gate_up),
         })
     }
 
@@ -264,7 +328,7 @@ impl Layer {
             let (qw, kw) = (Held::of(&qn.weight)?, Held::of(&kn.weight)?);
             cpu::qk_norm_in_place(&mut qkv_out, hs, qw.f32s()?, kw.f32s()?, eps_of(qn));
         }
-        let half = a.head_dim / 2;
+        let half = a.rot_dim / 2;
         let (cos, sin) = (Held::of(&rope.cos32)?, Held::of(&rope.sin32)?);
         let (cos, sin) = (cos.f32s()?, sin.f32s()?);
         if cos.len() < t * half || sin.len() < t * half {
@@ -273,9 +337,15 @@ impl Layer {
                 cos.len() / half.max(1)
             );
         }
-        cpu::rope_in_place(&mut qkv_out, hs, &cos[..t * half], &sin[..t * half]);
+        cpu::rope_in_place(
+            &mut qkv_out,
+            hs,
+            a.rot_dim,
+            &cos[..t * half],
+            &sin[..t * half],
+        );
         mark("qk norm + rope");
-        let scale = (1.0 / (a.head_dim as f64).sqrt()) as f32;
+        let scale = a.scale as f32;
         let attn = cpu::attention(&qkv_out, t, hs, scale, a.window)?;
         mark("attention");
         let o = cpu::project(&attn, t, &a.o)?;
@@ -376,7 +446,7 @@ impl Decoder for LlamaDecoder {
     }
 
     fn context(&self, t: usize, device: &Device) -> Result<Self::Ctx> {
-        let rope = RopeTables::new(&self.cfg.rope, self.cfg.head_dim, t, self.dtype, device)?;
+        let rope = RopeTables::new(&self.cfg.rope, self.cfg.rotary_dim, t, self.dtype, device)?;
         let mask = match self.path {
             ComputePath::Candle if !self.runs_cpu_forward(device) => {
                 causal_mask(t, self.cfg.sliding_window, self.dtype, device)?

@@ -7,6 +7,7 @@ pub mod draft;
 #[cfg(feature = "cuda")]
 pub mod fast;
 pub mod fp8;
+pub(crate) mod gemma;
 pub mod gguf;
 pub mod llama;
 pub(crate) mod llama4;
@@ -27,6 +28,7 @@ use crate::memory::Budget;
 use crate::naming;
 use candle_core::{DType, Device, Tensor};
 use deepseek::DeepseekDecoder;
+use gemma::GemmaDecoder;
 use llama::LlamaDecoder;
 use llama4::Llama4Decoder;
 use sparse::SparseDecoder;
@@ -144,6 +146,19 @@ pub(crate) trait Decoder: Send + Sync {
     /// Decoder layer `i`, from `m` (the decoder prefix: `m.pp("layers.{i}")` holds it).
     fn load_layer(&self, m: &source::Vb, i: usize) -> Result<Self::Layer>;
     fn context(&self, seq_len: usize, device: &Device) -> Result<Self::Ctx>;
+    /// b = 0 from the embedding rows `[T, H]`: the rows themselves, Gemma's times sqrt(H).
+    fn embed(&self, rows: Tensor) -> Result<Tensor> {
+        Ok(rows)
+    }
+    /// The final norm, under the decoder prefix `m`.
+    fn final_norm(&self, m: &source::Vb) -> Result<nn::RmsNorm> {
+        let cfg = self.config();
+        nn::RmsNorm::load(&m.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)
+    }
+    /// The logits from the head's product `[T, V]`: themselves, Gemma's softcapped.
+    fn logits(&self, logits: Tensor) -> Result<Tensor> {
+        Ok(logits)
+    }
     /// Layer `i` over all tokens: `xs` [T, H] in, the residual stream after it out.
     fn step(
         &self,
@@ -169,14 +184,14 @@ impl<D: Decoder> Resident<D> {
     pub(crate) fn load(dec: D, vb: &source::Vb) -> Result<Resident<D>> {
         let cfg = dec.config();
         let m = llama::decoder_prefix(vb);
-        let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed = m.get("embed_tokens.weight", &[v, h])?;
         // Layers past num_hidden_layers (DeepSeek-V3's MTP layer 61) are not part of the target.
         let layers = (0..cfg.num_layers)
             .map(|i| dec.load_layer(&m, i))
             .collect::<Result<Vec<_>>>()?;
         let lm_head = llama::output_head(cfg, vb, &embed)?;
-        let norm = nn::RmsNorm::load(&m.pp("norm"), h, eps)?;
+        let norm = dec.final_norm(&m)?;
         Ok(Resident {
             dec,
             embed,
@@ -210,7 +225,7 @@ impl<D: Decoder> Target for Resident<D> {
         phases::mark("start", dev);
         let ctx = self.dec.context(ids.len(), dev)?;
         let n = self.layers.len();
-        let mut run = DecoderRun::new(self.embed.rows(ids)?, want, n, progress);
+        let mut run = DecoderRun::new(self.dec.embed(self.embed.rows(ids)?)?, want, n, progress);
         phases::mark("embedding + context", dev);
         for (i, layer) in self.layers.iter().enumerate() {
             run.layer(i, |xs| self.dec.step(layer, i, xs, &ctx))?;
@@ -218,10 +233,12 @@ impl<D: Decoder> Target for Resident<D> {
         }
         let (mut capture, xs) = run.finish();
         finish_capture(&mut capture, xs, &self.norm, want, n, |normed| {
-            self.lm_head
+            let logits = self
+                .lm_head
                 .t()
                 .and_then(|w| normed.matmul(&w))
-                .ctx(|| "lm_head".to_string())
+                .ctx(|| "lm_head".to_string())?;
+            self.dec.logits(logits)
         })?;
         phases::mark("final norm + lm_head", dev);
         Ok(capture)
@@ -262,7 +279,7 @@ pub fn load_target_on(
                 &vb,
             )?)?)
         }
-        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3, _) => {
+        (Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3, _) => {
             Box::new(Resident::load(LlamaDecoder::new(cfg, dtype, path), &vb)?)
         }
         (Arch::DeepseekV3 | Arch::Glm4MoeLite, _) => Box::new(Resident::load(
@@ -273,6 +290,7 @@ pub fn load_target_on(
             Box::new(Resident::load(SparseDecoder::new(cfg, dtype, path)?, &vb)?)
         }
         (Arch::Llama4, _) => Box::new(Resident::load(Llama4Decoder::new(cfg, dtype, path)?, &vb)?),
+        (Arch::Gemma3, _) => Box::new(Resident::load(GemmaDecoder::new(cfg, dtype, path)?, &vb)?),
     };
     refuse_unread(cfg, src, vb.unread())?;
     Ok(model)
@@ -293,7 +311,7 @@ pub fn load_streamed(
         p => p,
     };
     Ok(match cfg.arch {
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => Box::new(
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 => Box::new(
             stream::Streamed::open(LlamaDecoder::new(cfg, dtype, path), src, device, opts)?,
         ),
         Arch::DeepseekV3 | Arch::Glm4MoeLite => Box::new(stream::Streamed::open(
@@ -316,6 +334,12 @@ pub fn load_streamed(
             device,
             opts,
         )?),
+        Arch::Gemma3 => Box::new(stream::Streamed::open(
+            GemmaDecoder::new(cfg, dtype, path)?,
+            src,
+            device,
+            opts,
+        )?),
     })
 }
 
@@ -328,7 +352,11 @@ pub(crate) fn refuse_unread(
 ) -> Result<()> {
     let unread: Vec<String> = unread
         .into_iter()
-        .filter(|n| !naming::is_extra_layer(n, cfg.num_layers) && !naming::is_ignored_buffer(n))
+        .filter(|n| {
+            !naming::is_extra_layer(n, cfg.num_layers)
+                && !naming::is_ignored_buffer(n)
+                && !naming::is_other_tower(n)
+        })
         // transformers ties the head to the embeddings and ignores a stored copy.
         .filter(|n| !(cfg.tie_word_embeddings && naming::LM_HEAD_NAMES.contains(&n.as_str())))
         .collect();

@@ -131,14 +131,41 @@ impl Mlp {
 
 /// Inverse frequencies for `dim` rotary dimensions and the attention scale YaRN applies to
 /// cos/sin. Mirrors transformers' `modeling_rope_utils` (`_compute_llama3_parameters`,
-/// `_compute_yarn_parameters`), computed in f64 and rounded once.
+/// `_compute_yarn_parameters`), computed in f64 and rounded once. LongRoPE's short factors
+/// ([`inv_freq_for`] picks by length).
 pub fn inv_freq(rope: &Rope, dim: usize) -> (Vec<f64>, f64) {
+    inv_freq_for(rope, dim, 0)
+}
+
+/// [`inv_freq`] for a forward of `seq_len` tokens: LongRoPE takes its long factors past
+/// `original_max_position_embeddings` (transformers `longrope_frequency_update`: the longest
+/// position + 1 against it); every other rope is the same at every length.
+pub fn inv_freq_for(rope: &Rope, dim: usize, seq_len: usize) -> (Vec<f64>, f64) {
     let base: Vec<f64> = (0..dim / 2)
         .map(|i| 1.0 / rope.theta.powf((2 * i) as f64 / dim as f64))
         .collect();
     match rope.scaling {
         RopeScaling::None => (base, 1.0),
         RopeScaling::Linear { factor } => (base.iter().map(|f| f / factor).collect(), 1.0),
+        RopeScaling::LongRope {
+            ref short_factor,
+            ref long_factor,
+            original_max_position_embeddings: orig,
+            attention_factor,
+        } => {
+            let ext = if seq_len as f64 > orig {
+                long_factor
+            } else {
+                short_factor
+            };
+            // `1 / (ext * base ** (2i / dim))`: each frequency divided by its factor.
+            let freqs = base
+                .iter()
+                .zip(ext.iter().chain(std::iter::repeat(&1.0)))
+                .map(|(f, e)| f / e)
+                .collect();
+            (freqs, attention_factor)
+        }
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -237,7 +264,7 @@ impl RopeTables {
         dtype: DType,
         device: &Device,
     ) -> Result<RopeTables> {
-        let (freqs, scale) = inv_freq(rope, dim);
+        let (freqs, scale) = inv_freq_for(rope, dim, seq_len);
         // HF rounds inv_freq to f32 before the outer product; so do we.
         let freqs: Vec<f32> = freqs.iter().map(|&f| f as f32).collect();
         let half = dim / 2;

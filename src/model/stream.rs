@@ -353,7 +353,7 @@ impl<D: Decoder> Streamed<D> {
         opts: StreamOptions,
     ) -> Result<Streamed<D>> {
         let cfg = dec.config();
-        let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let estimate = WeightEstimate::of(cfg, src.as_ref(), dec.dtype());
         let mut vb = Vb::new(src.as_ref(), dec.dtype(), device);
         vb.fp8_block = cfg.fp8_block;
@@ -365,7 +365,7 @@ impl<D: Decoder> Streamed<D> {
             Some(name) => vb.checked(name, &[v, h])?,
             None => embed_name.clone(),
         };
-        let norm = RmsNorm::load(&m.pp("norm"), h, eps)?;
+        let norm = dec.final_norm(&m)?;
         let mut read: BTreeSet<String> = vb.read_names();
         for name in [&embed_name, &head_name] {
             read.insert(name.clone());
@@ -522,7 +522,7 @@ impl<D: Decoder> Target for Streamed<D> {
         let read_before = self.src.bytes_read();
         let n = self.dec.config().num_layers;
         let ctx = self.dec.context(ids.len(), &self.device)?;
-        let mut run = DecoderRun::new(self.rows(ids)?, want, n, progress);
+        let mut run = DecoderRun::new(self.dec.embed(self.rows(ids)?)?, want, n, progress);
         let waited = pipelined(
             n,
             self.prefetch,
@@ -535,7 +535,7 @@ impl<D: Decoder> Target for Streamed<D> {
         )?;
         let (mut capture, xs) = run.finish();
         finish_capture(&mut capture, xs, &self.norm, want, n, |normed| {
-            self.head(normed)
+            self.dec.logits(self.head(normed)?)
         })?;
         if let Ok(mut s) = self.stats.lock() {
             s.forwards += 1;

@@ -1,0 +1,668 @@
+//! The dense families beyond Llama against HF transformers 5.24 on the tiny checkpoints of
+//! fixtures/gen_dense_models.py: every boundary, the pre-norm final state and the logits,
+//! through the candle path, the kernel path (the GPU's code path, its kernels' CPU references)
+//! and the streamed target; `run`, `diff` and `probe` through the binary; the published configs
+//! of each family resolve and gate. Each family names the HF file it follows. The negative
+//! controls plant each family's likeliest bug in a copy of the checkpoint and require the
+//! parity to break, so the fixtures can tell.
+
+use crate::support::parity::{self, ids, worst_error};
+use crate::support::{eagle_check, fixture, p, scratch};
+use candle_core::{DType, Device, Tensor};
+use eagle_check::config::ModelConfig;
+use eagle_check::model::source::SafetensorsSource;
+use eagle_check::model::stream::StreamOptions;
+use eagle_check::model::{
+    Capture, CaptureRequest, ComputePath, Progress, load_streamed, load_target_on,
+};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The f32 parity bound, with its reason: `eagle_check::tolerance::PARITY_F32`.
+const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
+
+/// (fixture, the HF modeling file its numbers come from)
+const FAMILIES: [(&str, &str); 6] = [
+    ("phi3", "models/phi3/modeling_phi3.py"),
+    ("phi3_window", "models/phi3/modeling_phi3.py"),
+    (
+        "gemma3_text",
+        "models/gemma3/modeling_gemma3.py (Gemma3ForCausalLM)",
+    ),
+    (
+        "gemma3",
+        "models/gemma3/modeling_gemma3.py (Gemma3ForConditionalGeneration)",
+    ),
+    (
+        "qwen2_5_vl",
+        "models/qwen2_5_vl/modeling_qwen2_5_vl.py (Qwen2_5_VLTextModel)",
+    ),
+    (
+        "qwen3_vl",
+        "models/qwen3_vl/modeling_qwen3_vl.py (Qwen3VLTextModel)",
+    ),
+];
+
+fn reference(name: &str) -> HashMap<String, Tensor> {
+    parity::reference(&format!("models/{name}/reference.safetensors"))
+}
+
+fn run(dir: &Path, r: &HashMap<String, Tensor>, path: ComputePath) -> (ModelConfig, Capture) {
+    let cfg = ModelConfig::load(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let src = SafetensorsSource::open(dir).unwrap();
+    let model = load_target_on(&cfg, &src, DType::F32, &Device::Cpu, path)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let cap = model
+        .forward(&ids(r), &CaptureRequest::all(), &mut Progress::hidden())
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    (cfg, cap)
+}
+
+#[test]
+fn dense_families_match_transformers_on_both_paths() {
+    for (name, hf) in FAMILIES {
+        let dir = fixture(&format!("models/{name}"));
+        let r = reference(name);
+        for path in [ComputePath::Candle, ComputePath::Kernels] {
+            let what = format!("{name} ({hf}, {path:?})");
+            let (cfg, cap) = run(&dir, &r, path);
+            let worst = worst_error(&what, &cfg, &cap, &r);
+            eprintln!("{what}: worst rel err {worst:.3e}");
+            assert!(worst <= F32_TOL, "{what}: worst rel err {worst:.3e}");
+        }
+    }
+}
+
+#[test]
+fn dense_families_streamed_match_transformers() {
+    for (name, _) in FAMILIES {
+        let dir = fixture(&format!("models/{name}"));
+        let r = reference(name);
+        let cfg = ModelConfig::load(&dir).unwrap();
+        let src = Box::new(SafetensorsSource::open(&dir).unwrap());
+        let streamed = load_streamed(
+            &cfg,
+            src,
+            DType::F32,
+            &Device::Cpu,
+            StreamOptions::default(),
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let cap = streamed
+            .forward(&ids(&r), &CaptureRequest::all(), &mut Progress::hidden())
+            .unwrap();
+        let worst = worst_error(&format!("{name} streamed"), &cfg, &cap, &r);
+        eprintln!("{name} streamed: worst rel err {worst:.3e}");
+        assert!(worst <= F32_TOL, "{name} streamed: {worst:.3e}");
+        let stats = streamed.stream_stats().unwrap();
+        assert_eq!(stats.layers_loaded, cfg.num_layers, "{name}");
+    }
+}
+
+/// The resolved configs say what HF's config classes say.
+#[test]
+fn dense_family_configs_resolve_as_transformers_reads_them() {
+    use eagle_check::config::{Arch, RopeScaling};
+    let cfg = |name: &str| ModelConfig::load(&fixture(&format!("models/{name}"))).unwrap();
+    let phi = cfg("phi3");
+    assert_eq!(phi.arch, Arch::Phi3);
+    assert_eq!(
+        (phi.rotary_dim, phi.head_dim),
+        (12, 16),
+        "partial_rotary_factor 0.75"
+    );
+    assert!(phi.tie_word_embeddings && phi.sliding_window.is_none());
+    match &phi.rope.scaling {
+        RopeScaling::LongRope {
+            short_factor,
+            original_max_position_embeddings,
+            attention_factor,
+            ..
+        } => {
+            assert_eq!(short_factor.len(), 6);
+            assert_eq!(*original_max_position_embeddings, 16.0);
+            // sqrt(1 + ln(64 / 16) / ln(16))
+            let want = (1.0 + (4f64).ln() / (16f64).ln()).sqrt();
+            assert!(
+                (attention_factor - want).abs() < 1e-12,
+                "{attention_factor}"
+            );
+        }
+        other => panic!("phi3 rope: {other:?}"),
+    }
+    let win = cfg("phi3_window");
+    assert_eq!(win.rotary_dim, win.head_dim);
+    assert_eq!((win.window_of(0), win.window_of(3)), (Some(8), Some(8)));
+    for name in ["gemma3_text", "gemma3"] {
+        let g = cfg(name);
+        assert_eq!(g.arch, Arch::Gemma3, "{name}");
+        let windows: Vec<_> = (0..g.num_layers).map(|l| g.window_of(l)).collect();
+        assert_eq!(windows, [Some(8), Some(8), None, Some(8), None], "{name}");
+        assert!(g.tie_word_embeddings, "{name}");
+        let gemma = g.gemma.as_ref().unwrap();
+        assert_eq!(gemma.query_pre_attn_scalar, 24.0);
+        assert_eq!(g.rope.theta, 1e6);
+        assert_eq!(g.rope.scaling, RopeScaling::Linear { factor: 2.0 });
+        assert_eq!(gemma.local_rope.theta, 1e4);
+        assert_eq!(gemma.local_rope.scaling, RopeScaling::None);
+    }
+    // The towers: Qwen2's and Qwen3's decoders, M-RoPE as the default rope, theta from
+    // text_config.rope_parameters.
+    let q25 = cfg("qwen2_5_vl");
+    assert_eq!(
+        (q25.arch, q25.model_type.as_str()),
+        (Arch::Qwen2, "qwen2_5_vl_text")
+    );
+    assert_eq!(
+        (q25.rope.theta, &q25.rope.scaling),
+        (1e6, &RopeScaling::None)
+    );
+    assert!(q25.attention_bias && !q25.o_bias);
+    let q3 = cfg("qwen3_vl");
+    assert_eq!(q3.arch, Arch::Qwen3);
+    assert_eq!(q3.qk_norm, eagle_check::config::QkNorm::PerHead);
+    assert_eq!((q3.rope.theta, &q3.rope.scaling), (5e6, &RopeScaling::None));
+    // The softcap is on the causal LM's logits; transformers 5.24's wrapper applies none.
+    let softcap = |name: &str| cfg(name).gemma.unwrap().final_logit_softcapping;
+    assert_eq!(
+        (softcap("gemma3_text"), softcap("gemma3")),
+        (Some(3.0), None)
+    );
+}
+
+/// The vision-language checkpoints as transformers 4 wrote them and Qwen2.5-VL-7B is published
+/// (the text tower under `model.*`, the vision tower under `visual.*`) load as the
+/// transformers 5 names (`model.language_model.*`, `model.visual.*`) do.
+#[test]
+fn the_vision_language_towers_load_from_their_legacy_names() {
+    for name in ["qwen2_5_vl", "qwen3_vl"] {
+        let legacy = planted(
+            name,
+            "legacy-names",
+            |_| {},
+            |w| {
+                let old = std::mem::take(w);
+                for (k, v) in old {
+                    let k = match (
+                        k.strip_prefix("model.language_model."),
+                        k.strip_prefix("model.visual."),
+                    ) {
+                        (Some(rest), _) => format!("model.{rest}"),
+                        (_, Some(rest)) => format!("visual.{rest}"),
+                        _ => k,
+                    };
+                    w.insert(k, v);
+                }
+            },
+        );
+        for path in [ComputePath::Candle, ComputePath::Kernels] {
+            let w = worst_of_on(&legacy, name, path);
+            assert!(w <= F32_TOL, "{name} legacy names {path:?}: {w:.3e}");
+        }
+    }
+}
+
+/// The Gemma-3 wrapper's checkpoint as save_pretrained writes it and the published ones are
+/// laid out (`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`) loads as
+/// the transformers 5 names do, the towers it does not run left unread.
+#[test]
+fn the_gemma3_wrapper_loads_from_its_legacy_names() {
+    let legacy = planted(
+        "gemma3",
+        "legacy-names",
+        |_| {},
+        |w| {
+            let old = std::mem::take(w);
+            for (k, v) in old {
+                let k = match k.strip_prefix("model.language_model.") {
+                    Some(rest) => format!("language_model.model.{rest}"),
+                    None => k.strip_prefix("model.").unwrap_or(&k).to_string(),
+                };
+                w.insert(k, v);
+            }
+        },
+    );
+    for path in [ComputePath::Candle, ComputePath::Kernels] {
+        let w = worst_of_on(&legacy, "gemma3", path);
+        assert!(w <= F32_TOL, "gemma3 legacy names {path:?}: {w:.3e}");
+    }
+}
+
+/// A LongRoPE config whose factors do not fit the rotated dims is refused when it is read,
+/// in one line, naming the key.
+#[test]
+fn a_longrope_of_the_wrong_length_is_refused_by_name() {
+    let dir = planted(
+        "phi3",
+        "short-list",
+        |c| c["rope_parameters"]["short_factor"] = serde_json::json!([1.0, 1.0]),
+        |_| {},
+    );
+    let err = ModelConfig::load(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains("short_factor") && err.contains("2 entries"),
+        "{err}"
+    );
+    let out = eagle_check([
+        "run",
+        "--target",
+        &p(&dir),
+        "--draft",
+        &p(&fixture("models/qwen3-draft")),
+        "--engine",
+        "sglang",
+        "--tokens",
+        "1,2,3",
+    ]);
+    out.assert_could_not_check(&["short_factor"]);
+}
+
+/// A copy of fixture `name` with `edit` applied to its config.json and `tensors` to its
+/// weights.
+fn planted(
+    name: &str,
+    tag: &str,
+    edit: impl Fn(&mut serde_json::Value),
+    tensors: impl Fn(&mut HashMap<String, Tensor>),
+) -> PathBuf {
+    let src = fixture(&format!("models/{name}"));
+    let dir = scratch(&format!("dense-planted-{name}-{tag}"));
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let mut w =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    tensors(&mut w);
+    candle_core::safetensors::save(&w, dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+fn worst_of(dir: &Path, name: &str) -> f64 {
+    worst_of_on(dir, name, ComputePath::Candle)
+}
+
+fn worst_of_on(dir: &Path, name: &str, path: ComputePath) -> f64 {
+    let r = reference(name);
+    let (cfg, cap) = run(dir, &r, path);
+    worst_error(&format!("{name} planted"), &cfg, &cap, &r)
+}
+
+/// Every tensor of `w` whose name ends with one of `ends`, through `f`.
+fn map_tensors(w: &mut HashMap<String, Tensor>, ends: &[&str], f: impl Fn(&Tensor) -> Tensor) {
+    for (k, v) in w.iter_mut() {
+        if ends.iter().any(|e| k.ends_with(e)) {
+            *v = f(v);
+        }
+    }
+}
+
+#[test]
+fn planted_dense_family_bugs_break_the_parity() {
+    // Phi-4-mini with rope over the whole head (partial_rotary_factor ignored).
+    let full_rope = planted(
+        "phi3",
+        "rope",
+        |c| {
+            c["rope_parameters"]["partial_rotary_factor"] = serde_json::json!(1.0);
+            let pad = |l: &mut serde_json::Value| {
+                l.as_array_mut().unwrap().extend([1.0.into(), 1.0.into()])
+            };
+            pad(&mut c["rope_parameters"]["short_factor"]);
+            pad(&mut c["rope_parameters"]["long_factor"]);
+        },
+        |_| {},
+    );
+    assert!(
+        worst_of(&full_rope, "phi3") > 1e-2,
+        "partial rotary ignored must fail"
+    );
+    // Phi-3 with its window off: every query sees the whole past.
+    let no_window = planted(
+        "phi3_window",
+        "window",
+        |c| c["sliding_window"] = serde_json::Value::Null,
+        |_| {},
+    );
+    assert!(
+        worst_of(&no_window, "phi3_window") > 1e-2,
+        "window off must fail"
+    );
+    // Gemma-3 with its embedding unscaled: the weights divided by sqrt(H), so the runner's
+    // scaled rows are the raw ones HF never returns.
+    let unscaled = planted(
+        "gemma3_text",
+        "embed-scale",
+        |_| {},
+        |w| map_tensors(w, &["embed_tokens.weight"], |t| (t / 8.0).unwrap()),
+    );
+    assert!(
+        worst_of(&unscaled, "gemma3_text") > 1e-2,
+        "embedding scale missing must fail"
+    );
+    // Gemma-3's norms read as `w`, not `1 + w`: every norm weight one less.
+    let plain_norms = planted(
+        "gemma3_text",
+        "one-plus-w",
+        |_| {},
+        |w| {
+            map_tensors(w, &["norm.weight", "layernorm.weight"], |t| {
+                (t - 1.0).unwrap()
+            })
+        },
+    );
+    assert!(
+        worst_of(&plain_norms, "gemma3_text") > 1e-2,
+        "1 + w norm as w must fail"
+    );
+    // Gemma-3 with the window off (wider than the 24 tokens): the sliding layers see too far.
+    let no_window = planted(
+        "gemma3",
+        "window",
+        |c| c["text_config"]["sliding_window"] = serde_json::json!(64),
+        |_| {},
+    );
+    assert!(
+        worst_of(&no_window, "gemma3") > 1e-2,
+        "Gemma window off must fail"
+    );
+    // Gemma-3's sliding layers on the global rope base.
+    let one_base = planted(
+        "gemma3_text",
+        "local-base",
+        |c| c["rope_parameters"]["sliding_attention"]["rope_theta"] = serde_json::json!(1e6),
+        |_| {},
+    );
+    assert!(
+        worst_of(&one_base, "gemma3_text") > 1e-2,
+        "local rope base ignored must fail"
+    );
+    // Qwen3-VL's tower with the rope base not read from `text_config.rope_parameters`
+    // (the default 10000 instead of 5e6).
+    let wrong_base = planted(
+        "qwen3_vl",
+        "rope-base",
+        |c| c["text_config"]["rope_parameters"]["rope_theta"] = serde_json::json!(10000.0),
+        |_| {},
+    );
+    assert!(
+        worst_of(&wrong_base, "qwen3_vl") > 1e-2,
+        "the tower's rope base lost must fail"
+    );
+    // Qwen2.5-VL's tower without its q/k/v biases (zeroed): Qwen2's bias is part of it.
+    let no_bias = planted(
+        "qwen2_5_vl",
+        "bias",
+        |_| {},
+        |w| {
+            map_tensors(w, &["q_proj.bias", "k_proj.bias", "v_proj.bias"], |t| {
+                t.zeros_like().unwrap()
+            })
+        },
+    );
+    assert!(
+        worst_of(&no_bias, "qwen2_5_vl") > 1e-2,
+        "the tower's q/k/v bias dropped must fail"
+    );
+    // Gemma-3's causal LM without its final softcap: only the logits move.
+    let no_cap = planted(
+        "gemma3_text",
+        "softcap",
+        |c| c["final_logit_softcapping"] = serde_json::Value::Null,
+        |_| {},
+    );
+    assert!(
+        worst_of(&no_cap, "gemma3_text") > 1e-2,
+        "softcap missing must fail"
+    );
+}
+
+/// Real target configs under fixtures/real-configs/targets/.
+const REAL: [&str; 3] = [
+    "target_phi-4__tt-metal_model_params.json",
+    "target_gemma-3-1b-it__TensorRT-LLM_test_modeling_gemma3_PATCHED_L26.json",
+    "target_qwen2.5-vl-7b-instruct__tt-metal_model_params.json",
+];
+
+/// A SpecForge-style EAGLE-3 draft config for a target of `hidden` and `vocab` (SpecForge's
+/// Qwen3-8B draft with the target's widths).
+fn draft_for(dir: &Path, hidden: usize, vocab: usize) -> PathBuf {
+    let base = fixture("real-configs/draft_eagle3_qwen3-8b__SpecForge.json");
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(base).unwrap()).unwrap();
+    cfg["hidden_size"] = serde_json::json!(hidden);
+    cfg["vocab_size"] = serde_json::json!(vocab);
+    let path = dir.join(format!("draft-{hidden}.json"));
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    path
+}
+
+/// The published configs resolve to the runner's settings as transformers reads them, and the
+/// gate checks them (no `unsupported-architecture`, no exit 2) on sglang and vLLM.
+#[test]
+fn real_dense_configs_resolve_and_gate() {
+    use eagle_check::config::{Arch, RopeScaling};
+    let dir = scratch("dense-real-gate");
+    for file in REAL {
+        let path = fixture(&format!("real-configs/targets/{file}"));
+        let cfg = ModelConfig::load(&path).unwrap_or_else(|e| panic!("{file}: {e}"));
+        match cfg.arch {
+            Arch::Phi3 => {
+                // Phi-4: 40 layers, GQA 40/10, full rotary, no window, rope_theta 250000.
+                assert_eq!(
+                    (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads),
+                    (40, 40, 10)
+                );
+                assert_eq!(cfg.rotary_dim, cfg.head_dim);
+                assert_eq!(cfg.rope.theta, 250000.0);
+                assert_eq!(cfg.rope.scaling, RopeScaling::None);
+                assert!(cfg.sliding_window.is_none() && !cfg.tie_word_embeddings);
+            }
+            Arch::Gemma3 => {
+                // Gemma-3-1B (a transformers 4 file): every 6th layer full, the rest on a
+                // 512 window with the local base; query_pre_attn_scalar 256, head_dim 256.
+                assert_eq!(
+                    (cfg.num_layers, cfg.head_dim, cfg.num_kv_heads),
+                    (26, 256, 1)
+                );
+                let full: Vec<usize> = (0..cfg.num_layers)
+                    .filter(|&l| cfg.window_of(l).is_none())
+                    .collect();
+                assert_eq!(full, [5, 11, 17, 23], "{file}");
+                assert_eq!(cfg.window_of(0), Some(512));
+                let g = cfg.gemma.as_ref().unwrap();
+                assert_eq!((cfg.rope.theta, g.local_rope.theta), (1e6, 1e4));
+                assert_eq!(g.query_pre_attn_scalar, 256.0);
+                assert_eq!(g.final_logit_softcapping, None);
+                assert!(cfg.tie_word_embeddings);
+            }
+            Arch::Qwen2 => {
+                // Qwen2.5-VL-7B (a transformers 4 file, no text_config): its text tower is
+                // Qwen2's; `rope_scaling: {type: mrope}` is the default rope on text.
+                assert_eq!(cfg.model_type, "qwen2_5_vl");
+                assert_eq!(
+                    (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads),
+                    (28, 28, 4)
+                );
+                assert_eq!(
+                    (cfg.rope.theta, &cfg.rope.scaling),
+                    (1e6, &RopeScaling::None)
+                );
+                assert!(cfg.attention_bias && !cfg.o_bias && cfg.sliding_window.is_none());
+            }
+            other => panic!("{file}: {other:?}"),
+        }
+        let (l, h) = (cfg.num_layers, cfg.hidden_size);
+        let spec = dir.join(format!("{}.yaml", cfg.model_type));
+        std::fs::write(
+            &spec,
+            format!(
+                "name: default\ncapture:\n  boundaries: [2, {}, {}]\nfc: {{ in_features: {} }}\n",
+                l / 2,
+                l - 3,
+                3 * h
+            ),
+        )
+        .unwrap();
+        let draft = draft_for(&dir, h, cfg.vocab_size);
+        for engine in ["sglang", "vllm"] {
+            let out = crate::support::gate_json(&spec, &draft, Some(&path), engine);
+            assert_ne!(out.code, 2, "{file} on {engine}: {}", out.stdout);
+            // vLLM's Gemma-3 implements no SupportsEagle3 (the rule table says so); every
+            // other pair is served.
+            let refused = cfg.arch == Arch::Gemma3 && engine == "vllm";
+            assert_eq!(
+                out.finding_names()
+                    .contains(&"unsupported-architecture".to_string()),
+                refused,
+                "{file} on {engine}: {}",
+                out.stdout
+            );
+        }
+    }
+}
+
+/// The engine a family's spec names: sglang, but for Gemma-3 the release whose layer still
+/// returns the residual sum (0.5.23's fused one feeds no residual stream, and vLLM serves no
+/// EAGLE-3 on it; the rule table's `missing-residual` and `unsupported-architecture`).
+fn engine_of(name: &str) -> &'static str {
+    if name.starts_with("gemma") {
+        "sglang@0.5.14"
+    } else {
+        "sglang"
+    }
+}
+
+/// A spec for fixture `name` capturing boundaries `b` (width 64: every fixture's hidden size).
+fn spec_for(dir: &Path, name: &str, engine: &str, layers: usize, b: [usize; 3]) -> PathBuf {
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(
+        &path,
+        format!(
+            "name: {name}\nengine: {engine}\ntarget: {{ num_hidden_layers: {layers}, hidden_size: 64 }}\n\
+             capture:\n  boundaries: [{}, {}, {}]\nfc: {{ in_features: 192 }}\n",
+            b[0], b[1], b[2]
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// A training-data file of HF's own boundaries `b` of fixture `name` on its reference tokens
+/// (`input_ids` [1, T], `aux_hidden_states` [1, T, 3H]).
+fn captures_of(dir: &Path, name: &str, b: [usize; 3]) -> PathBuf {
+    let r = reference(name);
+    let parts: Vec<&Tensor> = b
+        .iter()
+        .map(|b| &r[&format!("hidden_states.{b}")])
+        .collect();
+    let aux = Tensor::cat(&parts, 1).unwrap().unsqueeze(0).unwrap();
+    let sub = dir.join(format!("captures-{name}-{}-{}-{}", b[0], b[1], b[2]));
+    std::fs::create_dir_all(&sub).unwrap();
+    let tensors = HashMap::from([
+        (
+            "input_ids".to_string(),
+            r["input_ids"].unsqueeze(0).unwrap(),
+        ),
+        ("aux_hidden_states".to_string(), aux),
+    ]);
+    candle_core::safetensors::save(&tensors, sub.join("data_0.safetensors")).unwrap();
+    sub
+}
+
+/// `run`, `diff` and `probe` through the binary on every family's tiny checkpoint, with the
+/// tiny EAGLE-3 draft of fixtures/models/qwen3-draft (hidden 64, vocab 256, ids [0, 1, 2]).
+#[test]
+fn run_diff_and_probe_work_on_every_dense_family() {
+    let dir = scratch("dense-cli");
+    let draft = fixture("models/qwen3-draft");
+    let probe_tokens: Vec<String> = (0..160u64)
+        .map(|i| (((1103515245 * i + 12345) % (1 << 31)) % 256).to_string())
+        .collect();
+    let probe_tokens = probe_tokens.join(",");
+    for (name, hf) in FAMILIES {
+        let target = fixture(&format!("models/{name}"));
+        let l = ModelConfig::load(&target).unwrap().num_layers;
+        // run: the draft's ids [0, 1, 2] are b = [1, 2, 3] on sglang.
+        let engine = engine_of(name);
+        let spec = spec_for(&dir, name, engine, l, [1, 2, 3]);
+        let tokens = ids(&reference(name))
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
+        let args = |cmd: &str| {
+            vec![
+                cmd.to_string(),
+                "--target".into(),
+                p(&target),
+                "--draft".into(),
+                p(&draft),
+                "--spec".into(),
+                p(&spec),
+                "--format".into(),
+                "json".into(),
+            ]
+        };
+        let mut run = args("run");
+        run.extend(["--tokens".into(), tokens.clone()]);
+        let out = eagle_check(run);
+        assert_eq!(
+            out.code, 0,
+            "run {name} ({hf}): {}\n{}",
+            out.stdout, out.stderr
+        );
+        if engine != "sglang" {
+            // The current sglang on Gemma-3: its fused layer feeds no residual stream.
+            let mut run = args("run");
+            run.extend([
+                "--tokens".into(),
+                tokens,
+                "--engine".into(),
+                "sglang".into(),
+            ]);
+            let out = eagle_check(run);
+            assert_eq!(out.code, 1, "run {name} on sglang: {}", out.stdout);
+            assert!(
+                out.finding_names()
+                    .contains(&"missing-residual".to_string()),
+                "{name}: {}",
+                out.stdout
+            );
+        }
+        // diff: HF's own boundaries are identified as what they are, a shifted capture is not.
+        let spec = spec_for(&dir, &format!("{name}-diff"), engine, l, [1, 2, l - 1]);
+        for (b, code) in [([1, 2, l - 1], 0), ([0, 1, l - 2], 1)] {
+            let out = eagle_check([
+                "diff",
+                "--spec",
+                &p(&spec),
+                "--target",
+                &p(&target),
+                "--captures",
+                &p(&captures_of(&dir, name, b)),
+                "--format",
+                "json",
+            ]);
+            assert_eq!(
+                out.code, code,
+                "diff {name} {b:?}: {}\n{}",
+                out.stdout, out.stderr
+            );
+        }
+        // probe: every engine's layout and the usual suspects, measured through the target.
+        let out = eagle_check([
+            "probe",
+            "--target",
+            &p(&target),
+            "--draft",
+            &p(&draft),
+            "--tokens",
+            &probe_tokens,
+            "--format",
+            "json",
+        ]);
+        assert_ne!(out.code, 2, "probe {name}: {}\n{}", out.stdout, out.stderr);
+        let rows = out.json()["probe"].as_array().map_or(0, Vec::len);
+        assert!(rows > 0, "probe {name}: no layout measured: {}", out.stdout);
+    }
+}
