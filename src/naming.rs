@@ -39,8 +39,9 @@ pub fn layer_of(name: &str) -> Option<usize> {
 /// Decoder layers past `num_layers` that a checkpoint may carry without the target using them:
 /// DeepSeek-V3 ships its multi-token-prediction module as `model.layers.61`
 /// (`num_nextn_predict_layers`), which the target forward never runs.
+/// Qwen3.5 ships its own as `mtp.*` (`Qwen3_5MoeForCausalLM._keys_to_ignore_on_load_unexpected`).
 pub fn is_extra_layer(name: &str, num_layers: usize) -> bool {
-    layer_of(name).is_some_and(|i| i >= num_layers)
+    name.starts_with("mtp.") || layer_of(name).is_some_and(|i| i >= num_layers)
 }
 
 /// The towers of a multimodal checkpoint that are not its text model (Gemma-3's SigLIP
@@ -48,7 +49,13 @@ pub fn is_extra_layer(name: &str, num_layers: usize) -> bool {
 /// `model.` in transformers 5, at the top level in older exports): a text-only target never
 /// reads them.
 pub fn is_other_tower(name: &str) -> bool {
-    const TOWERS: [&str; 3] = ["vision_tower.", "multi_modal_projector.", "visual."];
+    const TOWERS: [&str; 4] = [
+        "vision_tower.",
+        "multi_modal_projector.",
+        "visual.",
+        // Llama-4's (`Llama4ForConditionalGeneration.vision_model`).
+        "vision_model.",
+    ];
     let rest = name.strip_prefix("model.").unwrap_or(name);
     TOWERS.iter().any(|t| rest.starts_with(t))
 }

@@ -74,7 +74,7 @@ fn worst(name: &str, cfg: &ModelConfig, cap: &Capture) -> f64 {
     worst
 }
 
-const TARGETS: [&str; 22] = [
+const TARGETS: [&str; 23] = [
     "llama",
     "llama_linear_bias",
     "mistral",
@@ -97,10 +97,11 @@ const TARGETS: [&str; 22] = [
     "gemma3",
     "qwen2_5_vl",
     "qwen3_vl",
+    "qwen3_5_moe",
 ];
 
 /// The MoE fixtures whose routing the GPU must reproduce.
-const MOE_TARGETS: [&str; 11] = [
+const MOE_TARGETS: [&str; 12] = [
     "deepseek_v3",
     "deepseek_v3_noq",
     "qwen3_moe",
@@ -112,6 +113,7 @@ const MOE_TARGETS: [&str; 11] = [
     "gpt_oss",
     "gpt_oss_mxfp4",
     "llama4",
+    "qwen3_5_moe",
 ];
 
 #[test]

@@ -23,7 +23,7 @@ use std::path::Path;
 const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
 
 /// (fixture, the HF modeling file its numbers come from)
-const FAMILIES: [(&str, &str); 9] = [
+const FAMILIES: [(&str, &str); 10] = [
     ("qwen3_moe", "models/qwen3_moe/modeling_qwen3_moe.py"),
     ("qwen2_moe", "models/qwen2_moe/modeling_qwen2_moe.py"),
     ("minimax_m2", "models/minimax_m2/modeling_minimax_m2.py"),
@@ -39,6 +39,7 @@ const FAMILIES: [(&str, &str); 9] = [
         "models/gpt_oss/modeling_gpt_oss.py + integrations/mxfp4.py",
     ),
     ("llama4", "models/llama4/modeling_llama4.py"),
+    ("qwen3_5_moe", "models/qwen3_5_moe/modeling_qwen3_5_moe.py"),
 ];
 
 fn reference(name: &str) -> HashMap<String, Tensor> {
@@ -278,6 +279,18 @@ fn planted_family_bugs_break_the_parity() {
         all_rope > 1e-2,
         "rope on the NoPE layers must fail: {all_rope:.2e}"
     );
+    // Qwen3.5-MoE (modeling_qwen3_5_moe.py) with rope over the whole head.
+    let full_rope = planted(
+        "qwen3_5_moe",
+        "rope",
+        |c| {
+            c["rope_parameters"]["partial_rotary_factor"] = serde_json::json!(1.0);
+            c["partial_rotary_factor"] = serde_json::json!(1.0);
+        },
+        |_| {},
+    );
+    let worst = worst_of(&full_rope, "qwen3_5_moe");
+    assert!(worst > 1e-2, "qwen3.5 full rotary must fail: {worst:.2e}");
 }
 
 /// (real target config under fixtures/real-configs/targets/, its shrunk copy under
@@ -623,5 +636,52 @@ fn llama4_scout_config_resolves_and_gates() {
     for engine in ["sglang", "vllm"] {
         let out = crate::support::gate_json(&spec, &draft, Some(&cfg_path), engine);
         assert_ne!(out.code, 2, "Scout on {engine}: {}", out.stdout);
+    }
+}
+
+/// Qwen3.5-35B-A3B's published config (`Qwen3_5MoeForConditionalGeneration`, its text model
+/// under `text_config`) resolves as `Qwen3_5MoeTextConfig` reads it, and gates on both engines.
+#[test]
+fn qwen35_moe_config_resolves_and_gates() {
+    let file = "target_qwen3.5-35b-a3b__aiconfigurator_model_configs.json";
+    let dir = scratch("qwen35-real");
+    let cfg_path = dir.join("config.json");
+    std::fs::copy(fixture(&format!("real-configs/targets/{file}")), &cfg_path).unwrap();
+    let cfg = ModelConfig::load(&cfg_path).unwrap();
+    assert_eq!(cfg.arch, eagle_check::config::Arch::Qwen35Moe);
+    assert_eq!(
+        (cfg.num_layers, cfg.hidden_size, cfg.head_dim),
+        (40, 2048, 256)
+    );
+    assert_eq!(cfg.rotary_dim, 64, "partial_rotary_factor 0.25 of 256");
+    let net = cfg.delta_net.as_ref().unwrap();
+    let full: Vec<usize> = (0..40).filter(|&l| !net.linear_layers[l]).collect();
+    assert_eq!(full, (3..40).step_by(4).collect::<Vec<_>>());
+    assert_eq!(
+        (
+            net.key_heads,
+            net.value_heads,
+            net.key_dim,
+            net.value_dim,
+            net.conv_kernel
+        ),
+        (16, 32, 128, 128, 4)
+    );
+    let moe = cfg.moe.as_ref().unwrap();
+    assert_eq!(
+        (moe.n_routed_experts, moe.k(), moe.moe_intermediate_size),
+        (256, 8, 512)
+    );
+    assert!(moe.shared_gate && moe.shared_intermediate == 512 && moe.routing.norm_topk);
+    let spec = dir.join("spec.yaml");
+    std::fs::write(
+        &spec,
+        "name: qwen35\ncapture:\n  boundaries: [2, 20, 37]\nfc: { in_features: 6144 }\n",
+    )
+    .unwrap();
+    let draft = draft_for(&dir, 2048, 248320);
+    for engine in ["sglang", "vllm"] {
+        let out = crate::support::gate_json(&spec, &draft, Some(&cfg_path), engine);
+        assert_ne!(out.code, 2, "Qwen3.5 on {engine}: {}", out.stdout);
     }
 }

@@ -110,6 +110,14 @@ pub struct ConfigFile {
     /// `true` / `false` (Gemma-3), or a string naming where it applies (Gemma-4's
     /// `"vision"`): kept as written.
     pub use_bidirectional_attention: Option<serde_json::Value>,
+    // Qwen3.5 / Qwen3-Next linear attention.
+    pub linear_conv_kernel_dim: Option<usize>,
+    pub linear_key_head_dim: Option<usize>,
+    pub linear_value_head_dim: Option<usize>,
+    pub linear_num_key_heads: Option<usize>,
+    pub linear_num_value_heads: Option<usize>,
+    pub full_attention_interval: Option<usize>,
+    pub attn_output_gate: Option<bool>,
 }
 
 /// An optional value that may be written as `null`.
@@ -165,6 +173,10 @@ pub enum Arch {
     Phi3,
     /// Gemma-3's text model (`gemma3_text`, and the `gemma3` wrapper's).
     Gemma3,
+    /// Qwen3.5-MoE (`qwen3_5_moe_text`, and `qwen3_5_moe`'s `text_config`): gated DeltaNet
+    /// layers between gated-attention layers, every layer MoE.
+    #[serde(rename = "qwen3_5_moe")]
+    Qwen35Moe,
 }
 
 /// The `model_type`s the runner executes, in the order a refusal lists them.
@@ -189,6 +201,8 @@ pub const RUNNABLE_MODEL_TYPES: &[&str] = &[
     "qwen2_vl",
     "qwen2_5_vl",
     "qwen3_vl",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
 ];
 
 impl Arch {
@@ -215,6 +229,7 @@ impl Arch {
             "llama4_text" | "llama4" => Arch::Llama4,
             "phi3" => Arch::Phi3,
             "gemma3_text" | "gemma3" => Arch::Gemma3,
+            "qwen3_5_moe" | "qwen3_5_moe_text" => Arch::Qwen35Moe,
             _ => return None,
         })
     }
@@ -355,6 +370,8 @@ pub struct ModelConfig {
     pub mla: Option<MlaConfig>,
     /// Llama-4's per-layer attention (NoPE layers, chunked attention, temperature tuning).
     pub llama4: Option<Llama4Attention>,
+    /// Qwen3.5's gated DeltaNet layers.
+    pub delta_net: Option<DeltaNet>,
     pub moe: Option<MoeConfig>,
     /// FP8 block-quantised weights: the `weight_block_size` of `quantization_config`.
     pub fp8_block: Option<[usize; 2]>,
@@ -511,6 +528,12 @@ impl ConfigFile {
             ("attention_chunk_size", self.attention_chunk_size.flatten()),
             ("no_rope_layer_interval", self.no_rope_layer_interval),
             ("interleave_moe_layer_step", self.interleave_moe_layer_step),
+            ("linear_conv_kernel_dim", self.linear_conv_kernel_dim),
+            ("linear_key_head_dim", self.linear_key_head_dim),
+            ("linear_value_head_dim", self.linear_value_head_dim),
+            ("linear_num_key_heads", self.linear_num_key_heads),
+            ("linear_num_value_heads", self.linear_num_value_heads),
+            ("full_attention_interval", self.full_attention_interval),
         ];
         for (key, value) in sizes {
             if let Some(v) = value {
@@ -636,6 +659,9 @@ impl ModelConfig {
         let llama4 = (arch == Arch::Llama4)
             .then(|| resolve_llama4(&raw, num_layers, path))
             .transpose()?;
+        let delta_net = (arch == Arch::Qwen35Moe)
+            .then(|| resolve_delta_net(&raw, num_layers, path))
+            .transpose()?;
         let fp8_block = resolve_fp8(&raw, path)?;
         let sliding_window = match (arch, raw.use_sliding_window) {
             (Arch::Mistral | Arch::GptOss | Arch::Phi3, _) => raw.sliding_window,
@@ -737,6 +763,7 @@ impl ModelConfig {
             attn_sinks: arch == Arch::GptOss,
             mla,
             llama4,
+            delta_net,
             moe,
             fp8_block,
             gemma,
@@ -762,6 +789,83 @@ pub struct Llama4Attention {
     /// NoPE layers scale q by `log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1`
     /// (`attn_temperature_tuning`): `(attn_scale, floor_scale)`.
     pub temperature: Option<(f64, f64)>,
+}
+
+/// Qwen3.5's gated DeltaNet (`Qwen3_5MoeGatedDeltaNet`, transformers 5.24): which layers are
+/// linear attention, and their widths.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeltaNet {
+    /// Per layer: `layer_types[i] == "linear_attention"` (by default all but every
+    /// `full_attention_interval`-th, 4).
+    pub linear_layers: Vec<bool>,
+    pub conv_kernel: usize,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+}
+
+fn resolve_delta_net(raw: &ConfigFile, layers: usize, path: &Path) -> Result<DeltaNet> {
+    let linear_layers: Vec<bool> = match &raw.layer_types {
+        Some(types) => types
+            .iter()
+            .take(layers)
+            .map(|t| match t.as_str() {
+                "linear_attention" => Ok(true),
+                "full_attention" => Ok(false),
+                other => Err(Error::config(
+                    path,
+                    format!(
+                        "layer_types: `{other}` is not supported (linear_attention, full_attention)"
+                    ),
+                )),
+            })
+            .collect::<Result<_>>()?,
+        None => {
+            let every = raw.full_attention_interval.unwrap_or(4).max(1);
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    if linear_layers.len() < layers {
+        return Err(Error::config(
+            path,
+            format!(
+                "layer_types lists {} layers, num_hidden_layers is {layers}",
+                linear_layers.len()
+            ),
+        ));
+    }
+    // `Qwen3_5MoeAttention` always gates its output (the released configs say
+    // `attn_output_gate: true`); a config that turns it off describes another model.
+    if raw.attn_output_gate == Some(false) {
+        return Err(Error::config(
+            path,
+            "attn_output_gate false is not supported (Qwen3.5's attention always gates its output)",
+        ));
+    }
+    let net = DeltaNet {
+        linear_layers,
+        conv_kernel: raw.linear_conv_kernel_dim.unwrap_or(4),
+        key_heads: raw.linear_num_key_heads.unwrap_or(16),
+        value_heads: raw.linear_num_value_heads.unwrap_or(32),
+        key_dim: raw.linear_key_head_dim.unwrap_or(128),
+        value_dim: raw.linear_value_head_dim.unwrap_or(128),
+    };
+    if net.conv_kernel == 0
+        || net.key_heads == 0
+        || net.key_dim == 0
+        || net.value_dim == 0
+        || !net.value_heads.is_multiple_of(net.key_heads)
+    {
+        return Err(Error::config(
+            path,
+            format!(
+                "linear attention: {} value heads over {} key heads (dims {} / {}, conv {}) do not group",
+                net.value_heads, net.key_heads, net.key_dim, net.value_dim, net.conv_kernel
+            ),
+        ));
+    }
+    Ok(net)
 }
 
 /// Llama-4's attention settings as `Llama4TextConfig.__post_init__` fills them in.
@@ -1136,6 +1240,8 @@ fn resolve_rotary_dim(arch: Arch, raw: &ConfigFile, head_dim: usize, path: &Path
         (Some(f), _) => f,
         (None, Some(d)) if arch == Arch::MiniMaxM2 => d as f64 / head_dim as f64,
         (None, _) if arch == Arch::Glm4Moe => 0.5,
+        // `Qwen3_5MoeTextConfig.__post_init__`: `kwargs.setdefault("partial_rotary_factor", 0.25)`.
+        (None, _) if arch == Arch::Qwen35Moe => 0.25,
         _ => 1.0,
     };
     let dim = (head_dim as f64 * factor) as usize;

@@ -115,6 +115,7 @@ pub(super) fn resolve(arch: Arch, raw: &ConfigFile, path: &Path) -> Result<Optio
             return Ok(None);
         }
         Arch::Llama4 => llama4(raw, path)?,
+        Arch::Qwen35Moe => qwen35(raw, path)?,
         Arch::DeepseekV3 | Arch::Glm4Moe | Arch::Glm4MoeLite => match raw.n_routed_experts {
             Some(n) if n > 0 => deepseek_style(arch, raw, path, n)?,
             _ => return Ok(None),
@@ -308,5 +309,23 @@ fn llama4(raw: &ConfigFile, path: &Path) -> Result<MoeConfig> {
         layers: MoeLayers::Listed((0..layers).map(|l| listed.contains(&l)).collect()),
         act: ExpertsAct::SiluMul,
         weights_on_input: true,
+    })
+}
+
+/// Qwen3.5-MoE (`Qwen3_5MoeTextConfig`, `Qwen3_5MoeSparseMoeBlock`, transformers 5.24): every
+/// layer sparse; `Qwen3_5MoeTopKRouter` is a softmax top-k always renormalised; a shared expert
+/// of `shared_expert_intermediate_size` behind its sigmoid `shared_expert_gate`.
+fn qwen35(raw: &ConfigFile, path: &Path) -> Result<MoeConfig> {
+    let _ = path;
+    let shared = raw.shared_expert_intermediate_size.unwrap_or(512);
+    Ok(MoeConfig {
+        n_routed_experts: raw.num_experts.or(raw.num_local_experts).unwrap_or(256),
+        routing: Routing::top_k(Scoring::Softmax, raw.num_experts_per_tok.unwrap_or(8), true),
+        moe_intermediate_size: raw.moe_intermediate_size.unwrap_or(512),
+        shared_intermediate: shared,
+        shared_gate: shared > 0,
+        layers: MoeLayers::All,
+        act: ExpertsAct::SiluMul,
+        weights_on_input: false,
     })
 }

@@ -31,7 +31,7 @@ use crate::model::{ComputePath, Decoder, LayerStep};
 use candle_core::{DType, Device, Tensor};
 
 /// A Gemma norm: `w + 1` from the store in f32, then in the compute dtype.
-fn offset_norm(vb: &Vb, size: usize, eps: f64, dtype: DType) -> Result<RmsNorm> {
+pub(crate) fn offset_norm(vb: &Vb, size: usize, eps: f64, dtype: DType) -> Result<RmsNorm> {
     let w = get_f32(vb, "weight", &[size])?;
     let weight = (w + 1.0)
         .and_then(|w| w.to_dtype(dtype))

@@ -14,6 +14,7 @@ pub(crate) mod llama4;
 pub(crate) mod moe;
 pub mod nn;
 pub mod phases;
+pub(crate) mod qwen35;
 pub mod report;
 pub mod source;
 pub(crate) mod sparse;
@@ -31,6 +32,7 @@ use deepseek::DeepseekDecoder;
 use gemma::GemmaDecoder;
 use llama::LlamaDecoder;
 use llama4::Llama4Decoder;
+use qwen35::Qwen35Decoder;
 use sparse::SparseDecoder;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -290,6 +292,9 @@ pub fn load_target_on(
             Box::new(Resident::load(SparseDecoder::new(cfg, dtype, path)?, &vb)?)
         }
         (Arch::Llama4, _) => Box::new(Resident::load(Llama4Decoder::new(cfg, dtype, path)?, &vb)?),
+        (Arch::Qwen35Moe, _) => {
+            Box::new(Resident::load(Qwen35Decoder::new(cfg, dtype, path)?, &vb)?)
+        }
         (Arch::Gemma3, _) => Box::new(Resident::load(GemmaDecoder::new(cfg, dtype, path)?, &vb)?),
     };
     refuse_unread(cfg, src, vb.unread())?;
@@ -330,6 +335,12 @@ pub fn load_streamed(
         }
         Arch::Llama4 => Box::new(stream::Streamed::open(
             Llama4Decoder::new(cfg, dtype, path)?,
+            src,
+            device,
+            opts,
+        )?),
+        Arch::Qwen35Moe => Box::new(stream::Streamed::open(
+            Qwen35Decoder::new(cfg, dtype, path)?,
             src,
             device,
             opts,
