@@ -666,3 +666,51 @@ fn run_diff_and_probe_work_on_every_dense_family() {
         assert!(rows > 0, "probe {name}: no layout measured: {}", out.stdout);
     }
 }
+
+/// What the Gemma runner does not compute is refused when the config is read, in one line with
+/// exit 2: bidirectional attention, attention-logit softcapping, another activation, and
+/// Gemma-4 (not run yet).
+#[test]
+fn gemma_settings_the_runner_does_not_compute_are_refused() {
+    let draft = fixture("models/qwen3-draft");
+    for (tag, key, value, needle) in [
+        (
+            "bidir",
+            "use_bidirectional_attention",
+            serde_json::json!(true),
+            "use_bidirectional_attention",
+        ),
+        (
+            "attn-cap",
+            "attn_logit_softcapping",
+            serde_json::json!(50.0),
+            "attn_logit_softcapping",
+        ),
+        (
+            "act",
+            "hidden_activation",
+            serde_json::json!("relu"),
+            "`relu`",
+        ),
+        (
+            "gemma4",
+            "model_type",
+            serde_json::json!("gemma4_text"),
+            "gemma4_text",
+        ),
+    ] {
+        let dir = planted("gemma3_text", tag, |c| c[key] = value.clone(), |_| {});
+        let out = eagle_check([
+            "run",
+            "--target",
+            &p(&dir),
+            "--draft",
+            &p(&draft),
+            "--engine",
+            "sglang@0.5.14",
+            "--tokens",
+            "1,2,3",
+        ]);
+        out.assert_could_not_check(&[needle]);
+    }
+}

@@ -93,7 +93,8 @@ pub struct ConfigFile {
     pub attn_logit_softcapping: Option<f64>,
     pub rope_local_base_freq: Option<f64>,
     pub sliding_window_pattern: Option<usize>,
-    pub use_bidirectional_attention: Option<bool>,
+    /// A bool for Gemma-3, `"vision"` in Gemma-4's files: kept as written.
+    pub use_bidirectional_attention: Option<serde_json::Value>,
 }
 
 /// An optional value that may be written as `null`.
@@ -828,7 +829,7 @@ pub(crate) fn resolve_rope(raw: &ConfigFile, path: &Path) -> Result<Rope> {
 /// compute: bidirectional attention (EmbeddingGemma) and attention-logit softcapping (null in
 /// every released Gemma-3).
 fn resolve_gemma(raw: &ConfigFile, wrapped: bool, path: &Path) -> Result<GemmaConfig> {
-    if raw.use_bidirectional_attention == Some(true) {
+    if raw.use_bidirectional_attention == Some(serde_json::Value::Bool(true)) {
         return Err(Error::config(
             path,
             "use_bidirectional_attention is not supported (eagle-check runs causal targets)",
