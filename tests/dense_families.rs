@@ -73,6 +73,32 @@ fn dense_families_match_transformers_on_both_paths() {
     }
 }
 
+/// In bf16 on the CPU (the candle path's head-major ops, which the GPU's candle path runs, and
+/// the kernels' references), every family lands within the bf16 bound of HF's f32 states,
+/// and not bit-exact.
+#[test]
+fn dense_families_in_bf16_stay_within_the_bf16_bound() {
+    for (name, _) in FAMILIES {
+        let dir = fixture(&format!("models/{name}"));
+        let r = reference(name);
+        let cfg = ModelConfig::load(&dir).unwrap();
+        let src = SafetensorsSource::open(&dir).unwrap();
+        for path in [ComputePath::Candle, ComputePath::Kernels] {
+            let model = load_target_on(&cfg, &src, DType::BF16, &Device::Cpu, path).unwrap();
+            let cap = model
+                .forward(&ids(&r), &CaptureRequest::all(), &mut Progress::hidden())
+                .unwrap();
+            let what = format!("{name} bf16 {path:?}");
+            let worst = worst_error(&what, &cfg, &cap, &r);
+            eprintln!("{what}: worst rel err {worst:.3e}");
+            assert!(
+                worst < eagle_check::tolerance::PARITY_BF16 && worst > F32_TOL,
+                "{what}: {worst:.3e}"
+            );
+        }
+    }
+}
+
 #[test]
 fn dense_families_streamed_match_transformers() {
     for (name, _) in FAMILIES {
