@@ -558,6 +558,25 @@ fn engine_of(name: &str) -> &'static str {
     }
 }
 
+/// The shrunk copies of the published configs (every key kept, their checkpoints' tensor names
+/// and bf16 dtype: Phi-4's fused projections, Gemma-3-1B's `model.*`, Qwen2.5-VL-7B's
+/// `model.*` + `visual.*`) load and match transformers on both paths.
+#[test]
+fn shrunk_real_dense_checkpoints_load_and_match_transformers() {
+    for name in ["phi-4", "gemma-3-1b-it", "qwen2.5-vl-7b-instruct"] {
+        let dir = fixture(&format!("real-configs/shrunk-dense/{name}"));
+        let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)
+            .unwrap();
+        for path in [ComputePath::Candle, ComputePath::Kernels] {
+            let what = format!("shrunk {name} ({path:?})");
+            let (cfg, cap) = run(&dir, &r, path);
+            let worst = worst_error(&what, &cfg, &cap, &r);
+            eprintln!("{what}: worst rel err {worst:.3e}");
+            assert!(worst <= F32_TOL, "{what}: {worst:.3e}");
+        }
+    }
+}
+
 /// A spec for fixture `name` capturing boundaries `b` (width 64: every fixture's hidden size).
 fn spec_for(dir: &Path, name: &str, engine: &str, layers: usize, b: [usize; 3]) -> PathBuf {
     let path = dir.join(format!("{name}.yaml"));
