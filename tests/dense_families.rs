@@ -73,6 +73,32 @@ fn dense_families_match_transformers_on_both_paths() {
     }
 }
 
+/// In bf16 on the CPU (the candle path's head-major ops, which the GPU's candle path runs, and
+/// the kernels' references), every family lands within the bf16 bound of HF's f32 states,
+/// and not bit-exact.
+#[test]
+fn dense_families_in_bf16_stay_within_the_bf16_bound() {
+    for (name, _) in FAMILIES {
+        let dir = fixture(&format!("models/{name}"));
+        let r = reference(name);
+        let cfg = ModelConfig::load(&dir).unwrap();
+        let src = SafetensorsSource::open(&dir).unwrap();
+        for path in [ComputePath::Candle, ComputePath::Kernels] {
+            let model = load_target_on(&cfg, &src, DType::BF16, &Device::Cpu, path).unwrap();
+            let cap = model
+                .forward(&ids(&r), &CaptureRequest::all(), &mut Progress::hidden())
+                .unwrap();
+            let what = format!("{name} bf16 {path:?}");
+            let worst = worst_error(&what, &cfg, &cap, &r);
+            eprintln!("{what}: worst rel err {worst:.3e}");
+            assert!(
+                worst < eagle_check::tolerance::PARITY_BF16 && worst > F32_TOL,
+                "{what}: {worst:.3e}"
+            );
+        }
+    }
+}
+
 #[test]
 fn dense_families_streamed_match_transformers() {
     for (name, _) in FAMILIES {
@@ -532,6 +558,25 @@ fn engine_of(name: &str) -> &'static str {
     }
 }
 
+/// The shrunk copies of the published configs (every key kept, their checkpoints' tensor names
+/// and bf16 dtype: Phi-4's fused projections, Gemma-3-1B's `model.*`, Qwen2.5-VL-7B's
+/// `model.*` + `visual.*`) load and match transformers on both paths.
+#[test]
+fn shrunk_real_dense_checkpoints_load_and_match_transformers() {
+    for name in ["phi-4", "gemma-3-1b-it", "qwen2.5-vl-7b-instruct"] {
+        let dir = fixture(&format!("real-configs/shrunk-dense/{name}"));
+        let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)
+            .unwrap();
+        for path in [ComputePath::Candle, ComputePath::Kernels] {
+            let what = format!("shrunk {name} ({path:?})");
+            let (cfg, cap) = run(&dir, &r, path);
+            let worst = worst_error(&what, &cfg, &cap, &r);
+            eprintln!("{what}: worst rel err {worst:.3e}");
+            assert!(worst <= F32_TOL, "{what}: {worst:.3e}");
+        }
+    }
+}
+
 /// A spec for fixture `name` capturing boundaries `b` (width 64: every fixture's hidden size).
 fn spec_for(dir: &Path, name: &str, engine: &str, layers: usize, b: [usize; 3]) -> PathBuf {
     let path = dir.join(format!("{name}.yaml"));
@@ -664,5 +709,53 @@ fn run_diff_and_probe_work_on_every_dense_family() {
         assert_ne!(out.code, 2, "probe {name}: {}\n{}", out.stdout, out.stderr);
         let rows = out.json()["probe"].as_array().map_or(0, Vec::len);
         assert!(rows > 0, "probe {name}: no layout measured: {}", out.stdout);
+    }
+}
+
+/// What the Gemma runner does not compute is refused when the config is read, in one line with
+/// exit 2: bidirectional attention, attention-logit softcapping, another activation, and
+/// Gemma-4 (not run yet).
+#[test]
+fn gemma_settings_the_runner_does_not_compute_are_refused() {
+    let draft = fixture("models/qwen3-draft");
+    for (tag, key, value, needle) in [
+        (
+            "bidir",
+            "use_bidirectional_attention",
+            serde_json::json!(true),
+            "use_bidirectional_attention",
+        ),
+        (
+            "attn-cap",
+            "attn_logit_softcapping",
+            serde_json::json!(50.0),
+            "attn_logit_softcapping",
+        ),
+        (
+            "act",
+            "hidden_activation",
+            serde_json::json!("relu"),
+            "`relu`",
+        ),
+        (
+            "gemma4",
+            "model_type",
+            serde_json::json!("gemma4_text"),
+            "gemma4_text",
+        ),
+    ] {
+        let dir = planted("gemma3_text", tag, |c| c[key] = value.clone(), |_| {});
+        let out = eagle_check([
+            "run",
+            "--target",
+            &p(&dir),
+            "--draft",
+            &p(&draft),
+            "--engine",
+            "sglang@0.5.14",
+            "--tokens",
+            "1,2,3",
+        ]);
+        out.assert_could_not_check(&[needle]);
     }
 }

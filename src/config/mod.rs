@@ -1285,6 +1285,33 @@ mod tests {
         assert!(err.contains("`model_type`"), "{err}");
     }
 
+    /// Gemma-3's two ropes as transformers reads them (`convert_rope_params_to_dict`): a legacy
+    /// `rope_scaling` (Gemma-3-4B's linear x8) is the full layers' only, the sliding layers keep
+    /// `rope_local_base_freq` unscaled; transformers 5 nests both by layer type.
+    #[test]
+    fn gemma3_ropes_resolve_per_layer_type() {
+        let path = Path::new("config.json");
+        for json in [
+            r#"{"rope_theta": 1000000, "rope_local_base_freq": 10000,
+                "rope_scaling": {"rope_type": "linear", "factor": 8.0}}"#,
+            r#"{"rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000}}}"#,
+        ] {
+            let raw: ConfigFile = serde_json::from_str(json).unwrap();
+            let full = resolve_gemma_rope(&raw, "full_attention", 1e6, path).unwrap();
+            let local = resolve_gemma_rope(&raw, "sliding_attention", 1e4, path).unwrap();
+            assert_eq!(full.scaling, RopeScaling::Linear { factor: 8.0 }, "{json}");
+            assert_eq!((full.theta, local.theta), (1e6, 1e4), "{json}");
+            assert_eq!(local.scaling, RopeScaling::None, "{json}");
+        }
+        // Neither base written: Gemma3TextConfig's defaults, 1e6 global and 1e4 local.
+        let raw = ConfigFile::default();
+        let full = resolve_gemma_rope(&raw, "full_attention", 1e6, path).unwrap();
+        let local = resolve_gemma_rope(&raw, "sliding_attention", 1e4, path).unwrap();
+        assert_eq!((full.theta, local.theta), (1e6, 1e4));
+    }
+
     #[test]
     fn mrope_resolves_as_the_default_rope_for_text() {
         let path = Path::new("config.json");
