@@ -6,17 +6,17 @@
 //! controls plant each family's likeliest bug in a copy of the checkpoint and require the
 //! parity to break, so the fixtures can tell.
 
-use crate::support::parity::{self, ids, worst_error};
+use crate::support::families::{
+    gate_on_both_engines, planted, reference, run, run_diff_and_probe, spec_for, streamed_matches,
+};
+use crate::support::parity::{ids, worst_error};
 use crate::support::{eagle_check, fixture, p, scratch};
 use candle_core::{DType, Device, Tensor};
 use eagle_check::config::ModelConfig;
 use eagle_check::model::source::SafetensorsSource;
-use eagle_check::model::stream::StreamOptions;
-use eagle_check::model::{
-    Capture, CaptureRequest, ComputePath, Progress, load_streamed, load_target_on,
-};
+use eagle_check::model::{CaptureRequest, ComputePath, Progress, load_target_on};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The f32 parity bound, with its reason: `eagle_check::tolerance::PARITY_F32`.
 const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
@@ -42,21 +42,6 @@ const FAMILIES: [(&str, &str); 6] = [
         "models/qwen3_vl/modeling_qwen3_vl.py (Qwen3VLTextModel)",
     ),
 ];
-
-fn reference(name: &str) -> HashMap<String, Tensor> {
-    parity::reference(&format!("models/{name}/reference.safetensors"))
-}
-
-fn run(dir: &Path, r: &HashMap<String, Tensor>, path: ComputePath) -> (ModelConfig, Capture) {
-    let cfg = ModelConfig::load(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    let src = SafetensorsSource::open(dir).unwrap();
-    let model = load_target_on(&cfg, &src, DType::F32, &Device::Cpu, path)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    let cap = model
-        .forward(&ids(r), &CaptureRequest::all(), &mut Progress::hidden())
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    (cfg, cap)
-}
 
 #[test]
 fn dense_families_match_transformers_on_both_paths() {
@@ -102,26 +87,8 @@ fn dense_families_in_bf16_stay_within_the_bf16_bound() {
 #[test]
 fn dense_families_streamed_match_transformers() {
     for (name, _) in FAMILIES {
-        let dir = fixture(&format!("models/{name}"));
-        let r = reference(name);
-        let cfg = ModelConfig::load(&dir).unwrap();
-        let src = Box::new(SafetensorsSource::open(&dir).unwrap());
-        let streamed = load_streamed(
-            &cfg,
-            src,
-            DType::F32,
-            &Device::Cpu,
-            StreamOptions::default(),
-        )
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-        let cap = streamed
-            .forward(&ids(&r), &CaptureRequest::all(), &mut Progress::hidden())
-            .unwrap();
-        let worst = worst_error(&format!("{name} streamed"), &cfg, &cap, &r);
+        let worst = streamed_matches(name);
         eprintln!("{name} streamed: worst rel err {worst:.3e}");
-        assert!(worst <= F32_TOL, "{name} streamed: {worst:.3e}");
-        let stats = streamed.stream_stats().unwrap();
-        assert_eq!(stats.layers_loaded, cfg.num_layers, "{name}");
     }
 }
 
@@ -283,27 +250,6 @@ fn a_longrope_of_the_wrong_length_is_refused_by_name() {
     out.assert_could_not_check(&["short_factor"]);
 }
 
-/// A copy of fixture `name` with `edit` applied to its config.json and `tensors` to its
-/// weights.
-fn planted(
-    name: &str,
-    tag: &str,
-    edit: impl Fn(&mut serde_json::Value),
-    tensors: impl Fn(&mut HashMap<String, Tensor>),
-) -> PathBuf {
-    let src = fixture(&format!("models/{name}"));
-    let dir = scratch(&format!("dense-planted-{name}-{tag}"));
-    let mut cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
-    edit(&mut cfg);
-    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    let mut w =
-        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
-    tensors(&mut w);
-    candle_core::safetensors::save(&w, dir.join("model.safetensors")).unwrap();
-    dir
-}
-
 fn worst_of(dir: &Path, name: &str) -> f64 {
     worst_of_on(dir, name, ComputePath::Candle)
 }
@@ -450,18 +396,6 @@ const REAL: [&str; 3] = [
     "target_qwen2.5-vl-7b-instruct__tt-metal_model_params.json",
 ];
 
-/// A SpecForge-style EAGLE-3 draft config for a target of `hidden` and `vocab` (SpecForge's
-/// Qwen3-8B draft with the target's widths).
-fn draft_for(dir: &Path, hidden: usize, vocab: usize) -> PathBuf {
-    let base = fixture("real-configs/draft_eagle3_qwen3-8b__SpecForge.json");
-    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(base).unwrap()).unwrap();
-    cfg["hidden_size"] = serde_json::json!(hidden);
-    cfg["vocab_size"] = serde_json::json!(vocab);
-    let path = dir.join(format!("draft-{hidden}.json"));
-    std::fs::write(&path, cfg.to_string()).unwrap();
-    path
-}
-
 /// The published configs resolve to the runner's settings as transformers reads them, and the
 /// gate checks them (no `unsupported-architecture`, no exit 2) on sglang and vLLM.
 #[test]
@@ -517,21 +451,7 @@ fn real_dense_configs_resolve_and_gate() {
             }
             other => panic!("{file}: {other:?}"),
         }
-        let (l, h) = (cfg.num_layers, cfg.hidden_size);
-        let spec = dir.join(format!("{}.yaml", cfg.model_type));
-        std::fs::write(
-            &spec,
-            format!(
-                "name: default\ncapture:\n  boundaries: [2, {}, {}]\nfc: {{ in_features: {} }}\n",
-                l / 2,
-                l - 3,
-                3 * h
-            ),
-        )
-        .unwrap();
-        let draft = draft_for(&dir, h, cfg.vocab_size);
-        for engine in ["sglang", "vllm"] {
-            let out = crate::support::gate_json(&spec, &draft, Some(&path), engine);
+        for (engine, out) in gate_on_both_engines(&dir, &cfg, &path) {
             assert_ne!(out.code, 2, "{file} on {engine}: {}", out.stdout);
             // vLLM's Gemma-3 implements no SupportsEagle3 (the rule table says so); every
             // other pair is served.
@@ -577,95 +497,40 @@ fn shrunk_real_dense_checkpoints_load_and_match_transformers() {
     }
 }
 
-/// A spec for fixture `name` capturing boundaries `b` (width 64: every fixture's hidden size).
-fn spec_for(dir: &Path, name: &str, engine: &str, layers: usize, b: [usize; 3]) -> PathBuf {
-    let path = dir.join(format!("{name}.yaml"));
-    std::fs::write(
-        &path,
-        format!(
-            "name: {name}\nengine: {engine}\ntarget: {{ num_hidden_layers: {layers}, hidden_size: 64 }}\n\
-             capture:\n  boundaries: [{}, {}, {}]\nfc: {{ in_features: 192 }}\n",
-            b[0], b[1], b[2]
-        ),
-    )
-    .unwrap();
-    path
-}
-
-/// A training-data file of HF's own boundaries `b` of fixture `name` on its reference tokens
-/// (`input_ids` [1, T], `aux_hidden_states` [1, T, 3H]).
-fn captures_of(dir: &Path, name: &str, b: [usize; 3]) -> PathBuf {
-    let r = reference(name);
-    let parts: Vec<&Tensor> = b
-        .iter()
-        .map(|b| &r[&format!("hidden_states.{b}")])
-        .collect();
-    let aux = Tensor::cat(&parts, 1).unwrap().unsqueeze(0).unwrap();
-    let sub = dir.join(format!("captures-{name}-{}-{}-{}", b[0], b[1], b[2]));
-    std::fs::create_dir_all(&sub).unwrap();
-    let tensors = HashMap::from([
-        (
-            "input_ids".to_string(),
-            r["input_ids"].unsqueeze(0).unwrap(),
-        ),
-        ("aux_hidden_states".to_string(), aux),
-    ]);
-    candle_core::safetensors::save(&tensors, sub.join("data_0.safetensors")).unwrap();
-    sub
-}
-
 /// `run`, `diff` and `probe` through the binary on every family's tiny checkpoint, with the
 /// tiny EAGLE-3 draft of fixtures/models/qwen3-draft (hidden 64, vocab 256, ids [0, 1, 2]).
 #[test]
 fn run_diff_and_probe_work_on_every_dense_family() {
     let dir = scratch("dense-cli");
     let draft = fixture("models/qwen3-draft");
-    let probe_tokens: Vec<String> = (0..160u64)
-        .map(|i| (((1103515245 * i + 12345) % (1 << 31)) % 256).to_string())
-        .collect();
-    let probe_tokens = probe_tokens.join(",");
     for (name, hf) in FAMILIES {
-        let target = fixture(&format!("models/{name}"));
-        let l = ModelConfig::load(&target).unwrap().num_layers;
-        // run: the draft's ids [0, 1, 2] are b = [1, 2, 3] on sglang.
         let engine = engine_of(name);
-        let spec = spec_for(&dir, name, engine, l, [1, 2, 3]);
-        let tokens = ids(&reference(name))
-            .iter()
-            .map(u32::to_string)
-            .collect::<Vec<_>>()
-            .join(",");
-        let args = |cmd: &str| {
-            vec![
-                cmd.to_string(),
-                "--target".into(),
-                p(&target),
-                "--draft".into(),
-                p(&draft),
-                "--spec".into(),
-                p(&spec),
-                "--format".into(),
-                "json".into(),
-            ]
-        };
-        let mut run = args("run");
-        run.extend(["--tokens".into(), tokens.clone()]);
-        let out = eagle_check(run);
-        assert_eq!(
-            out.code, 0,
-            "run {name} ({hf}): {}\n{}",
-            out.stdout, out.stderr
-        );
+        run_diff_and_probe(&dir, name, hf, engine, &[]);
         if engine != "sglang" {
             // The current sglang on Gemma-3: its fused layer feeds no residual stream.
-            let mut run = args("run");
-            run.extend([
-                "--tokens".into(),
-                tokens,
-                "--engine".into(),
-                "sglang".into(),
+            let target = fixture(&format!("models/{name}"));
+            let l = ModelConfig::load(&target).unwrap().num_layers;
+            let spec = spec_for(&dir, name, engine, l, [1, 2, 3]);
+            let tokens = ids(&reference(name))
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",");
+            let out = eagle_check([
+                "run",
+                "--target",
+                &p(&target),
+                "--draft",
+                &p(&draft),
+                "--spec",
+                &p(&spec),
+                "--format",
+                "json",
+                "--tokens",
+                &tokens,
+                "--engine",
+                "sglang",
             ]);
-            let out = eagle_check(run);
             assert_eq!(out.code, 1, "run {name} on sglang: {}", out.stdout);
             assert!(
                 out.finding_names()
@@ -674,41 +539,6 @@ fn run_diff_and_probe_work_on_every_dense_family() {
                 out.stdout
             );
         }
-        // diff: HF's own boundaries are identified as what they are, a shifted capture is not.
-        let spec = spec_for(&dir, &format!("{name}-diff"), engine, l, [1, 2, l - 1]);
-        for (b, code) in [([1, 2, l - 1], 0), ([0, 1, l - 2], 1)] {
-            let out = eagle_check([
-                "diff",
-                "--spec",
-                &p(&spec),
-                "--target",
-                &p(&target),
-                "--captures",
-                &p(&captures_of(&dir, name, b)),
-                "--format",
-                "json",
-            ]);
-            assert_eq!(
-                out.code, code,
-                "diff {name} {b:?}: {}\n{}",
-                out.stdout, out.stderr
-            );
-        }
-        // probe: every engine's layout and the usual suspects, measured through the target.
-        let out = eagle_check([
-            "probe",
-            "--target",
-            &p(&target),
-            "--draft",
-            &p(&draft),
-            "--tokens",
-            &probe_tokens,
-            "--format",
-            "json",
-        ]);
-        assert_ne!(out.code, 2, "probe {name}: {}\n{}", out.stdout, out.stderr);
-        let rows = out.json()["probe"].as_array().map_or(0, Vec::len);
-        assert!(rows > 0, "probe {name}: no layout measured: {}", out.stdout);
     }
 }
 

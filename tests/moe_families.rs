@@ -6,16 +6,15 @@
 //! off, sinks dropped, router bias ignored, partial rotary as full) and require the parity to
 //! break, so the fixtures can tell.
 
-use crate::support::parity::{self, ids, worst_error};
+use crate::support::families::{
+    gate_on_both_engines, planted, reference, run, run_diff_and_probe, streamed_matches,
+};
+use crate::support::parity::worst_error;
 use crate::support::{fixture, scratch};
 use candle_core::{DType, Device, Tensor};
 use eagle_check::compare::closeness;
 use eagle_check::config::ModelConfig;
-use eagle_check::model::source::SafetensorsSource;
-use eagle_check::model::stream::StreamOptions;
-use eagle_check::model::{
-    Capture, CaptureRequest, ComputePath, Progress, load_streamed, load_target_on,
-};
+use eagle_check::model::{Capture, ComputePath};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -41,21 +40,6 @@ const FAMILIES: [(&str, &str); 10] = [
     ("llama4", "models/llama4/modeling_llama4.py"),
     ("qwen3_5_moe", "models/qwen3_5_moe/modeling_qwen3_5_moe.py"),
 ];
-
-fn reference(name: &str) -> HashMap<String, Tensor> {
-    parity::reference(&format!("models/{name}/reference.safetensors"))
-}
-
-fn run(dir: &Path, r: &HashMap<String, Tensor>, path: ComputePath) -> (ModelConfig, Capture) {
-    let cfg = ModelConfig::load(dir).unwrap();
-    let src = SafetensorsSource::open(dir).unwrap();
-    let model = load_target_on(&cfg, &src, DType::F32, &Device::Cpu, path)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    let cap = model
-        .forward(&ids(r), &CaptureRequest::all(), &mut Progress::hidden())
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    (cfg, cap)
-}
 
 /// Every MoE layer picks HF's experts for every token, with HF's weights.
 fn check_routing(what: &str, cfg: &ModelConfig, cap: &Capture, r: &HashMap<String, Tensor>) {
@@ -101,25 +85,8 @@ fn moe_families_match_transformers_on_both_paths() {
 #[test]
 fn moe_families_streamed_match_resident() {
     for (name, _) in FAMILIES {
-        let dir = fixture(&format!("models/{name}"));
-        let r = reference(name);
-        let cfg = ModelConfig::load(&dir).unwrap();
-        let src = Box::new(SafetensorsSource::open(&dir).unwrap());
-        let streamed = load_streamed(
-            &cfg,
-            src,
-            DType::F32,
-            &Device::Cpu,
-            StreamOptions::default(),
-        )
-        .unwrap();
-        let cap = streamed
-            .forward(&ids(&r), &CaptureRequest::all(), &mut Progress::hidden())
-            .unwrap();
-        let worst = worst_error(&format!("{name} streamed"), &cfg, &cap, &r);
-        assert!(worst <= F32_TOL, "{name} streamed: {worst:.3e}");
-        let stats = streamed.stream_stats().unwrap();
-        assert_eq!(stats.layers_loaded, cfg.num_layers, "{name}");
+        let worst = streamed_matches(name);
+        eprintln!("{name} streamed: worst rel err {worst:.3e}");
     }
 }
 
@@ -156,27 +123,6 @@ fn moe_family_configs_resolve_as_transformers_reads_them() {
         "mlp_only_layers"
     );
     assert_eq!(cfg("glm4_moe_lite").arch, Arch::Glm4MoeLite);
-}
-
-/// A copy of fixture `name` with `edit` applied to its config.json and `tensors` to its
-/// weights.
-fn planted(
-    name: &str,
-    tag: &str,
-    edit: impl Fn(&mut serde_json::Value),
-    tensors: impl Fn(&mut HashMap<String, Tensor>),
-) -> std::path::PathBuf {
-    let src = fixture(&format!("models/{name}"));
-    let dir = scratch(&format!("planted-{name}-{tag}"));
-    let mut cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
-    edit(&mut cfg);
-    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    let mut w =
-        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
-    tensors(&mut w);
-    candle_core::safetensors::save(&w, dir.join("model.safetensors")).unwrap();
-    dir
 }
 
 fn worst_of(dir: &Path, name: &str) -> f64 {
@@ -322,18 +268,6 @@ const REAL: [(&str, &str); 6] = [
     ),
 ];
 
-/// A SpecForge-style EAGLE-3 draft config for a target of `hidden` and `vocab` (SpecForge's
-/// Qwen3-8B draft with the target's widths).
-fn draft_for(dir: &Path, hidden: usize, vocab: usize) -> std::path::PathBuf {
-    let base = fixture("real-configs/draft_eagle3_qwen3-8b__SpecForge.json");
-    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(base).unwrap()).unwrap();
-    cfg["hidden_size"] = serde_json::json!(hidden);
-    cfg["vocab_size"] = serde_json::json!(vocab);
-    let path = dir.join(format!("draft-{hidden}.json"));
-    std::fs::write(&path, cfg.to_string()).unwrap();
-    path
-}
-
 /// The published configs resolve to the runner's settings as transformers reads them, and the
 /// gate checks them (no `unsupported-architecture`, no exit 2) on sglang and vLLM.
 #[test]
@@ -367,21 +301,7 @@ fn real_moe_configs_resolve_and_gate() {
             }
             other => panic!("{file}: {other:?}"),
         }
-        let (l, h) = (cfg.num_layers, cfg.hidden_size);
-        let spec = dir.join(format!("{}.yaml", cfg.model_type));
-        std::fs::write(
-            &spec,
-            format!(
-                "name: default\ncapture:\n  boundaries: [2, {}, {}]\nfc: {{ in_features: {} }}\n",
-                l / 2,
-                l - 3,
-                3 * h
-            ),
-        )
-        .unwrap();
-        let draft = draft_for(&dir, h, cfg.vocab_size);
-        for engine in ["sglang", "vllm"] {
-            let out = crate::support::gate_json(&spec, &draft, Some(&path), engine);
+        for (engine, out) in gate_on_both_engines(&dir, &cfg, &path) {
             assert_ne!(out.code, 2, "{file} on {engine}: {}", out.stdout);
             assert!(
                 !out.finding_names()
@@ -411,43 +331,6 @@ fn shrunk_real_moe_checkpoints_load_and_match_transformers() {
     }
 }
 
-/// A spec for fixture `name` capturing boundaries `b` (width 64: every fixture's hidden size).
-fn spec_for(dir: &Path, name: &str, layers: usize, b: [usize; 3]) -> std::path::PathBuf {
-    let path = dir.join(format!("{name}.yaml"));
-    std::fs::write(
-        &path,
-        format!(
-            "name: {name}\nengine: sglang\ntarget: {{ num_hidden_layers: {layers}, hidden_size: 64 }}\n\
-             capture:\n  boundaries: [{}, {}, {}]\nfc: {{ in_features: 192 }}\n",
-            b[0], b[1], b[2]
-        ),
-    )
-    .unwrap();
-    path
-}
-
-/// A training-data file of HF's own boundaries `b` of fixture `name` on its reference tokens
-/// (`input_ids` [1, T], `aux_hidden_states` [1, T, 3H]).
-fn captures_of(dir: &Path, name: &str, b: [usize; 3]) -> std::path::PathBuf {
-    let r = reference(name);
-    let parts: Vec<&Tensor> = b
-        .iter()
-        .map(|b| &r[&format!("hidden_states.{b}")])
-        .collect();
-    let aux = Tensor::cat(&parts, 1).unwrap().unsqueeze(0).unwrap();
-    let sub = dir.join(format!("captures-{name}-{}-{}-{}", b[0], b[1], b[2]));
-    std::fs::create_dir_all(&sub).unwrap();
-    let tensors = HashMap::from([
-        (
-            "input_ids".to_string(),
-            r["input_ids"].unsqueeze(0).unwrap(),
-        ),
-        ("aux_hidden_states".to_string(), aux),
-    ]);
-    candle_core::safetensors::save(&tensors, sub.join("data_0.safetensors")).unwrap();
-    sub
-}
-
 /// `run`, `diff` and `probe` through the binary on every family's tiny checkpoint, with the
 /// tiny EAGLE-3 draft of fixtures/models/qwen3-draft (hidden 64, vocab 256, ids [0, 1, 2]).
 #[test]
@@ -461,108 +344,11 @@ fn run_diff_and_probe_work_on_every_moe_family() {
 pub(crate) fn run_diff_and_probe_on_every_family(
     extra: &[&str],
 ) -> Vec<(String, i32, Vec<String>)> {
-    use crate::support::{eagle_check, p};
-    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-    let mut seen = Vec::new();
     let dir = scratch(&format!("moe-cli{}", extra.join("")));
-    let draft = fixture("models/qwen3-draft");
-    let probe_tokens: Vec<String> = (0..160u64)
-        .map(|i| (((1103515245 * i + 12345) % (1 << 31)) % 256).to_string())
-        .collect();
-    let probe_tokens = probe_tokens.join(",");
-    for (name, hf) in FAMILIES {
-        let target = fixture(&format!("models/{name}"));
-        let l = ModelConfig::load(&target).unwrap().num_layers;
-        // run: the draft's ids [0, 1, 2] are b = [1, 2, 3] on sglang, a consistent bundle on a
-        // target deep enough that b = 3 is inside it.
-        let spec = spec_for(&dir, name, l, [1, 2, 3]);
-        let tokens = ids(&reference(name))
-            .iter()
-            .map(u32::to_string)
-            .collect::<Vec<_>>()
-            .join(",");
-        let args = |cmd: &str| {
-            vec![
-                cmd.to_string(),
-                "--target".into(),
-                p(&target),
-                "--draft".into(),
-                p(&draft),
-                "--spec".into(),
-                p(&spec),
-                "--format".into(),
-                "json".into(),
-            ]
-        };
-        let mut run = args("run");
-        run.extend(["--tokens".into(), tokens]);
-        run.extend(extra.iter().cloned());
-        let out = eagle_check(run);
-        seen.push((format!("run {name}"), out.code, out.finding_names()));
-        let want = if l > 3 { 0 } else { 1 };
-        assert_eq!(
-            out.code, want,
-            "run {name} ({hf}): {}\n{}",
-            out.stdout, out.stderr
-        );
-        // diff: HF's own boundaries are identified as what they are, a shifted capture is not.
-        let spec = spec_for(&dir, &format!("{name}-diff"), l, [1, 2, l - 1]);
-        for (b, code) in [([1, 2, l - 1], 0), ([0, 1, l - 2], 1)] {
-            let mut diff: Vec<String> = [
-                "diff",
-                "--spec",
-                &p(&spec),
-                "--target",
-                &p(&target),
-                "--captures",
-                &p(&captures_of(&dir, name, b)),
-                "--format",
-                "json",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-            diff.extend(extra.iter().cloned());
-            let out = eagle_check(diff);
-            seen.push((format!("diff {name} {b:?}"), out.code, out.finding_names()));
-            assert_eq!(
-                out.code, code,
-                "diff {name} {b:?}: {}\n{}",
-                out.stdout, out.stderr
-            );
-        }
-        // probe (no spec: every engine's layout and the usual suspects; a 2-layer target is
-        // too shallow for any engine to feed three slots, so a spec names [0, 1, 2] there):
-        // each layout's acceptance measured through the target and the draft.
-        let mut probe = vec![
-            "probe".to_string(),
-            "--target".into(),
-            p(&target),
-            "--draft".into(),
-            p(&draft),
-            "--tokens".into(),
-            probe_tokens.clone(),
-            "--format".into(),
-            "json".into(),
-        ];
-        if l < 3 {
-            let shallow = spec_for(&dir, &format!("{name}-probe"), l, [0, 1, l]);
-            probe.extend(["--spec".into(), p(&shallow)]);
-        }
-        probe.extend(extra.iter().cloned());
-        let out = eagle_check(probe);
-        assert_ne!(out.code, 2, "probe {name}: {}\n{}", out.stdout, out.stderr);
-        let rows = out.json()["probe"].as_array().cloned().unwrap_or_default();
-        assert!(
-            !rows.is_empty(),
-            "probe {name}: no layout measured: {}",
-            out.stdout
-        );
-        let mut found = out.finding_names();
-        found.extend(rows.iter().map(|r| r["labels"].to_string()));
-        seen.push((format!("probe {name}"), out.code, found));
-    }
-    seen
+    FAMILIES
+        .iter()
+        .flat_map(|(name, hf)| run_diff_and_probe(&dir, name, hf, "sglang", extra))
+        .collect()
 }
 
 /// Our MXFP4 dequantisation alone against transformers' own (`Mxfp4Config(dequantize=True)`,
@@ -626,15 +412,7 @@ fn llama4_scout_config_resolves_and_gates() {
     assert_eq!(l4.chunked_layers, l4.rope_layers);
     assert!(l4.l2_qk_norm);
     assert_eq!(l4.temperature, Some((0.1, 8192.0)));
-    let spec = dir.join("spec.yaml");
-    std::fs::write(
-        &spec,
-        "name: scout\ncapture:\n  boundaries: [2, 24, 45]\nfc: { in_features: 15360 }\n",
-    )
-    .unwrap();
-    let draft = draft_for(&dir, 5120, 202048);
-    for engine in ["sglang", "vllm"] {
-        let out = crate::support::gate_json(&spec, &draft, Some(&cfg_path), engine);
+    for (engine, out) in gate_on_both_engines(&dir, &cfg, &cfg_path) {
         assert_ne!(out.code, 2, "Scout on {engine}: {}", out.stdout);
     }
 }
@@ -673,15 +451,7 @@ fn qwen35_moe_config_resolves_and_gates() {
         (256, 8, 512)
     );
     assert!(moe.shared_gate && moe.shared_intermediate == 512 && moe.routing.norm_topk);
-    let spec = dir.join("spec.yaml");
-    std::fs::write(
-        &spec,
-        "name: qwen35\ncapture:\n  boundaries: [2, 20, 37]\nfc: { in_features: 6144 }\n",
-    )
-    .unwrap();
-    let draft = draft_for(&dir, 2048, 248320);
-    for engine in ["sglang", "vllm"] {
-        let out = crate::support::gate_json(&spec, &draft, Some(&cfg_path), engine);
+    for (engine, out) in gate_on_both_engines(&dir, &cfg, &cfg_path) {
         assert_ne!(out.code, 2, "Qwen3.5 on {engine}: {}", out.stdout);
     }
 }

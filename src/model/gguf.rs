@@ -30,7 +30,7 @@ use crate::error::{CandleContext, Error, Result};
 use crate::model::nn::inv_freq;
 use crate::model::source::WeightSource;
 use crate::weights::gguf::{
-    Header, MXFP4_BLOCK, MXFP4_BLOCK_BYTES, Mxfp4Info, parse_header, read_header,
+    Header, MXFP4_BLOCK, MXFP4_BLOCK_BYTES, Mxfp4Info, parse_header, read_header, unsigned,
     validate_tensor_extents,
 };
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
@@ -502,25 +502,11 @@ fn meta_err(path: &Path, key: &str, what: &str) -> Error {
     Error::config(path, format!("GGUF metadata `{key}` {what}"))
 }
 
-fn value_u64(v: &Value) -> Option<u64> {
-    match *v {
-        Value::U8(x) => Some(x.into()),
-        Value::U16(x) => Some(x.into()),
-        Value::U32(x) => Some(x.into()),
-        Value::U64(x) => Some(x),
-        Value::I8(x) => u64::try_from(x).ok(),
-        Value::I16(x) => u64::try_from(x).ok(),
-        Value::I32(x) => u64::try_from(x).ok(),
-        Value::I64(x) => u64::try_from(x).ok(),
-        _ => None,
-    }
-}
-
 fn value_f64(v: &Value) -> Option<f64> {
     match *v {
         Value::F32(x) => Some(x.into()),
         Value::F64(x) => Some(x),
-        _ => value_u64(v).map(|x| x as f64),
+        _ => unsigned(v).map(|x| x as f64),
     }
 }
 
@@ -533,7 +519,7 @@ impl Meta<'_> {
         let key = self.key(suffix);
         match self.md.get(&key) {
             None => Ok(None),
-            Some(v) => value_u64(v)
+            Some(v) => unsigned(v)
                 .and_then(|x| usize::try_from(x).ok())
                 .map(Some)
                 .ok_or_else(|| {

@@ -21,7 +21,7 @@ use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention_with_sinks, c
 use crate::model::source::Vb;
 use crate::model::{ComputePath, Decoder, LayerStep, phases};
 use crate::naming;
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 /// Grouped-query attention as the Llama family and the GQA MoE families compute it: q/k/v
 /// projections (biases as configured), an optional q/k RMSNorm (per head, or over the whole
@@ -186,21 +186,10 @@ impl Attention {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        let q = self.rotate(rope, &q.contiguous()?)?;
-        let k = self.rotate(rope, &k.contiguous()?)?;
+        let q = rope.apply_half_partial(&q.contiguous()?, self.rot_dim)?;
+        let k = rope.apply_half_partial(&k.contiguous()?, self.rot_dim)?;
         let out = attention_with_sinks(&q, &k, &v, mask, self.scale, self.sinks.as_ref())?;
         self.o.forward(&out)
-    }
-
-    /// Rope on the leading `rot_dim` dims of each head of `xs` [heads, T, head_dim]; the rest
-    /// pass through (transformers `apply_rotary_pos_emb` with a partial `rotary_dim`).
-    fn rotate(&self, rope: &RopeTables, xs: &Tensor) -> candle_core::Result<Tensor> {
-        if self.rot_dim == self.head_dim {
-            return rope.apply_half(xs);
-        }
-        let rot = rope.apply_half(&xs.narrow(D::Minus1, 0, self.rot_dim)?.contiguous()?)?;
-        let pass = xs.narrow(D::Minus1, self.rot_dim, self.head_dim - self.rot_dim)?;
-        Tensor::cat(&[&rot, &pass], D::Minus1)
     }
 }
 

@@ -13,7 +13,7 @@
 use crate::config::{ExpertsAct, ModelConfig, MoeConfig};
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, MoePlan, StackedExperts};
-use crate::model::nn::{Linear, Mlp, RmsNorm};
+use crate::model::nn::{Linear, Mlp, RmsNorm, sigmoid};
 use crate::model::source::Vb;
 use crate::model::{ComputePath, LayerStep, phases};
 use crate::routing::{Routed, route_all};
@@ -132,10 +132,6 @@ impl Shared {
             Some(g) => out.broadcast_mul(&sigmoid(&g.forward(xs)?)?),
         }
     }
-}
-
-fn sigmoid(xs: &Tensor) -> candle_core::Result<Tensor> {
-    (xs.neg()?.exp()? + 1.0)?.recip()
 }
 
 /// The routed experts: one [`Mlp`] per expert (views of `stacked` on a GPU) and how they

@@ -313,6 +313,19 @@ impl RopeTables {
             .broadcast_add(&rotated.broadcast_mul(&sin)?)
     }
 
+    /// Rope on the leading `rot_dim` dims of each head of `xs` [heads, T, head_dim]
+    /// (rotate-half); the rest pass through (transformers `apply_rotary_pos_emb` with a partial
+    /// `rotary_dim`: GLM-4.5, MiniMax-M2, Phi-4-mini, Qwen3.5).
+    pub fn apply_half_partial(&self, xs: &Tensor, rot_dim: usize) -> candle_core::Result<Tensor> {
+        let head_dim = xs.dim(D::Minus1)?;
+        if rot_dim == head_dim {
+            return self.apply_half(xs);
+        }
+        let rot = self.apply_half(&xs.narrow(D::Minus1, 0, rot_dim)?.contiguous()?)?;
+        let pass = xs.narrow(D::Minus1, rot_dim, head_dim - rot_dim)?;
+        Tensor::cat(&[&rot, &pass], D::Minus1)
+    }
+
     /// Rotates `xs`: [heads, seq, dim] whose pairs are interleaved `(x0, x1), (x2, x3), ...`
     /// (DeepSeek's complex-number rope). transformers de-interleaves and rotates halves; the
     /// result is returned in the de-interleaved order, exactly as transformers does
@@ -348,6 +361,11 @@ pub fn causal_mask(
     Tensor::from_vec(m, (seq, seq), device)
         .and_then(|t| t.to_dtype(dtype))
         .ctx(|| "causal mask".to_string())
+}
+
+/// `1 / (1 + e^-x)` elementwise, in the tensor's dtype.
+pub fn sigmoid(xs: &Tensor) -> candle_core::Result<Tensor> {
+    (xs.neg()?.exp()? + 1.0)?.recip()
 }
 
 /// Softmax over the last axis, computed in f32.

@@ -27,7 +27,7 @@ use crate::config::{DeltaNet, ModelConfig};
 use crate::error::{CandleContext, Error, Result};
 use crate::model::gemma::offset_norm;
 use crate::model::moe::{Ffn, MoeBlock, QWEN_NAMES, get_f32, residual_step};
-use crate::model::nn::{Linear, RmsNorm, RopeTables, attention, causal_mask};
+use crate::model::nn::{Linear, RmsNorm, RopeTables, attention, causal_mask, sigmoid};
 use crate::model::source::Vb;
 use crate::model::{ComputePath, Decoder, LayerStep};
 use candle_core::{D, DType, Device, Tensor};
@@ -84,25 +84,12 @@ impl GatedAttention {
                 .forward(&self.k.forward(xs)?.reshape((t, nkv, hd))?)?,
         )?;
         let v = heads(self.v.forward(xs)?.reshape((t, nkv, hd))?)?;
-        let (q, k) = (self.rotate(&ctx.rope, &q)?, self.rotate(&ctx.rope, &k)?);
+        let rotate = |x: &Tensor| ctx.rope.apply_half_partial(x, self.rot_dim);
+        let (q, k) = (rotate(&q)?, rotate(&k)?);
         let out = attention(&q, &k, &v, &ctx.mask, 1.0 / (hd as f64).sqrt())?;
         let gated = out.mul(&sigmoid(&gate)?)?;
         self.o.forward(&gated)
     }
-
-    /// Rope on the leading `rot_dim` dims of each head of `xs` [heads, T, head_dim].
-    fn rotate(&self, rope: &RopeTables, xs: &Tensor) -> candle_core::Result<Tensor> {
-        if self.rot_dim == self.head_dim {
-            return rope.apply_half(xs);
-        }
-        let rot = rope.apply_half(&xs.narrow(D::Minus1, 0, self.rot_dim)?.contiguous()?)?;
-        let pass = xs.narrow(D::Minus1, self.rot_dim, self.head_dim - self.rot_dim)?;
-        Tensor::cat(&[&rot, &pass], D::Minus1)
-    }
-}
-
-fn sigmoid(xs: &Tensor) -> candle_core::Result<Tensor> {
-    (xs.neg()?.exp()? + 1.0)?.recip()
 }
 
 fn silu(xs: &Tensor) -> candle_core::Result<Tensor> {

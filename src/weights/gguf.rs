@@ -357,8 +357,9 @@ pub fn validate_tensor_extents(path: &Path, header: &Header, file_len: usize) ->
     Ok(())
 }
 
-/// A metadata integer as u64 (`general.alignment` is u32 in llama.cpp's files).
-fn unsigned(v: &Value) -> Option<u64> {
+/// A metadata integer as u64, whatever its stored width (`general.alignment` is u32 in
+/// llama.cpp's files); `None` for a negative or non-integer value.
+pub fn unsigned(v: &Value) -> Option<u64> {
     match *v {
         Value::U8(x) => Some(x.into()),
         Value::U16(x) => Some(x.into()),

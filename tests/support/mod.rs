@@ -1,5 +1,6 @@
 //! Shared test helpers: run the binary, find fixtures, make scratch directories.
 
+pub mod families;
 pub mod parity;
 pub mod synth;
 
