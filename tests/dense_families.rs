@@ -497,15 +497,28 @@ fn shrunk_real_dense_checkpoints_load_and_match_transformers() {
     }
 }
 
+/// `run`, `diff` and `probe` on every dense family with `extra` arguments on each command
+/// (`tests/gpu.rs` passes `--device cuda`): each command's exit code, findings and probed
+/// layouts, in order.
+pub(crate) fn run_diff_and_probe_on_every_family(
+    extra: &[&str],
+) -> Vec<(String, i32, Vec<String>)> {
+    let dir = scratch(&format!("dense-cli{}", extra.join("")));
+    FAMILIES
+        .iter()
+        .flat_map(|(name, hf)| run_diff_and_probe(&dir, name, hf, engine_of(name), extra))
+        .collect()
+}
+
 /// `run`, `diff` and `probe` through the binary on every family's tiny checkpoint, with the
 /// tiny EAGLE-3 draft of fixtures/models/qwen3-draft (hidden 64, vocab 256, ids [0, 1, 2]).
 #[test]
 fn run_diff_and_probe_work_on_every_dense_family() {
-    let dir = scratch("dense-cli");
+    run_diff_and_probe_on_every_family(&[]);
+    let dir = scratch("dense-cli-sglang");
     let draft = fixture("models/qwen3-draft");
-    for (name, hf) in FAMILIES {
+    for (name, _) in FAMILIES {
         let engine = engine_of(name);
-        run_diff_and_probe(&dir, name, hf, engine, &[]);
         if engine != "sglang" {
             // The current sglang on Gemma-3: its fused layer feeds no residual stream.
             let target = fixture(&format!("models/{name}"));

@@ -416,3 +416,15 @@ fn gpu_cli_on_every_moe_family_gives_the_cpu_verdicts() {
     ]);
     assert_eq!(gpu, cpu);
 }
+
+/// The same on every dense family's tiny checkpoint (Phi-3, Gemma-3, the Qwen-VL text towers):
+/// the GPU's exit codes, findings and probed layouts equal the CPU's.
+#[test]
+fn gpu_cli_on_every_dense_family_gives_the_cpu_verdicts() {
+    gpu();
+    let cpu = crate::dense_families::run_diff_and_probe_on_every_family(&["--device", "cpu"]);
+    let gpu = crate::dense_families::run_diff_and_probe_on_every_family(&[
+        "--device", "cuda", "--dtype", "f32",
+    ]);
+    assert_eq!(gpu, cpu);
+}
