@@ -175,6 +175,7 @@ fn bench_on(
             captures: &[captures.to_path_buf()],
             feed: None,
             arch: None,
+            batching: Default::default(),
         },
         &mut reference,
     )

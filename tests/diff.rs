@@ -35,6 +35,7 @@ fn run_entry(entry: &serde_json::Value) -> (Report, DiffStats) {
             captures: &captures,
             feed: None,
             arch: None,
+            batching: Default::default(),
         },
         &mut reference,
     )
@@ -359,6 +360,7 @@ fn reference_dump_is_a_second_source_of_the_same_boundaries() {
             captures: &captures,
             feed: None,
             arch: None,
+            batching: Default::default(),
         },
         &mut reference,
     )
@@ -377,6 +379,7 @@ fn reference_dump_is_a_second_source_of_the_same_boundaries() {
             captures: &captures,
             feed: Some(&feed),
             arch: Some("llama"),
+            batching: Default::default(),
         },
         &mut reference,
     )
@@ -682,6 +685,7 @@ fn a_batched_file_reports_its_worst_sample_per_slot() {
                 captures: &[capture],
                 feed: None,
                 arch: None,
+                batching: Default::default(),
             },
             &mut reference,
         )
@@ -747,4 +751,115 @@ fn diff_refuses_a_layer_mismatch_or_missing_captures_before_reading_a_weight() {
     ]);
     diff(five, &p(&missing)).assert_could_not_check(&["no-such-captures"]);
     diff(five, clean).assert_could_not_check(&["model.safetensors"]);
+}
+
+/// `entry`'s captures against its target opened as `opts` say, batched or one forward per
+/// sample (`per_sample`), with a pass budget of `budget` bytes.
+fn run_entry_with(
+    entry: &serde_json::Value,
+    stream: bool,
+    per_sample: bool,
+    budget: Option<u64>,
+) -> (Report, DiffStats, RunnerReference) {
+    let arch = entry["arch"].as_str().unwrap();
+    let target = fixture(&format!("models/{arch}"));
+    let opts = eagle_check::model::TargetOptions {
+        stream_layers: stream,
+        ..eagle_check::model::TargetOptions::new(DType::F32, &Device::Cpu)
+    };
+    let mut reference = RunnerReference::open(&target, &opts).unwrap();
+    let spec = Spec::load(&root().join(entry["spec"].as_str().unwrap())).unwrap();
+    let captures = vec![root().join(entry["path"].as_str().unwrap())];
+    let (report, stats) = diff(
+        &DiffInput {
+            spec: &spec,
+            captures: &captures,
+            feed: None,
+            arch: None,
+            batching: eagle_check::diff::Batching { per_sample, budget },
+        },
+        &mut reference,
+    )
+    .unwrap();
+    (report, stats, reference)
+}
+
+/// What a diff found, as JSON: every finding (name, slot, message, count, file, sample) and
+/// every file's slot table, values to the last bit.
+fn verdicts(report: &Report) -> (serde_json::Value, serde_json::Value) {
+    (
+        serde_json::to_value(&report.findings).unwrap(),
+        serde_json::to_value(&report.captures).unwrap(),
+    )
+}
+
+/// Issue 30: `diff` over many samples runs the target once over all of them, layer by layer,
+/// scoring each state as it is made, and finds exactly what one forward per sample finds, on
+/// every corpus entry (every fault class, every capture format). Streamed, the report says
+/// each layer was read once and the bytes read are the checkpoint's, once; a pass budget
+/// smaller than the samples splits them into passes that each read it once.
+#[test]
+fn batched_diff_reads_each_layer_once_and_finds_what_the_per_sample_diff_finds() {
+    let mut passes = 0;
+    for entry in manifest() {
+        let label = format!("{} {} {}", entry["arch"], entry["case"], entry["format"]);
+        let (alone, alone_stats, _) = run_entry_with(&entry, false, true, None);
+        let (batched, stats, _) = run_entry_with(&entry, false, false, None);
+        assert_eq!(verdicts(&batched), verdicts(&alone), "{label}");
+        assert_eq!(alone_stats.passes, 0, "{label}");
+        assert_eq!(stats.samples, alone_stats.samples, "{label}");
+        assert_eq!(
+            stats.rerun, 0,
+            "{label}: a sample sent back to a forward of its own"
+        );
+        passes += stats.passes;
+
+        let (streamed, _, reference) = run_entry_with(&entry, true, false, None);
+        assert_eq!(verdicts(&streamed), verdicts(&alone), "{label} streamed");
+        let l = reference.target.cfg.num_layers;
+        let cost = reference.target.model.stream_stats().unwrap();
+        assert_eq!(
+            (cost.forwards, cost.layers_loaded),
+            (1, l),
+            "{label}: {cost:?}"
+        );
+        let line = streamed
+            .subject
+            .iter()
+            .find(|(k, _)| k == "streaming")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        assert!(
+            line.starts_with(&format!("{l} layers loaded over 1 forward(s)")),
+            "{label}: {line}"
+        );
+        // Every layer's bytes once, plus the embedding rows and the final norm: no more than
+        // the checkpoint holds.
+        let dir = fixture(&format!("models/{}", entry["arch"].as_str().unwrap()));
+        let weights: u64 = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+            .filter(|e| !e.path().ends_with("reference.safetensors"))
+            .map(|e| e.metadata().unwrap().len())
+            .sum();
+        assert!(
+            cost.bytes_read <= weights,
+            "{label}: read {} of {weights} bytes",
+            cost.bytes_read
+        );
+
+        // One byte of budget: every file is a pass of its own, each reading the layers once.
+        let (split, stats, reference) = run_entry_with(&entry, true, false, Some(1));
+        assert_eq!(
+            verdicts(&split),
+            verdicts(&alone),
+            "{label} one pass per file"
+        );
+        let files = stats.files;
+        let cost = reference.target.model.stream_stats().unwrap();
+        assert_eq!(stats.passes, files, "{label}");
+        assert_eq!(cost.layers_loaded, files * l, "{label}");
+    }
+    assert!(passes > 10, "{passes} batched passes over the corpus");
 }

@@ -156,9 +156,23 @@ fn check_streaming(what: &str, cfg: &ModelConfig, open: &dyn Fn() -> Box<dyn Wei
                 &resident.embeddings().rows(few).unwrap(),
                 &streamed.embeddings().rows(few).unwrap(),
             );
+            // Many samples in one pass: each sample's tensors those of its own forward, every
+            // layer read once for all of them.
+            let sets = sample_sets(&ids);
+            let sets: Vec<&[u32]> = sets.iter().map(Vec::as_slice).collect();
+            let many = collect_many(streamed.as_ref(), &sets);
+            let alone = collect_many(resident.as_ref(), &sets);
+            for (k, set) in sets.iter().enumerate() {
+                let mut single = resident
+                    .forward(set, &everything(), &mut Progress::hidden())
+                    .unwrap();
+                single.extras.retain(|k, _| k.starts_with("mlp_out."));
+                assert_same_capture(&format!("{label} sample {k} of many"), &single, &many[k]);
+                assert_same_capture(&format!("{label} resident sample {k}"), &single, &alone[k]);
+            }
             let stats = streamed.stream_stats().unwrap();
-            assert_eq!(stats.forwards, 2, "{label}");
-            assert_eq!(stats.layers_loaded, 2 * cfg.num_layers, "{label}");
+            assert_eq!(stats.forwards, 3, "{label}");
+            assert_eq!(stats.layers_loaded, 3 * cfg.num_layers, "{label}");
             let most = if prefetch { 2 } else { 1 };
             assert!(
                 stats.max_resident_layers >= 1 && stats.max_resident_layers <= most,
@@ -168,6 +182,40 @@ fn check_streaming(what: &str, cfg: &ModelConfig, open: &dyn Fn() -> Box<dyn Wei
             assert!(stats.bytes_read > 0, "{label}");
         }
     }
+}
+
+/// Three token sets of different lengths out of `ids`.
+fn sample_sets(ids: &[u32]) -> Vec<Vec<u32>> {
+    let n = ids.len();
+    vec![
+        ids.to_vec(),
+        ids[..n.div_ceil(2)].to_vec(),
+        ids.iter().rev().copied().collect(),
+    ]
+}
+
+/// `forward_many` over `sets`, gathered back into one capture per sample (the extras keep the
+/// `mlp_out.{i}` names of a single forward; routing extras are a single forward's only).
+fn collect_many(target: &dyn eagle_check::model::Target, sets: &[&[u32]]) -> Vec<Capture> {
+    use eagle_check::model::Produced;
+    let mut caps: Vec<Capture> = (0..sets.len()).map(|_| Capture::default()).collect();
+    target
+        .forward_many(sets, &everything(), &mut |s, what, t| {
+            let c = &mut caps[s];
+            match what {
+                Produced::Boundary(b) => {
+                    c.hidden.insert(b, t.clone());
+                }
+                Produced::LayerOutput(i) => {
+                    c.extras.insert(format!("mlp_out.{i}"), t.clone());
+                }
+                Produced::FinalPreNorm => c.final_pre_norm = Some(t.clone()),
+                Produced::Logits => c.logits = Some(t.clone()),
+            }
+            Ok(())
+        })
+        .unwrap();
+    caps
 }
 
 fn safetensors(dir: &Path) -> Box<dyn Fn() -> Box<dyn WeightSource>> {

@@ -155,6 +155,7 @@ fn compare(opts: &DiffOptions, setup: &Setup, source: &mut dyn ReferenceSource) 
             captures: &opts.captures,
             feed: feed.as_ref(),
             arch: setup.arch.as_deref(),
+            batching: Default::default(),
         },
         &mut counted,
     )?;

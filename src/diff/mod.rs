@@ -5,6 +5,7 @@
 pub mod dump_ref;
 pub mod identify;
 pub mod names;
+pub mod online;
 pub mod reference;
 pub mod sglang_ref;
 
@@ -18,9 +19,11 @@ use crate::score::View;
 use crate::spec::Spec;
 use crate::tolerance::CaptureTolerance;
 use identify::{SlotId, State, identify_slot, identify_slots, no_residual_deltas};
+use online::OnlineSample;
 use reference::ReferenceSource;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// What `diff` reads besides the reference.
@@ -31,6 +34,20 @@ pub struct DiffInput<'a> {
     pub feed: Option<&'a Feed>,
     /// The target's `model_type`, for the feed's fix.
     pub arch: Option<&'a str>,
+    pub batching: Batching,
+}
+
+/// How a reference that runs the target goes over the samples.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Batching {
+    /// One forward per sample, every reference state of it held at once (the path a dump
+    /// takes): to compare the batched path with, and for sequences it sends back.
+    pub per_sample: bool,
+    /// The bytes the samples of one pass through the model may hold (their captures and what
+    /// their identification keeps); `None`: half the memory available on the reference's
+    /// device when the diff starts. Samples past it wait for the next pass, which reads the
+    /// model again.
+    pub budget: Option<u64>,
 }
 
 /// Where the time went, for the benchmark.
@@ -45,6 +62,10 @@ pub struct DiffStats {
     pub scoring_seconds: f64,
     /// The smallest margin between a matched boundary and its neighbours, over every slot.
     pub min_neighbour_margin: Option<f64>,
+    /// Passes of the target over many samples at once (each reads the model once).
+    pub passes: usize,
+    /// Samples the batched identification could not decide exactly, run again alone.
+    pub rerun: usize,
 }
 
 /// Findings of one kind collapse into one, with a count of the samples they stand for.
@@ -65,7 +86,7 @@ impl Collector {
 
 /// The slots of a sample's capture: (views over one f32 buffer, slot width).
 struct Slots {
-    data: Vec<f32>,
+    data: Arc<Vec<f32>>,
     rows: usize,
     stride: usize,
     width: usize,
@@ -75,7 +96,7 @@ struct Slots {
 impl Slots {
     fn view(&self, i: usize) -> View<'_> {
         View {
-            data: &self.data,
+            data: self.data.as_slice(),
             rows: self.rows,
             stride: self.stride,
             col: i * self.width,
@@ -115,7 +136,7 @@ fn slots_of(sample: &Sample, hidden: usize, k_spec: usize) -> std::result::Resul
             ));
         };
         return Ok(Slots {
-            data: aux.to_f32_vec(),
+            data: Arc::new(aux.to_f32_vec()),
             rows,
             stride: w,
             width,
@@ -137,7 +158,7 @@ fn slots_of(sample: &Sample, hidden: usize, k_spec: usize) -> std::result::Resul
             ));
         };
         return Ok(Slots {
-            data: layers.to_f32_vec(),
+            data: Arc::new(layers.to_f32_vec()),
             rows: *rows,
             stride: n * h,
             width: *h,
@@ -161,11 +182,22 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     report.fact("spec_b", format_list(&spec.boundaries));
     check_spec_layers(spec, l)?;
 
-    let mut stats = DiffStats::default();
-    let mut collector = Collector::default();
-    // Per slot: how often each boundary was found, for the three-way table.
-    let mut training: BTreeMap<usize, BTreeMap<usize, usize>> = BTreeMap::new();
+    let mut judge = Judge {
+        spec,
+        hidden,
+        l,
+        stats: DiffStats::default(),
+        collector: Collector::default(),
+        training: BTreeMap::new(),
+        captures: Vec::new(),
+    };
     let mut junction_labels: Vec<String> = Vec::new();
+    let batched = reference.runs_many() && !input.batching.per_sample;
+    let budget = input.batching.budget.unwrap_or_else(|| {
+        crate::memory::Budget::resolve(None, &reference.device())
+            .map_or(DEFAULT_PASS_BYTES, |b| b.bytes / 2)
+    });
+    let mut pending = Pass::default();
 
     for path in input.captures {
         let files = list_captures(path)?;
@@ -174,14 +206,14 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
         let (sglang, files): (Vec<PathBuf>, Vec<PathBuf>) = files
             .into_iter()
             .partition(|f| crate::readers::sglang::is_sglang_dump(f));
-        let mut units: Vec<(String, Vec<Sample>)> = Vec::new();
+        let mut units: Vec<Unit> = Vec::new();
         if !sglang.is_empty() {
             let start = Instant::now();
             let junctions = sglang_ref::junction_samples(&sglang)?;
-            stats.read_seconds += start.elapsed().as_secs_f64();
-            stats.files += sglang.len();
+            judge.stats.read_seconds += start.elapsed().as_secs_f64();
+            judge.stats.files += sglang.len();
             if junctions.is_empty() {
-                stats.skipped += sglang.len();
+                judge.stats.skipped += sglang.len();
             }
             for j in junctions {
                 junction_labels.push(j.label.clone());
@@ -191,70 +223,51 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
         for file in files {
             let start = Instant::now();
             let samples = read_capture_path(&file)?;
-            stats.read_seconds += start.elapsed().as_secs_f64();
-            stats.files += 1;
+            judge.stats.read_seconds += start.elapsed().as_secs_f64();
+            judge.stats.files += 1;
             units.push((file.display().to_string(), samples));
         }
-        for (label, samples) in units {
-            let mut worst: BTreeMap<usize, (SlotId, Option<FindingName>)> = BTreeMap::new();
-            let mut format = String::new();
-            for sample in &samples {
-                // Files beside the data that hold no hidden states (SpecForge's
-                // vocab_mapping.pt with d2t/t2d, say) are skipped, not judged.
-                if sample.aux.is_none() && sample.layers.is_none() {
-                    stats.skipped += 1;
-                    continue;
-                }
-                format = sample.format.name().to_string();
-                stats.samples += 1;
-                let ids = identify_sample(
-                    sample,
-                    reference,
-                    spec,
-                    hidden,
-                    l,
-                    &mut stats,
-                    &mut collector,
-                )?;
-                for (id, status) in ids {
-                    if let Some(found) = id.found {
-                        *training
-                            .entry(id.slot)
-                            .or_default()
-                            .entry(found.boundary)
-                            .or_default() += 1;
-                    }
-                    let keep = worst
-                        .get(&id.slot)
-                        .is_none_or(|(w, _)| id.score.cosine < w.score.cosine);
-                    if keep {
-                        worst.insert(id.slot, (id, status));
-                    }
-                }
-            }
-            if worst.is_empty() {
+        for unit in units {
+            if !batched {
+                let results = judge.per_sample(&unit.1, reference)?;
+                judge.record(unit, results);
                 continue;
             }
-            report.captures.push(CaptureReport {
-                file: label,
-                format,
-                samples: samples.len(),
-                slots: worst
-                    .into_values()
-                    .map(|(id, status)| CaptureSlot {
-                        slot: id.slot,
-                        expected_boundary: spec.boundaries.get(id.slot).map(|b| b.index()),
-                        found_boundary: id.found.map(|c| c.boundary),
-                        state: id.best.state.describe(),
-                        cosine: id.score.cosine,
-                        rel_err: id.score.rel_err,
-                        norm_ratio: id.score.norm_ratio,
-                        margin: id.margin,
-                        status: status.map_or("ok".to_string(), |n| n.as_str().to_string()),
-                    })
-                    .collect(),
-            });
+            pending.bytes += unit_bytes(&unit.1, hidden, l);
+            pending.units.push(unit);
+            if pending.bytes > budget {
+                judge.pass(std::mem::take(&mut pending), reference)?;
+            }
         }
+    }
+    if !pending.units.is_empty() {
+        judge.pass(pending, reference)?;
+    }
+    let Judge {
+        stats,
+        collector,
+        training,
+        captures,
+        ..
+    } = judge;
+    report.captures.extend(captures);
+    if stats.passes > 0 {
+        report.fact(
+            "passes",
+            format!(
+                "{} pass(es) of the target over the samples, each reading its layers once{}",
+                stats.passes,
+                if stats.rerun > 0 {
+                    format!(
+                        "; {} sample(s) run again alone, the batched identification could not \
+                         decide them exactly",
+                        stats.rerun
+                    )
+                } else {
+                    String::new()
+                }
+            ),
+        );
     }
     if stats.samples == 0 {
         return Err(Error::Capture {
@@ -346,45 +359,372 @@ pub fn check_captures(paths: &[PathBuf]) -> Result<()> {
     paths.iter().try_for_each(|p| list_captures(p).map(drop))
 }
 
-/// Identifies every slot of one sample and adds its findings. Returns each slot's
-/// identification with the finding (if any) that names it.
-fn identify_sample(
-    sample: &Sample,
-    reference: &mut dyn ReferenceSource,
-    spec: &Spec,
+/// The samples of one file (or sglang junction), with the label the report gives it.
+type Unit = (String, Vec<Sample>);
+
+/// A slot's identification with the finding (if any) that names it.
+type Judged = (SlotId, Option<FindingName>);
+
+/// One pass's worth of samples waiting for the target, and the bytes they hold.
+#[derive(Default)]
+struct Pass {
+    units: Vec<Unit>,
+    bytes: u64,
+}
+
+/// When the memory available cannot be read: a pass's samples may hold this much.
+const DEFAULT_PASS_BYTES: u64 = 4 << 30;
+
+/// What a unit's samples hold while they wait for their pass, and what their identification
+/// keeps (every captured slot widened to f32, the best candidates' states, the ring of states
+/// made last, each state's edge rows), as the target's f32 rows of `hidden` features.
+fn unit_bytes(samples: &[Sample], hidden: usize, l: usize) -> u64 {
+    samples
+        .iter()
+        .map(|s| {
+            let size = |t: &Option<HostTensor>| {
+                t.as_ref()
+                    .map_or(0, |t| t.dims().iter().product::<usize>() as u64)
+            };
+            let captured = size(&s.aux) + size(&s.layers) + size(&s.final_hidden);
+            let rows = s.token_ids.as_ref().map_or(0, Vec::len) as u64;
+            let (h, l) = (hidden as u64, l as u64);
+            let slots = if h > 0 {
+                captured / (rows * h).max(1)
+            } else {
+                0
+            };
+            let kept = (slots + 1 + online::RING as u64 + 1) * rows * h;
+            let edges = 2 * online::EDGE as u64 * h * (2 * l + 2);
+            // Stored and widened, then what the identification keeps.
+            4 * (2 * captured + kept + edges)
+        })
+        .sum()
+}
+
+/// The diff's running state: every sample judged against the spec, what each slot held, the
+/// findings collected.
+struct Judge<'a> {
+    spec: &'a Spec,
     hidden: usize,
     l: usize,
-    stats: &mut DiffStats,
-    collector: &mut Collector,
-) -> Result<Vec<(SlotId, Option<FindingName>)>> {
-    let label = sample_label(sample);
-    let at = |f: Finding| f.with_file(label.clone()).with_sample(sample.index);
-    let Some((slots, tokens)) = sample_slots(sample, spec, hidden, |f| collector.add(at(f)))?
-    else {
-        return Ok(Vec::new());
-    };
-    let found = identify(sample, &slots, tokens, reference, spec, hidden, l, stats)?;
-    let mut pending = slot_findings(&found.ids, spec, l, hidden, stats);
-    let shifted = pending.iter().any(|f| f.name == FindingName::TokenShift);
-    pending.extend(layout_findings(&found.ids, spec));
-    if let Some(t) = &found.target {
-        // Both sides of the final norm must be in the reference to tell them apart (a vLLM
-        // all-layer dump has only the pre-norm one).
-        let refs = &found.refs;
-        let sides_known =
-            refs.boundaries.get(l).is_some_and(Option::is_some) && refs.final_pre_norm.is_some();
-        pending.extend(check_target(t, l, sides_known, shifted));
+    stats: DiffStats,
+    collector: Collector,
+    /// Per slot: how often each boundary was found, for the three-way table.
+    training: BTreeMap<usize, BTreeMap<usize, usize>>,
+    captures: Vec<CaptureReport>,
+}
+
+/// A sample ready for its pass: its slots, its tokens, its identification as it goes.
+struct Prepared {
+    slots: Slots,
+    online: OnlineSample,
+    aux: usize,
+    /// The group of the training target the file carries (SpecForge, Model-Optimizer).
+    target: Option<usize>,
+}
+
+impl Judge<'_> {
+    /// Each sample of a unit against the reference states of its own forward.
+    fn per_sample(
+        &mut self,
+        samples: &[Sample],
+        reference: &mut dyn ReferenceSource,
+    ) -> Result<Vec<Option<Vec<Judged>>>> {
+        samples
+            .iter()
+            .map(|sample| {
+                if !has_states(sample) {
+                    return Ok(None);
+                }
+                let Some((slots, tokens)) = self.slots(sample)? else {
+                    return Ok(Some(Vec::new()));
+                };
+                let found = identify(
+                    sample,
+                    &slots,
+                    tokens,
+                    reference,
+                    self.spec,
+                    self.hidden,
+                    self.l,
+                    &mut self.stats,
+                )?;
+                Ok(Some(self.judge(sample, found)))
+            })
+            .collect()
     }
-    for f in pending {
-        collector.add(at(f));
+
+    /// One pass of the target over every sample of `pass`, each identified as its states are
+    /// made; a sample the batched identification cannot decide exactly runs again alone.
+    fn pass(&mut self, pass: Pass, reference: &mut dyn ReferenceSource) -> Result<()> {
+        let device = reference.device();
+        let mut prepared: Vec<Vec<Option<Prepared>>> = Vec::with_capacity(pass.units.len());
+        for (_, samples) in &pass.units {
+            let mut unit = Vec::with_capacity(samples.len());
+            for sample in samples {
+                let ready = if has_states(sample) {
+                    self.prepare(sample, reference, &device)?
+                } else {
+                    None
+                };
+                unit.push(ready);
+            }
+            prepared.push(unit);
+        }
+        let tokens: Vec<&[i64]> = pass
+            .units
+            .iter()
+            .zip(&prepared)
+            .flat_map(|((_, samples), ready)| {
+                samples
+                    .iter()
+                    .zip(ready)
+                    .filter(|(_, r)| r.is_some())
+                    .filter_map(|(s, _)| s.token_ids.as_deref())
+            })
+            .collect();
+        let mut online: Vec<&mut OnlineSample> = prepared
+            .iter_mut()
+            .flatten()
+            .flatten()
+            .map(|p| &mut p.online)
+            .collect();
+        let start = Instant::now();
+        let mut scoring = 0.0;
+        if !tokens.is_empty() {
+            reference.run_many(&tokens, &mut |s, what, t| {
+                let at = Instant::now();
+                let taken = online[s].take(what, t);
+                scoring += at.elapsed().as_secs_f64();
+                taken
+            })?;
+            self.stats.passes += 1;
+        }
+        self.stats.reference_seconds += start.elapsed().as_secs_f64() - scoring;
+        self.stats.scoring_seconds += scoring;
+        for (unit, ready) in pass.units.into_iter().zip(prepared) {
+            let mut results = Vec::with_capacity(unit.1.len());
+            for (sample, ready) in unit.1.iter().zip(ready) {
+                results.push(if !has_states(sample) {
+                    None
+                } else if let Some(ready) = ready {
+                    Some(self.finish(sample, ready, reference)?)
+                } else {
+                    Some(Vec::new())
+                });
+            }
+            self.record(unit, results);
+        }
+        Ok(())
     }
-    let expected = |slot: usize| spec.boundaries.get(slot).copied();
-    let statuses: Vec<Option<FindingName>> = found
-        .ids
-        .iter()
-        .map(|id| slot_status(id, expected(id.slot), spec.final_norm, l))
-        .collect();
-    Ok(found.ids.into_iter().zip(statuses).collect())
+
+    /// A sample's slots and its identification, set up before its pass; `None` (after a
+    /// finding says why) when its slots do not fit the spec and the hidden size.
+    fn prepare(
+        &mut self,
+        sample: &Sample,
+        reference: &dyn ReferenceSource,
+        device: &candle_core::Device,
+    ) -> Result<Option<Prepared>> {
+        let Some((slots, tokens)) = self.slots(sample)? else {
+            return Ok(None);
+        };
+        reference.check_tokens(tokens).map_err(|e| Error::Capture {
+            path: sample.file.clone(),
+            message: format!("sample {}: {e}", sample.index),
+        })?;
+        let mut online = OnlineSample::new(
+            self.l,
+            self.hidden,
+            tokens.len(),
+            capture_tolerance(sample),
+            device,
+        );
+        let aux = online.group(
+            slots.data.clone(),
+            slots.rows,
+            slots.stride,
+            slots.width,
+            slots.count,
+        )?;
+        let target = match (sample.format, final_hidden_rows(sample, self.hidden)) {
+            (Format::SpecForge | Format::ModelOpt, Some(rows)) => {
+                let data = sample
+                    .final_hidden
+                    .as_ref()
+                    .map(HostTensor::to_f32_vec)
+                    .unwrap_or_default();
+                Some(online.group(Arc::new(data), rows, self.hidden, self.hidden, 1)?)
+            }
+            _ => None,
+        };
+        Ok(Some(Prepared {
+            slots,
+            online,
+            aux,
+            target,
+        }))
+    }
+
+    /// The findings of a sample whose pass is done: its batched identification, else (when
+    /// that could not decide exactly) a forward of its own.
+    fn finish(
+        &mut self,
+        sample: &Sample,
+        ready: Prepared,
+        reference: &mut dyn ReferenceSource,
+    ) -> Result<Vec<Judged>> {
+        let start = Instant::now();
+        let aux = ready.online.finish(ready.aux, 0)?;
+        let target = ready
+            .target
+            .map(|g| ready.online.finish(g, ready.slots.count))
+            .transpose()?;
+        self.stats.scoring_seconds += start.elapsed().as_secs_f64();
+        let found = match (aux, target) {
+            (Some(mut ids), target @ (None | Some(Some(_)))) => {
+                let final_id = target.flatten().and_then(|mut v| v.pop());
+                let vllm_last = vllm_target(sample, self.spec, self.l, &mut ids);
+                Identified {
+                    target: training_target(sample, vllm_last, final_id),
+                    ids,
+                    sides_known: true,
+                }
+            }
+            _ => {
+                self.stats.rerun += 1;
+                let tokens = sample.token_ids.as_deref().unwrap_or_default();
+                identify(
+                    sample,
+                    &ready.slots,
+                    tokens,
+                    reference,
+                    self.spec,
+                    self.hidden,
+                    self.l,
+                    &mut self.stats,
+                )?
+            }
+        };
+        Ok(self.judge(sample, found))
+    }
+
+    /// A sample's slots and token ids (shape findings collected).
+    fn slots<'s>(&mut self, sample: &'s Sample) -> Result<Option<(Slots, &'s [i64])>> {
+        let label = sample_label(sample);
+        let index = sample.index;
+        let collector = &mut self.collector;
+        sample_slots(sample, self.spec, self.hidden, |f| {
+            collector.add(f.with_file(label.clone()).with_sample(index))
+        })
+    }
+
+    /// Every slot's identification with the finding (if any) that names it, and the sample's
+    /// findings collected.
+    fn judge(&mut self, sample: &Sample, found: Identified) -> Vec<Judged> {
+        let (spec, l, hidden) = (self.spec, self.l, self.hidden);
+        let label = sample_label(sample);
+        let at = |f: Finding| f.with_file(label.clone()).with_sample(sample.index);
+        let mut pending = slot_findings(&found.ids, spec, l, hidden, &mut self.stats);
+        let shifted = pending.iter().any(|f| f.name == FindingName::TokenShift);
+        pending.extend(layout_findings(&found.ids, spec));
+        if let Some(t) = &found.target {
+            // Both sides of the final norm must be in the reference to tell them apart (a vLLM
+            // all-layer dump has only the pre-norm one).
+            pending.extend(check_target(t, l, found.sides_known, shifted));
+        }
+        for f in pending {
+            self.collector.add(at(f));
+        }
+        let expected = |slot: usize| spec.boundaries.get(slot).copied();
+        let statuses: Vec<Option<FindingName>> = found
+            .ids
+            .iter()
+            .map(|id| slot_status(id, expected(id.slot), spec.final_norm, l))
+            .collect();
+        found.ids.into_iter().zip(statuses).collect()
+    }
+
+    /// A unit's slot table (the worst sample per slot) and the boundaries its slots held.
+    /// `results`: per sample, `None` for an entry without hidden states.
+    fn record(&mut self, (label, samples): Unit, results: Vec<Option<Vec<Judged>>>) {
+        let spec = self.spec;
+        let mut worst: BTreeMap<usize, Judged> = BTreeMap::new();
+        let mut format = String::new();
+        for (sample, ids) in samples.iter().zip(results) {
+            // Files beside the data that hold no hidden states (SpecForge's vocab_mapping.pt
+            // with d2t/t2d, say) are skipped, not judged.
+            let Some(ids) = ids else {
+                self.stats.skipped += 1;
+                continue;
+            };
+            format = sample.format.name().to_string();
+            self.stats.samples += 1;
+            for (id, status) in ids {
+                if let Some(found) = id.found {
+                    *self
+                        .training
+                        .entry(id.slot)
+                        .or_default()
+                        .entry(found.boundary)
+                        .or_default() += 1;
+                }
+                let keep = worst
+                    .get(&id.slot)
+                    .is_none_or(|(w, _)| id.score.cosine < w.score.cosine);
+                if keep {
+                    worst.insert(id.slot, (id, status));
+                }
+            }
+        }
+        if worst.is_empty() {
+            return;
+        }
+        self.captures.push(CaptureReport {
+            file: label,
+            format,
+            samples: samples.len(),
+            slots: worst
+                .into_values()
+                .map(|(id, status)| CaptureSlot {
+                    slot: id.slot,
+                    expected_boundary: spec.boundaries.get(id.slot).map(|b| b.index()),
+                    found_boundary: id.found.map(|c| c.boundary),
+                    state: id.best.state.describe(),
+                    cosine: id.score.cosine,
+                    rel_err: id.score.rel_err,
+                    norm_ratio: id.score.norm_ratio,
+                    margin: id.margin,
+                    status: status.map_or("ok".to_string(), |n| n.as_str().to_string()),
+                })
+                .collect(),
+        });
+    }
+}
+
+/// Whether an entry holds hidden states (SpecForge's vocab_mapping.pt, beside the data, does
+/// not).
+fn has_states(sample: &Sample) -> bool {
+    sample.aux.is_some() || sample.layers.is_some()
+}
+
+/// The tolerance of the sample's capture dtype.
+fn capture_tolerance(sample: &Sample) -> CaptureTolerance {
+    let dtype = sample
+        .aux
+        .as_ref()
+        .or(sample.layers.as_ref())
+        .map(|t| t.dtype);
+    CaptureTolerance::for_dtype(dtype.unwrap_or(crate::readers::DType::F32))
+}
+
+/// The rows of the training target the sample carries, when it is `[S, H]` (or `[1, S, H]`).
+fn final_hidden_rows(sample: &Sample, hidden: usize) -> Option<usize> {
+    match sample.final_hidden.as_ref()?.dims() {
+        [s, h] | [1, s, h] if *h == hidden => Some(*s),
+        _ => None,
+    }
 }
 
 /// A sample's slots and token ids, checked against each other: `None` (after `shape_finding`
@@ -425,15 +765,18 @@ fn sample_slots<'s>(
     Ok(Some((slots, tokens)))
 }
 
-/// What one sample's slots were found to be, with the reference states they were scored on.
+/// What one sample's slots were found to be.
 struct Identified {
     ids: Vec<SlotId>,
     /// The training target the sample carries (its own tensor, or vLLM's last slot).
     target: Option<TrainingTarget>,
-    refs: reference::RefStates,
+    /// The reference held both sides of the final norm (a vLLM all-layer dump has only the
+    /// pre-norm one): only then can the training target's side be judged.
+    sides_known: bool,
 }
 
-/// The reference states for the sample's tokens, and every slot scored against them.
+/// The reference states for the sample's tokens (a forward of its own, or a dump's), and
+/// every slot scored against them.
 #[allow(clippy::too_many_arguments)]
 fn identify(
     sample: &Sample,
@@ -445,12 +788,7 @@ fn identify(
     l: usize,
     stats: &mut DiffStats,
 ) -> Result<Identified> {
-    let dtype = sample
-        .aux
-        .as_ref()
-        .or(sample.layers.as_ref())
-        .map(|t| t.dtype);
-    let tol = CaptureTolerance::for_dtype(dtype.unwrap_or(crate::readers::DType::F32));
+    let tol = capture_tolerance(sample);
     let start = Instant::now();
     let refs = reference.states(tokens).map_err(|e| Error::Capture {
         path: sample.file.clone(),
@@ -462,23 +800,49 @@ fn identify(
     let device = reference.device();
     let views: Vec<View> = (0..slots.count).map(|i| slots.view(i)).collect();
     let mut ids: Vec<SlotId> = identify_slots(&views, &refs, &deltas, &tol, &device);
-    // vLLM extract_hidden_states files end with the state after the last layer when the ids
-    // asked for L (speculators appends it by default, Model-Optimizer's vLLM dump always): the
-    // training target, not an fc input. One slot more than the spec, holding b = L, is that.
-    let vllm_target = if sample.format == Format::Vllm
-        && ids.len() == spec.boundaries.len() + 1
-        && ids
-            .last()
-            .and_then(|id| id.found)
-            .is_some_and(|c| c.boundary == l)
-    {
+    let vllm_last = vllm_target(sample, spec, l, &mut ids);
+    let final_id = match (sample.format, final_hidden_rows(sample, hidden)) {
+        (Format::SpecForge | Format::ModelOpt, Some(rows)) => {
+            let data = sample
+                .final_hidden
+                .as_ref()
+                .map(HostTensor::to_f32_vec)
+                .unwrap_or_default();
+            Some(identify_slot(
+                slots.count,
+                View::full(&data, rows, hidden),
+                &refs,
+                &deltas,
+                &tol,
+            ))
+        }
+        _ => None,
+    };
+    let target = training_target(sample, vllm_last, final_id);
+    stats.scoring_seconds += start.elapsed().as_secs_f64();
+    let sides_known =
+        refs.boundaries.get(l).is_some_and(Option::is_some) && refs.final_pre_norm.is_some();
+    Ok(Identified {
+        ids,
+        target,
+        sides_known,
+    })
+}
+
+/// vLLM extract_hidden_states files end with the state after the last layer when the ids
+/// asked for L (speculators appends it by default, Model-Optimizer's vLLM dump always): the
+/// training target, not an fc input. One slot more than the spec, holding b = L, is that: it
+/// leaves `ids` and is returned.
+fn vllm_target(sample: &Sample, spec: &Spec, l: usize, ids: &mut Vec<SlotId>) -> Option<SlotId> {
+    let last_is_l = ids
+        .last()
+        .and_then(|id| id.found)
+        .is_some_and(|c| c.boundary == l);
+    if sample.format == Format::Vllm && ids.len() == spec.boundaries.len() + 1 && last_is_l {
         ids.pop()
     } else {
         None
-    };
-    let target = training_target(sample, slots, vllm_target, &refs, &deltas, &tol, hidden);
-    stats.scoring_seconds += start.elapsed().as_secs_f64();
-    Ok(Identified { ids, target, refs })
+    }
 }
 
 /// `f`, naming `slot` when it is one slot's.
@@ -692,32 +1056,14 @@ struct TrainingTarget {
     modelopt_unflagged: bool,
 }
 
-/// Finds and identifies the training target a file carries: SpecForge's `hidden_state`,
-/// Model-Optimizer's `hidden_states`, or vLLM's trailing final-state slot.
+/// The training target a file carries, identified (`final_id`: its own tensor, SpecForge's
+/// `hidden_state` or Model-Optimizer's `hidden_states`; `vllm_last`: vLLM's trailing
+/// final-state slot).
 fn training_target(
     sample: &Sample,
-    slots: &Slots,
     vllm_last: Option<SlotId>,
-    refs: &reference::RefStates,
-    deltas: &[Option<Vec<f32>>],
-    tol: &CaptureTolerance,
-    hidden: usize,
+    final_id: Option<SlotId>,
 ) -> Option<TrainingTarget> {
-    let identify = |t: &HostTensor| -> Option<SlotId> {
-        let dims = t.dims();
-        let rows = match dims {
-            [s, h] | [1, s, h] if *h == hidden => *s,
-            _ => return None,
-        };
-        let data = t.to_f32_vec();
-        Some(identify_slot(
-            slots.count,
-            View::full(&data, rows, hidden),
-            refs,
-            deltas,
-            tol,
-        ))
-    };
     match sample.format {
         Format::Vllm => vllm_last.map(|id| TrainingTarget {
             id,
@@ -727,7 +1073,7 @@ fn training_target(
                   (speculators/models/eagle3/core.py), so it must be the pre-norm state vLLM captures",
             modelopt_unflagged: false,
         }),
-        Format::SpecForge => sample.final_hidden.as_ref().and_then(identify).map(|id| TrainingTarget {
+        Format::SpecForge => final_id.map(|id| TrainingTarget {
             id,
             name: "hidden_state",
             want: FinalNorm::Post,
@@ -740,7 +1086,7 @@ fn training_target(
                 sample.meta("hidden_states_prenorm"),
                 Some(crate::readers::Value::Bool(true))
             );
-            sample.final_hidden.as_ref().and_then(identify).map(|id| TrainingTarget {
+            final_id.map(|id| TrainingTarget {
                 id,
                 name: "hidden_states",
                 want: if prenorm { FinalNorm::Pre } else { FinalNorm::Post },

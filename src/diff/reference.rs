@@ -3,7 +3,7 @@
 
 use super::names::NameMap;
 use crate::error::{CandleContext, Error, Result};
-use crate::model::{Capture, CaptureRequest, LoadedTarget, Progress, TargetOptions};
+use crate::model::{Capture, CaptureRequest, LoadedTarget, Progress, Sink, TargetOptions};
 use crate::report::Report;
 use candle_core::{DType, Tensor};
 use std::path::{Path, PathBuf};
@@ -47,6 +47,27 @@ pub trait ReferenceSource {
     /// Facts about the resources the source used (the runner's memory), once every sample
     /// was compared.
     fn report_resources(&self, _report: &mut Report) {}
+
+    /// Refuses tokens the source cannot compute states for (ids outside the target's
+    /// vocabulary), before any pass.
+    fn check_tokens(&self, _tokens: &[i64]) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether [`ReferenceSource::run_many`] runs: the runner does, a dump does not.
+    fn runs_many(&self) -> bool {
+        false
+    }
+
+    /// The reference states of many token sequences at once, each handed to `sink` as the
+    /// target makes it (every boundary, the pre-norm state, each layer's output), the target's
+    /// layers run once for all of them. Only where [`ReferenceSource::runs_many`].
+    fn run_many(&mut self, _tokens: &[&[i64]], _sink: &mut Sink) -> Result<()> {
+        Err(Error::Usage(format!(
+            "{} computes no reference states of its own",
+            self.describe()
+        )))
+    }
 }
 
 /// The target model, run here on each sample's tokens.
@@ -101,29 +122,33 @@ impl ReferenceSource for RunnerReference {
         crate::model::report::report_target(report, &self.target);
     }
 
-    fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {
-        let cfg = &self.target.cfg;
+    fn runs_many(&self) -> bool {
+        true
+    }
+
+    fn check_tokens(&self, tokens: &[i64]) -> Result<()> {
+        self.ids(tokens).map(|_| ())
+    }
+
+    fn run_many(&mut self, tokens: &[&[i64]], sink: &mut Sink) -> Result<()> {
         let ids = tokens
             .iter()
-            .map(|&t| {
-                u32::try_from(t)
-                    .ok()
-                    .filter(|&t| (t as usize) < cfg.vocab_size)
-            })
-            .collect::<Option<Vec<u32>>>()
-            .ok_or_else(|| Error::Tokens {
-                origin: self.path.display().to_string(),
-                message: format!(
-                    "token ids outside the target's vocabulary (vocab_size {})",
-                    cfg.vocab_size
-                ),
-            })?;
-        let want = CaptureRequest {
-            boundaries: None,
-            final_pre_norm: true,
-            logits: false,
-            layer_outputs: true,
-        };
+            .map(|t| self.ids(t))
+            .collect::<Result<Vec<_>>>()?;
+        let ids: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+        let start = std::time::Instant::now();
+        let done = self
+            .target
+            .model
+            .forward_many(&ids, &reference_request(), sink);
+        self.forward_seconds += start.elapsed().as_secs_f64();
+        done
+    }
+
+    fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {
+        let cfg = &self.target.cfg;
+        let ids = self.ids(tokens)?;
+        let want = reference_request();
         let start = std::time::Instant::now();
         let capture: Capture = self
             .target
@@ -153,6 +178,39 @@ impl ReferenceSource for RunnerReference {
             final_pre_norm: capture.final_pre_norm.as_ref().map(to_vec).transpose()?,
             no_residual,
         })
+    }
+}
+
+/// What the runner captures as a reference: every boundary, the pre-norm state and each
+/// layer's output; no logits.
+fn reference_request() -> CaptureRequest {
+    CaptureRequest {
+        boundaries: None,
+        final_pre_norm: true,
+        logits: false,
+        layer_outputs: true,
+    }
+}
+
+impl RunnerReference {
+    /// `tokens` as the target's ids, refused when one lies outside its vocabulary.
+    fn ids(&self, tokens: &[i64]) -> Result<Vec<u32>> {
+        let cfg = &self.target.cfg;
+        tokens
+            .iter()
+            .map(|&t| {
+                u32::try_from(t)
+                    .ok()
+                    .filter(|&t| (t as usize) < cfg.vocab_size)
+            })
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| Error::Tokens {
+                origin: self.path.display().to_string(),
+                message: format!(
+                    "token ids outside the target's vocabulary (vocab_size {})",
+                    cfg.vocab_size
+                ),
+            })
     }
 }
 
@@ -216,6 +274,22 @@ impl ReferenceSource for Counted<'_> {
 
     fn report_resources(&self, report: &mut Report) {
         self.inner.report_resources(report);
+    }
+
+    fn runs_many(&self) -> bool {
+        self.inner.runs_many()
+    }
+
+    fn check_tokens(&self, tokens: &[i64]) -> Result<()> {
+        self.inner.check_tokens(tokens)
+    }
+
+    fn run_many(&mut self, tokens: &[&[i64]], sink: &mut Sink) -> Result<()> {
+        let done = self.inner.run_many(tokens, sink);
+        self.count += tokens.len() as u64;
+        self.bar
+            .set_message(format!("{}: {}", self.label, self.count));
+        done
     }
 
     fn states(&mut self, tokens: &[i64]) -> Result<RefStates> {

@@ -103,6 +103,54 @@ impl ComputePath {
     }
 }
 
+/// What a forward over many samples ([`Target::forward_many`]) hands its consumer, one sample's
+/// tensor at a time, in the order the forward makes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Produced {
+    /// Boundary b, HF semantics (b = L after the final norm): `[T, H]`.
+    Boundary(usize),
+    /// What decoder layer i's feed-forward added to the residual stream (`mlp_out.{i}` of a
+    /// single forward): `[T, H]`.
+    LayerOutput(usize),
+    /// The state after the last layer, before the final norm: `[T, H]`.
+    FinalPreNorm,
+    /// `[T, V]`.
+    Logits,
+}
+
+/// The consumer of a forward over many samples: `(sample, what, tensor)`, in the compute dtype
+/// on the target's device. The tensor is the forward's own: keep a clone only as long as needed.
+pub type Sink<'a> = dyn FnMut(usize, Produced, &Tensor) -> Result<()> + 'a;
+
+/// Hands a single forward's capture of sample `s` to `sink` in the order a layer-major forward
+/// would make its tensors: b = 0, then per layer its output and the boundary after it, then the
+/// pre-norm state, the logits and b = L.
+fn emit_capture(s: usize, mut cap: Capture, num_layers: usize, sink: &mut Sink) -> Result<()> {
+    if let Some(t) = cap.hidden.remove(&0).filter(|_| num_layers > 0) {
+        sink(s, Produced::Boundary(0), &t)?;
+    }
+    for i in 0..num_layers {
+        if let Some(t) = cap.extras.remove(&format!("mlp_out.{i}")) {
+            sink(s, Produced::LayerOutput(i), &t)?;
+        }
+        if i + 1 < num_layers
+            && let Some(t) = cap.hidden.remove(&(i + 1))
+        {
+            sink(s, Produced::Boundary(i + 1), &t)?;
+        }
+    }
+    if let Some(t) = cap.final_pre_norm.take() {
+        sink(s, Produced::FinalPreNorm, &t)?;
+    }
+    if let Some(t) = cap.logits.take() {
+        sink(s, Produced::Logits, &t)?;
+    }
+    if let Some(t) = cap.hidden.remove(&num_layers) {
+        sink(s, Produced::Boundary(num_layers), &t)?;
+    }
+    Ok(())
+}
+
 /// Token embeddings by row: a resident `[V, H]` table, or rows read from the checkpoint on
 /// demand (a streamed target, whose table never sits in memory whole).
 pub trait EmbedRows {
@@ -130,6 +178,24 @@ pub trait Target {
         want: &CaptureRequest,
         progress: &mut Progress,
     ) -> Result<Capture>;
+    /// The forwards of many token sequences, each tensor handed to `sink` as it is made and
+    /// dropped once the next layer has consumed it (never every boundary of every sample at
+    /// once). Each sample's tensors are those its own [`Target::forward`] computes, bit for
+    /// bit. By default one forward per sample; decoders run it layer by layer over every
+    /// sample ([`ManyRun`]), so a streamed target reads each layer once for all of them.
+    fn forward_many(
+        &self,
+        samples: &[&[u32]],
+        want: &CaptureRequest,
+        sink: &mut Sink,
+    ) -> Result<()> {
+        let n = self.config().num_layers;
+        for (s, ids) in samples.iter().enumerate() {
+            let cap = self.forward(ids, want, &mut Progress::hidden())?;
+            emit_capture(s, cap, n, sink)?;
+        }
+        Ok(())
+    }
     /// What streaming the layers cost so far; `None` for a resident target.
     fn stream_stats(&self) -> Option<StreamStats> {
         None
@@ -244,6 +310,34 @@ impl<D: Decoder> Target for Resident<D> {
         })?;
         phases::mark("final norm + lm_head", dev);
         Ok(capture)
+    }
+
+    fn forward_many(
+        &self,
+        samples: &[&[u32]],
+        want: &CaptureRequest,
+        sink: &mut Sink,
+    ) -> Result<()> {
+        let dev = self.embed.device();
+        let mut run = ManyRun::new(
+            &self.dec,
+            samples,
+            want,
+            sink,
+            |ids| self.embed.rows(ids),
+            dev,
+        )?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            run.layer(i, layer)?;
+        }
+        run.finish(&self.norm, |normed| {
+            let logits = self
+                .lm_head
+                .t()
+                .and_then(|w| normed.iter().map(|x| x.matmul(&w)).collect())
+                .ctx(|| "lm_head".to_string())?;
+            Ok(logits)
+        })
     }
 }
 
@@ -553,6 +647,96 @@ impl<'a> DecoderRun<'a> {
     pub(crate) fn finish(self) -> (Capture, Tensor) {
         self.progress.finish();
         (self.capture, self.xs)
+    }
+}
+
+/// The body of every decoder's [`Target::forward_many`]: every sample's residual stream and
+/// context held at once, each layer run over all of them before the next is needed, each state
+/// handed to the sink as it is made. Memory: `samples x T x H` activations, not a boundary more.
+pub(crate) struct ManyRun<'a, 's, D: Decoder> {
+    dec: &'a D,
+    /// Per sample, `[T, H]`: the input of the next layer.
+    xs: Vec<Tensor>,
+    ctxs: Vec<D::Ctx>,
+    want: &'a CaptureRequest,
+    sink: &'a mut Sink<'s>,
+}
+
+impl<'a, 's, D: Decoder> ManyRun<'a, 's, D> {
+    /// Embeds every sample (`rows`: the embedding rows of some ids) and hands over b = 0.
+    pub(crate) fn new(
+        dec: &'a D,
+        samples: &[&[u32]],
+        want: &'a CaptureRequest,
+        sink: &'a mut Sink<'s>,
+        rows: impl Fn(&[u32]) -> Result<Tensor>,
+        device: &Device,
+    ) -> Result<ManyRun<'a, 's, D>> {
+        let mut xs = Vec::with_capacity(samples.len());
+        let mut ctxs = Vec::with_capacity(samples.len());
+        for (s, ids) in samples.iter().enumerate() {
+            let x = dec.embed(rows(ids)?)?;
+            if want.wants(0) && dec.config().num_layers > 0 {
+                sink(s, Produced::Boundary(0), &x)?;
+            }
+            xs.push(x);
+            ctxs.push(dec.context(ids.len(), device)?);
+        }
+        Ok(ManyRun {
+            dec,
+            xs,
+            ctxs,
+            want,
+            sink,
+        })
+    }
+
+    /// Layer `i` over every sample; its output and the boundary after it handed over.
+    pub(crate) fn layer(&mut self, i: usize, layer: &D::Layer) -> Result<()> {
+        let n = self.dec.config().num_layers;
+        for (s, (xs, ctx)) in self.xs.iter_mut().zip(&self.ctxs).enumerate() {
+            let out = self.dec.step(layer, i, xs, ctx)?;
+            if self.want.layer_outputs {
+                (self.sink)(s, Produced::LayerOutput(i), &out.ffn_out)?;
+            }
+            *xs = out.next;
+            if i + 1 < n && self.want.wants(i + 1) {
+                (self.sink)(s, Produced::Boundary(i + 1), xs)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The final norm over every sample: the pre-norm state, the logits (`head`: every
+    /// sample's normed `[T, H]` to its `[T, V]`) and b = L, as asked.
+    pub(crate) fn finish(
+        self,
+        norm: &nn::RmsNorm,
+        head: impl FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
+    ) -> Result<()> {
+        let n = self.dec.config().num_layers;
+        let normed = self
+            .xs
+            .iter()
+            .map(|x| norm.forward(x).ctx(|| "final norm".to_string()))
+            .collect::<Result<Vec<_>>>()?;
+        if self.want.final_pre_norm {
+            for (s, x) in self.xs.iter().enumerate() {
+                (self.sink)(s, Produced::FinalPreNorm, x)?;
+            }
+        }
+        if self.want.logits {
+            let logits = head(&normed)?;
+            for (s, lg) in logits.iter().enumerate() {
+                (self.sink)(s, Produced::Logits, &self.dec.logits(lg.clone())?)?;
+            }
+        }
+        if self.want.wants(n) {
+            for (s, x) in normed.iter().enumerate() {
+                (self.sink)(s, Produced::Boundary(n), x)?;
+            }
+        }
+        Ok(())
     }
 }
 

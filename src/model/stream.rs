@@ -17,8 +17,8 @@ use crate::memory::Budget;
 use crate::model::nn::RmsNorm;
 use crate::model::source::{Vb, WeightSource};
 use crate::model::{
-    Capture, CaptureRequest, Decoder, DecoderRun, EmbedRows, Progress, Target, finish_capture,
-    llama, refuse_unread,
+    Capture, CaptureRequest, Decoder, DecoderRun, EmbedRows, ManyRun, Progress, Sink, Target,
+    finish_capture, llama, refuse_unread,
 };
 use crate::naming;
 use crate::size::format_bytes;
@@ -449,8 +449,9 @@ impl<D: Decoder> Streamed<D> {
         })
     }
 
-    /// `normed` [T, H] -> logits [T, V], the head read `head_chunk` rows at a time.
-    fn head(&self, normed: &Tensor) -> Result<Tensor> {
+    /// Each of `normed` ([T, H]) -> its logits [T, V], the head read `head_chunk` rows at a
+    /// time, once for all of them.
+    fn head(&self, normed: &[Tensor]) -> Result<Vec<Tensor>> {
         let cfg = self.dec.config();
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let vb = self.vb();
@@ -468,7 +469,7 @@ impl<D: Decoder> Streamed<D> {
             let start = start - start % self.head_align;
             (start, rows.max(end - start), end)
         };
-        let mut parts = Vec::with_capacity(v.div_ceil(rows));
+        let mut parts: Vec<Vec<Tensor>> = vec![Vec::with_capacity(v.div_ceil(rows)); normed.len()];
         pipelined(
             v.div_ceil(rows),
             self.prefetch,
@@ -478,16 +479,31 @@ impl<D: Decoder> Streamed<D> {
             },
             |c, w| {
                 let (start, _, end) = span(c);
-                let part = w
-                    .t()
-                    .and_then(|w| normed.matmul(&w))
-                    .and_then(|p| p.narrow(1, c * rows - start, end - c * rows))
-                    .ctx(|| "lm_head".to_string())?;
-                parts.push(part);
+                let w = w.t().ctx(|| "lm_head".to_string())?;
+                for (x, parts) in normed.iter().zip(parts.iter_mut()) {
+                    let part = x
+                        .matmul(&w)
+                        .and_then(|p| p.narrow(1, c * rows - start, end - c * rows))
+                        .ctx(|| "lm_head".to_string())?;
+                    parts.push(part);
+                }
                 Ok(())
             },
         )?;
-        Tensor::cat(&parts, 1).ctx(|| "lm_head".to_string())
+        parts
+            .iter()
+            .map(|p| Tensor::cat(p, 1).ctx(|| "lm_head".to_string()))
+            .collect()
+    }
+
+    /// Adds one pass over the layers to the statistics.
+    fn count_pass(&self, start: Instant, read_before: u64, waited: f64) {
+        if let Ok(mut s) = self.stats.lock() {
+            s.forwards += 1;
+            s.wait_seconds += waited;
+            s.bytes_read += self.src.bytes_read() - read_before;
+            s.forward_seconds += start.elapsed().as_secs_f64();
+        }
     }
 }
 
@@ -535,15 +551,45 @@ impl<D: Decoder> Target for Streamed<D> {
         )?;
         let (mut capture, xs) = run.finish();
         finish_capture(&mut capture, xs, &self.norm, want, n, |normed| {
-            self.dec.logits(self.head(normed)?)
+            let logits = self.head(std::slice::from_ref(normed))?.remove(0);
+            self.dec.logits(logits)
         })?;
-        if let Ok(mut s) = self.stats.lock() {
-            s.forwards += 1;
-            s.wait_seconds += waited;
-            s.bytes_read += self.src.bytes_read() - read_before;
-            s.forward_seconds += start.elapsed().as_secs_f64();
-        }
+        self.count_pass(start, read_before, waited);
         Ok(capture)
+    }
+
+    /// Every sample through layer i before layer i + 1 is read: each layer is read once for
+    /// all of them (the head too), and `layers loaded` grows by L, not L per sample.
+    fn forward_many(
+        &self,
+        samples: &[&[u32]],
+        want: &CaptureRequest,
+        sink: &mut Sink,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let read_before = self.src.bytes_read();
+        let n = self.dec.config().num_layers;
+        let mut run = ManyRun::new(
+            &self.dec,
+            samples,
+            want,
+            sink,
+            |ids| self.rows(ids),
+            &self.device,
+        )?;
+        let waited = pipelined(
+            n,
+            self.prefetch,
+            |i| self.load_layer(i),
+            |i, layer| {
+                run.layer(i, &layer.layer)?;
+                crate::memory::note_device_use(&self.device);
+                Ok(())
+            },
+        )?;
+        run.finish(&self.norm, |normed| self.head(normed))?;
+        self.count_pass(start, read_before, waited);
+        Ok(())
     }
 
     fn stream_stats(&self) -> Option<StreamStats> {
