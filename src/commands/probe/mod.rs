@@ -27,7 +27,7 @@ use crate::judge::{self, Dims, StaticInput, acceptance};
 use crate::locate;
 use crate::model::draft::{Chain, Eagle3Draft, open_draft};
 use crate::model::{
-    Capture, CaptureRequest, LoadedTarget, Progress, TargetOptions, open_target_with,
+    Capture, CaptureRequest, Produced, LoadedTarget, Progress, TargetOptions, open_target_with,
 };
 use crate::report::{ProbeRow, Report};
 use crate::spec::Spec;
@@ -288,12 +288,46 @@ fn cross_entropy(logits: &Tensor, p: &Tensor) -> Result<Vec<f64>> {
         .collect())
 }
 
-/// Runs the target on a token set and keeps what every draft pass needs.
-fn capture_set(target: &LoadedTarget, vocab_targets: &Tensor, set: &TokenSet) -> Result<SetData> {
-    let capture: Capture =
-        target
-            .model
-            .forward(&set.tokens, &CaptureRequest::all(), &mut Progress::hidden())?;
+/// Runs the target over every token set at once (layer by layer: a streamed target reads
+/// each layer once for all of them) and keeps what every draft pass needs.
+fn capture_sets(
+    target: &LoadedTarget,
+    vocab_targets: &Tensor,
+    sets: &[TokenSet],
+) -> Result<Vec<SetData>> {
+    let ids: Vec<&[u32]> = sets.iter().map(|s| s.tokens.as_slice()).collect();
+    let mut captures: Vec<Capture> = (0..sets.len()).map(|_| Capture::default()).collect();
+    let mut progress = Progress::new("target forward");
+    let l = target.cfg.num_layers;
+    let want = CaptureRequest::all();
+    target.model.forward_many(&ids, &want, &mut |s, what, t| {
+        let c = &mut captures[s];
+        match what {
+            Produced::Boundary(b) => {
+                c.hidden.insert(b, t.clone());
+                progress.tick(b, l);
+            }
+            Produced::FinalPreNorm => c.final_pre_norm = Some(t.clone()),
+            Produced::Logits => c.logits = Some(t.clone()),
+            Produced::LayerOutput(_) => {}
+        }
+        Ok(())
+    })?;
+    progress.finish();
+    captures
+        .into_iter()
+        .zip(sets)
+        .map(|(capture, set)| set_data(target, vocab_targets, set, capture))
+        .collect()
+}
+
+/// What every draft pass needs of one token set's capture.
+fn set_data(
+    target: &LoadedTarget,
+    vocab_targets: &Tensor,
+    set: &TokenSet,
+    capture: Capture,
+) -> Result<SetData> {
     let l = target.cfg.num_layers;
     let missing = || Error::Capture {
         path: target.cfg.path.clone(),
@@ -496,13 +530,7 @@ fn load(
         .collect();
     let vocab_targets = Tensor::new(vocab_targets.as_slice(), &input.device)
         .ctx(|| "draft vocabulary".to_string())?;
-    let mut progress = Progress::new("target forward");
-    let mut sets = Vec::with_capacity(input.token_sets.len());
-    for (i, set) in input.token_sets.iter().enumerate() {
-        sets.push(capture_set(&target, &vocab_targets, set)?);
-        progress.tick(i + 1, input.token_sets.len());
-    }
-    progress.finish();
+    let sets = capture_sets(&target, &vocab_targets, &input.token_sets)?;
     let rows: Vec<usize> = sets.iter().map(SetData::rows).collect();
     let resampler = Resampler::new(&rows, input.seed);
     if resampler.blocks() < crate::stats::MIN_BLOCKS {
