@@ -386,3 +386,31 @@ fn a_streamed_target_gives_the_same_probe() {
     assert!(resident.as_array().is_some_and(|a| a.len() > 3));
     assert_eq!(resident, streamed);
 }
+
+/// Issue 30: the probe runs the target over every token set at once, so streamed it reads
+/// each layer once for all the prompts (not once per prompt), and its layouts are the
+/// resident probe's.
+#[test]
+fn a_streamed_probe_reads_each_layer_once_for_every_prompt() {
+    let probe = |extra: &[&str]| -> serde_json::Value {
+        let (b, p) = (bundle(), prompts());
+        let mut args = vec!["probe", &b, "--prompts", &p, "--format", "json"];
+        args.extend_from_slice(extra);
+        let out = eagle_check(&args);
+        assert!(out.code < 2, "{}", out.stderr);
+        serde_json::from_str(&out.stdout).unwrap()
+    };
+    let resident = probe(&[]);
+    let streamed = probe(&["--stream-layers"]);
+    assert_eq!(rows(&streamed), rows(&resident));
+    let line = streamed["subject"]["streaming"]
+        .as_str()
+        .unwrap_or_default();
+    let l = ModelConfig::load(&fixture("trained/target"))
+        .unwrap()
+        .num_layers;
+    assert!(
+        line.starts_with(&format!("{l} layers loaded over 1 forward(s)")),
+        "{line}"
+    );
+}

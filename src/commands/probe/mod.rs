@@ -27,7 +27,7 @@ use crate::judge::{self, Dims, StaticInput, acceptance};
 use crate::locate;
 use crate::model::draft::{Chain, Eagle3Draft, open_draft};
 use crate::model::{
-    Capture, CaptureRequest, Produced, LoadedTarget, Progress, TargetOptions, open_target_with,
+    Capture, CaptureRequest, LoadedTarget, Produced, Progress, TargetOptions, open_target_with,
 };
 use crate::report::{ProbeRow, Report};
 use crate::spec::Spec;
