@@ -1321,69 +1321,78 @@ fn set(md: &mut Vec<(String, Value)>, key: &str, v: Value) {
 #[test]
 fn family_gguf_settings_llama_cpp_does_not_carry_are_refused() {
     type Edit = Box<dyn Fn(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>)>;
+    let with =
+        |key: &'static str, v: Value| -> Edit { Box::new(move |md, _| set(md, key, v.clone())) };
+    let without = |key: &'static str| -> Edit {
+        Box::new(move |md, ts| {
+            md.retain(|(k, _)| k != key);
+            ts.retain(|(k, _)| k != key);
+        })
+    };
+    let split_qkv: Edit = Box::new(|_, ts| {
+        let t = ts[0].1.dequantize(&Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, GgmlDType::F32).unwrap();
+        ts.push(("blk.0.attn_q.weight".into(), q));
+    });
     let cases: Vec<(&str, &str, Edit, &str)> = vec![
         (
             "gemma3.gguf",
             "pattern",
-            Box::new(|md, _| set(md, "gemma3.attention.sliding_window_pattern", Value::U32(4))),
+            with("gemma3.attention.sliding_window_pattern", Value::U32(4)),
             "`gemma3.attention.sliding_window_pattern` is U32(4)",
         ),
         (
             "gemma3.gguf",
             "attn-softcap",
-            Box::new(|md, _| set(md, "gemma3.attn_logit_softcapping", Value::F32(50.0))),
+            with("gemma3.attn_logit_softcapping", Value::F32(50.0)),
             "`gemma3.attn_logit_softcapping` is 50",
         ),
         (
             "llama4.gguf",
             "step",
-            Box::new(|md, _| set(md, "llama4.interleave_moe_layer_step", Value::U32(1))),
+            with("llama4.interleave_moe_layer_step", Value::U32(1)),
             "`llama4.interleave_moe_layer_step` is 1, which makes layer 0 MoE, but blk.0 holds no ffn_gate_inp",
         ),
         (
             "llama4.gguf",
             "window",
-            Box::new(|md, _| set(md, "llama4.attention.sliding_window", Value::U32(4096))),
+            with("llama4.attention.sliding_window", Value::U32(4096)),
             "`llama4.attention.sliding_window` is 4096",
         ),
         (
             "llama4.gguf",
             "no-experts",
-            Box::new(|md, _| md.retain(|(k, _)| k != "llama4.expert_count")),
+            without("llama4.expert_count"),
             "`llama4.expert_count` is missing",
         ),
         (
             "phi3.gguf",
             "short-factors",
-            Box::new(|_, ts| ts.retain(|(k, _)| k != "rope_factors_short.weight")),
+            without("rope_factors_short.weight"),
             "`rope_factors_short.weight` is missing",
         ),
         (
             "phi3.gguf",
             "orig-ctx",
-            Box::new(|md, _| md.retain(|(k, _)| k != "phi3.rope.scaling.original_context_length")),
+            without("phi3.rope.scaling.original_context_length"),
             "`phi3.rope.scaling.original_context_length` is missing",
         ),
         (
             "phi3.gguf",
             "yarn",
-            Box::new(|md, _| set(md, "phi3.rope.scaling.type", Value::String("yarn".into()))),
+            with("phi3.rope.scaling.type", Value::String("yarn".into())),
             "`phi3.rope.scaling.type` is `yarn`",
         ),
         (
             "phi3.gguf",
             "odd-rotary",
-            Box::new(|md, _| set(md, "phi3.rope.dimension_count", Value::U32(7))),
+            with("phi3.rope.dimension_count", Value::U32(7)),
             "`phi3.rope.dimension_count` is 7",
         ),
         (
             "phi3.gguf",
             "split-qkv",
-            Box::new(|_, ts| {
-                let t = ts[0].1.dequantize(&Device::Cpu).unwrap();
-                let q = QTensor::quantize(&t, GgmlDType::F32).unwrap();
-                ts.push(("blk.0.attn_q.weight".into(), q));
-            }),
+            split_qkv,
             "`blk.0.attn_q.weight` has no HF counterpart in a phi3 model",
         ),
     ];
