@@ -15,10 +15,11 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use eagle_check::commands::run::greedy_continuation;
 use eagle_check::compare::closeness;
-use eagle_check::config::{ModelConfig, RopeScaling};
+use eagle_check::config::{ModelConfig, Rope, RopeScaling};
 use eagle_check::model::gguf::{GgufSource, open_gguf};
 use eagle_check::model::source::WeightSource;
-use eagle_check::model::{CaptureRequest, Progress, Target, load_target};
+use eagle_check::model::stream::StreamOptions;
+use eagle_check::model::{CaptureRequest, Progress, Target, load_streamed, load_target};
 use eagle_check::tokenize::{Tokenizer, read_token_file};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -250,14 +251,21 @@ pub(crate) fn write_q8_0(name: &str) -> PathBuf {
     path
 }
 
-/// Worst relative error over every boundary, the pre-norm state and the logits.
+/// Worst relative error over every boundary, the pre-norm state and the logits, against
+/// fixture `name`'s transformers reference.
 fn parity(name: &str, cfg: &ModelConfig, src: &GgufSource) -> f64 {
-    let model = load_target(cfg, src, DType::F32, &Device::Cpu).unwrap();
-    let r = candle_core::safetensors::load(
-        fixture(&format!("models/{name}/reference.safetensors")),
-        &Device::Cpu,
+    parity_with(
+        name,
+        &format!("models/{name}/reference.safetensors"),
+        cfg,
+        src,
     )
-    .unwrap();
+}
+
+/// [`parity`] against the reference at `reference` (under fixtures/).
+fn parity_with(name: &str, reference: &str, cfg: &ModelConfig, src: &GgufSource) -> f64 {
+    let model = load_target(cfg, src, DType::F32, &Device::Cpu).unwrap();
+    let r = candle_core::safetensors::load(fixture(reference), &Device::Cpu).unwrap();
     let ids: Vec<u32> = r["input_ids"]
         .to_vec1::<i64>()
         .unwrap()
@@ -1054,4 +1062,399 @@ fn gpt_oss_mxfp4_gguf_matches_transformers() {
         .unwrap()
         .to_string();
     assert!(target.starts_with("gpt_oss"), "{target}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gemma-3, Llama-4 and Phi-3 as llama.cpp's converter writes them
+// (fixtures/gen_gguf_families.py), against the transformers reference of the HF fixture each was
+// converted from.
+
+/// (file stem under fixtures/gguf/, the HF fixture it was converted from).
+pub(crate) const FAMILIES: &[(&str, &str)] = &[
+    ("gemma3", "gemma3_gguf"),
+    ("llama4", "llama4_gguf"),
+    ("phi3", "phi3"),
+];
+
+fn family_file(stem: &str, q8_0: bool) -> PathBuf {
+    fixture(&format!(
+        "gguf/{stem}{}.gguf",
+        if q8_0 { ".q8_0" } else { "" }
+    ))
+}
+
+/// Equal, up to the f32 the GGUF stores numbers in (LongRoPE's factors and attention factor).
+fn assert_same_rope(gguf: &Rope, hf: &Rope) {
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs().max(1.0);
+    assert!(close(gguf.theta, hf.theta), "{gguf:?} vs {hf:?}");
+    match (&gguf.scaling, &hf.scaling) {
+        (
+            RopeScaling::LongRope {
+                short_factor: s1,
+                long_factor: l1,
+                original_max_position_embeddings: o1,
+                attention_factor: a1,
+            },
+            RopeScaling::LongRope {
+                short_factor: s2,
+                long_factor: l2,
+                original_max_position_embeddings: o2,
+                attention_factor: a2,
+            },
+        ) => {
+            let same = |x: &[f64], y: &[f64]| {
+                x.len() == y.len() && x.iter().zip(y).all(|(a, b)| close(*a, *b))
+            };
+            assert!(same(s1, s2) && same(l1, l2), "{gguf:?} vs {hf:?}");
+            assert!(o1 == o2 && close(*a1, *a2), "{gguf:?} vs {hf:?}");
+        }
+        (a, b) => assert_eq!(a, b),
+    }
+}
+
+/// What the GGUF's metadata and llama.cpp's fixed settings resolve to is the checkpoint's config.
+fn assert_family_config(gguf: &ModelConfig, hf: &ModelConfig) {
+    assert_eq!(gguf.arch, hf.arch);
+    assert_eq!(
+        (gguf.hidden_size, gguf.num_layers, gguf.vocab_size),
+        (hf.hidden_size, hf.num_layers, hf.vocab_size)
+    );
+    assert_eq!(
+        (
+            gguf.num_heads,
+            gguf.num_kv_heads,
+            gguf.head_dim,
+            gguf.rotary_dim
+        ),
+        (hf.num_heads, hf.num_kv_heads, hf.head_dim, hf.rotary_dim)
+    );
+    assert_eq!(gguf.intermediate_size, hf.intermediate_size);
+    assert_eq!(
+        (gguf.tie_word_embeddings, gguf.attention_bias, gguf.qk_norm),
+        (hf.tie_word_embeddings, hf.attention_bias, hf.qk_norm)
+    );
+    assert_eq!(
+        (gguf.sliding_window, &gguf.sliding_layers),
+        (hf.sliding_window, &hf.sliding_layers)
+    );
+    assert_eq!(gguf.gemma, hf.gemma);
+    assert_eq!(gguf.llama4, hf.llama4);
+    assert_eq!(gguf.moe, hf.moe);
+    assert_same_rope(&gguf.rope, &hf.rope);
+    assert!((gguf.rms_norm_eps - hf.rms_norm_eps).abs() <= 1e-6 * hf.rms_norm_eps);
+}
+
+/// One family: the f32 file resident and streamed, the Q8_0 file, and `run --dump` through the
+/// binary, each against the HF fixture's transformers reference.
+fn family_matches(stem: &str, hf: &str) -> GgufSource {
+    let hf_cfg = ModelConfig::load(&fixture(&format!("models/{hf}"))).unwrap();
+    let path = family_file(stem, false);
+    let (cfg, src) = open_gguf(&path).unwrap();
+    assert_family_config(&cfg, &hf_cfg);
+    let worst = parity(hf, &cfg, &src);
+    assert!(worst <= F32_TOL, "{stem}: worst rel err {worst:.3e}");
+
+    let streamed = load_streamed(
+        &cfg,
+        Box::new(open_gguf(&path).unwrap().1),
+        DType::F32,
+        &Device::Cpu,
+        StreamOptions::default(),
+    )
+    .unwrap();
+    let r = crate::support::families::reference(hf);
+    let cap = streamed
+        .forward(
+            &ids_of(&r["input_ids"]),
+            &CaptureRequest::all(),
+            &mut Progress::hidden(),
+        )
+        .unwrap();
+    let worst = crate::support::parity::worst_error(&format!("{stem} streamed"), &cfg, &cap, &r);
+    assert!(worst <= F32_TOL, "{stem} streamed: {worst:.3e}");
+    assert_eq!(
+        streamed.stream_stats().unwrap().layers_loaded,
+        cfg.num_layers
+    );
+
+    // The Q8_0 file against transformers run on the weights its blocks decode to (gguf-py's
+    // decoder; fixtures/gen_gguf_families.py): both sides hold the same f32 weights, so this is
+    // f32 parity, F32_TOL. What Q8_0 itself costs, against the f32 reference, is only reported:
+    // a quantised router may pick another expert (Llama-4's top-1), which is the quantised
+    // model's right answer, not a loader's fault.
+    let (q_cfg, q_src) = open_gguf(&family_file(stem, true)).unwrap();
+    assert_family_config(&q_cfg, &hf_cfg);
+    let q_ref = format!("gguf/{stem}.q8_0.reference.safetensors");
+    let worst = parity_with(&format!("{stem}.q8_0"), &q_ref, &q_cfg, &q_src);
+    assert!(worst <= F32_TOL, "{stem} q8_0: worst rel err {worst:.3e}");
+    let cost = parity(hf, &q_cfg, &q_src);
+    eprintln!("{stem} q8_0 against the f32 reference (the quantisation's cost): {cost:.2e}");
+
+    // The binary on the .gguf alone: exit 0, and its dump is transformers' states.
+    let dump = scratch(&format!("gguf-run-{stem}")).join("dump.safetensors");
+    let tokens: Vec<String> = ids_of(&r["input_ids"]).iter().map(u32::to_string).collect();
+    let out = crate::support::eagle_check([
+        "run",
+        "--target",
+        &crate::support::p(&path),
+        "--engine",
+        "sglang",
+        "--tokens",
+        &tokens.join(","),
+        "--dump",
+        &crate::support::p(&dump),
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let target = out.json()["subject"]["target"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(target.starts_with(&hf_cfg.model_type), "{target}");
+    let got = candle_core::safetensors::load(&dump, &Device::Cpu).unwrap();
+    for b in 0..=cfg.num_layers {
+        let key = format!("hidden_states.{b}");
+        let c = closeness(&got[&key], &r[&key]).unwrap();
+        assert!(
+            c.max_rel <= F32_TOL,
+            "{stem} run --dump {key}: {:.2e}",
+            c.max_rel
+        );
+    }
+    src
+}
+
+/// Gemma-3: sandwich norms stored as `1 + w` (taken off on load), every 6th layer full with the
+/// sliding layers on base 1e4, 1/sqrt(head_dim), final softcap, tied head.
+#[test]
+fn gemma3_gguf_matches_transformers() {
+    let src = family_matches("gemma3", "gemma3_gguf");
+    assert_eq!(
+        src.gguf_name("model.layers.0.pre_feedforward_layernorm.weight"),
+        Some("blk.0.ffn_norm.weight")
+    );
+    assert_eq!(
+        src.gguf_name("model.layers.5.post_feedforward_layernorm.weight"),
+        Some("blk.5.post_ffw_norm.weight")
+    );
+    assert!(src.shape("lm_head.weight").is_none());
+}
+
+/// Llama-4: MoE every 2nd layer from `interleave_moe_layer_step` (stacked experts split and
+/// transposed by the converter, the router, the shared expert), NoPE on layer 3 as llama.cpp
+/// fixes it, q/k L2 norm, llama3 rope from `rope_freqs.weight` (low = high = 1), Q/K rows as
+/// they are (no permutation).
+#[test]
+fn llama4_gguf_matches_transformers() {
+    let src = family_matches("llama4", "llama4_gguf");
+    let (cfg, _) = open_gguf(&family_file("llama4", false)).unwrap();
+    let l4 = cfg.llama4.as_ref().unwrap();
+    assert_eq!(l4.rope_layers, vec![true, true, true, false]);
+    let moe = cfg.moe.as_ref().unwrap();
+    assert_eq!(
+        (0..4).map(|l| moe.is_moe_layer(l)).collect::<Vec<_>>(),
+        vec![false, true, false, true]
+    );
+    assert_eq!(
+        src.shape("model.layers.1.feed_forward.experts.down_proj"),
+        Some(vec![4, 32, 32])
+    );
+    assert_eq!(
+        src.gguf_name("model.layers.3.feed_forward.shared_expert.up_proj.weight"),
+        Some("blk.3.ffn_up_shexp.weight")
+    );
+}
+
+/// Phi-3 (Phi-4-mini's shape): fused `attn_qkv` and `ffn_up` (gate | up), 12 of 16 head dims
+/// rotated, LongRoPE from `rope_factors_long` / `rope_factors_short`, tied head.
+#[test]
+fn phi3_gguf_matches_transformers() {
+    let src = family_matches("phi3", "phi3");
+    assert_eq!(
+        src.gguf_name("model.layers.2.mlp.gate_up_proj.weight"),
+        Some("blk.2.ffn_up.weight")
+    );
+    assert_eq!(
+        src.shape("model.layers.0.self_attn.qkv_proj.weight"),
+        Some(vec![128, 64])
+    );
+}
+
+/// A fixture GGUF rewritten with `edit` applied to its metadata and tensors, through candle's
+/// reader and writer (the blocks are copied as they are).
+fn rewritten(
+    file: &str,
+    tag: &str,
+    edit: impl Fn(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>),
+) -> PathBuf {
+    let src = fixture(&format!("gguf/{file}"));
+    let mut f = std::fs::File::open(&src).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let mut md: Vec<(String, Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    md.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let mut ts: Vec<(String, QTensor)> = names
+        .into_iter()
+        .map(|n| (n.clone(), content.tensor(&mut f, n, &Device::Cpu).unwrap()))
+        .collect();
+    edit(&mut md, &mut ts);
+    let path = scratch(&format!("gguf-family-{tag}")).join(file);
+    let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, &QTensor)> = ts.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(&path).unwrap(), &md, &ts).unwrap();
+    path
+}
+
+fn set(md: &mut Vec<(String, Value)>, key: &str, v: Value) {
+    md.retain(|(k, _)| k != key);
+    md.push((key.to_string(), v));
+}
+
+/// What llama.cpp's GGUF of these families cannot say, or says otherwise than the runner would
+/// need, is refused with one line naming the file and the key (or tensor), exit 2 from the CLI.
+#[test]
+fn family_gguf_settings_llama_cpp_does_not_carry_are_refused() {
+    type Edit = Box<dyn Fn(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>)>;
+    let with =
+        |key: &'static str, v: Value| -> Edit { Box::new(move |md, _| set(md, key, v.clone())) };
+    let without = |key: &'static str| -> Edit {
+        Box::new(move |md, ts| {
+            md.retain(|(k, _)| k != key);
+            ts.retain(|(k, _)| k != key);
+        })
+    };
+    let split_qkv: Edit = Box::new(|_, ts| {
+        let t = ts[0].1.dequantize(&Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, GgmlDType::F32).unwrap();
+        ts.push(("blk.0.attn_q.weight".into(), q));
+    });
+    let cases: Vec<(&str, &str, Edit, &str)> = vec![
+        (
+            "gemma3.gguf",
+            "pattern",
+            with("gemma3.attention.sliding_window_pattern", Value::U32(4)),
+            "`gemma3.attention.sliding_window_pattern` is U32(4)",
+        ),
+        (
+            "gemma3.gguf",
+            "attn-softcap",
+            with("gemma3.attn_logit_softcapping", Value::F32(50.0)),
+            "`gemma3.attn_logit_softcapping` is 50",
+        ),
+        (
+            "llama4.gguf",
+            "step",
+            with("llama4.interleave_moe_layer_step", Value::U32(1)),
+            "`llama4.interleave_moe_layer_step` is 1, which makes layer 0 MoE, but blk.0 holds no ffn_gate_inp",
+        ),
+        (
+            "llama4.gguf",
+            "window",
+            with("llama4.attention.sliding_window", Value::U32(4096)),
+            "`llama4.attention.sliding_window` is 4096",
+        ),
+        (
+            "llama4.gguf",
+            "no-experts",
+            without("llama4.expert_count"),
+            "`llama4.expert_count` is missing",
+        ),
+        (
+            "phi3.gguf",
+            "short-factors",
+            without("rope_factors_short.weight"),
+            "`rope_factors_short.weight` is missing",
+        ),
+        (
+            "phi3.gguf",
+            "orig-ctx",
+            without("phi3.rope.scaling.original_context_length"),
+            "`phi3.rope.scaling.original_context_length` is missing",
+        ),
+        (
+            "phi3.gguf",
+            "yarn",
+            with("phi3.rope.scaling.type", Value::String("yarn".into())),
+            "`phi3.rope.scaling.type` is `yarn`",
+        ),
+        (
+            "phi3.gguf",
+            "odd-rotary",
+            with("phi3.rope.dimension_count", Value::U32(7)),
+            "`phi3.rope.dimension_count` is 7",
+        ),
+        (
+            "phi3.gguf",
+            "split-qkv",
+            split_qkv,
+            "`blk.0.attn_q.weight` has no HF counterpart in a phi3 model",
+        ),
+    ];
+    for (file, tag, edit, want) in &cases {
+        let path = rewritten(file, tag, edit);
+        let e = open_err_at(&path);
+        assert!(e.contains(want), "{tag}: {e}");
+        assert!(!e.contains('\n'), "{tag}: {e}");
+    }
+    // Through the binary: exit 2 ("could not check"), the one line on stderr.
+    for (file, tag, _, want) in cases
+        .iter()
+        .filter(|c| ["pattern", "step", "yarn"].contains(&c.1))
+    {
+        let path = root().join(format!("target/test-scratch/gguf-family-{tag}/{file}"));
+        let out = crate::support::eagle_check([
+            "run",
+            "--target",
+            &crate::support::p(&path),
+            "--engine",
+            "sglang",
+            "--tokens",
+            "1,2,3",
+        ]);
+        assert_eq!(out.code, 2, "{tag}: {}\n{}", out.stdout, out.stderr);
+        assert!(out.stderr.contains(want), "{tag}: {}", out.stderr);
+        assert!(
+            out.stderr.contains(&path.display().to_string()),
+            "{}",
+            out.stderr
+        );
+    }
+}
+
+/// llama.cpp's other readings of these keys: Gemma-3 without a window runs every layer full;
+/// Llama-4 with `attention.sliding_window` 0 (MobileLLM) rotates every layer over everything,
+/// without the temperature; Llama-4 with 128 experts (Maverick) has no q/k norm.
+#[test]
+fn family_gguf_keys_resolve_as_llama_cpp_reads_them() {
+    let path = rewritten("gemma3.gguf", "no-window", |md, _| {
+        md.retain(|(k, _)| k != "gemma3.attention.sliding_window")
+    });
+    let (cfg, _) = open_gguf(&path).unwrap();
+    assert_eq!(cfg.sliding_layers, Some(vec![false; 6]));
+
+    let path = rewritten("llama4.gguf", "mobilellm", |md, _| {
+        set(md, "llama4.attention.sliding_window", Value::U32(0))
+    });
+    let (cfg, _) = open_gguf(&path).unwrap();
+    let l4 = cfg.llama4.unwrap();
+    assert_eq!(
+        (
+            l4.rope_layers,
+            l4.chunked_layers,
+            l4.temperature,
+            l4.l2_qk_norm
+        ),
+        (vec![true; 4], vec![false; 4], None, true)
+    );
+
+    let (cfg, _) = open_gguf(&family_file("llama4", false)).unwrap();
+    let l4 = cfg.llama4.unwrap();
+    assert_eq!(l4.chunked_layers, vec![true, true, true, false]);
+    assert_eq!((l4.chunk, l4.temperature), (8192, Some((0.1, 8192.0))));
 }

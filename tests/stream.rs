@@ -316,6 +316,19 @@ fn streamed_q8_0_gguf_reads_one_layer_and_embedding_rows_at_a_time() {
     }
 }
 
+/// Gemma-3, Llama-4 and Phi-3 as llama.cpp writes them, Q8_0 (fixtures/gen_gguf_families.py):
+/// Gemma's `1 + w` norms and its head read from token_embd's rows, Llama-4's stacked experts,
+/// Phi-3's fused rows.
+#[test]
+fn streamed_family_gguf_files_match_their_resident_runs() {
+    for (stem, _) in crate::gguf::FAMILIES {
+        let path = fixture(&format!("gguf/{stem}.q8_0.gguf"));
+        let (cfg, _) = open_gguf(&path).unwrap();
+        let open = move || Box::new(open_gguf(&path).unwrap().1) as Box<dyn WeightSource>;
+        check_streaming(&format!("{stem} q8_0 gguf"), &cfg, &open);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The command line.
 

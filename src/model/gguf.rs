@@ -1,5 +1,5 @@
-//! GGUF targets (llama.cpp files of the `llama`, `qwen2`, `qwen3`, `qwen3moe` and `gpt-oss`
-//! architectures),
+//! GGUF targets (llama.cpp files of the `llama`, `qwen2`, `qwen3`, `qwen3moe`, `gpt-oss`,
+//! `gemma3`, `llama4` and `phi3` architectures),
 //! dequantised to f32 on load, served under HF tensor names, with a [`ModelConfig`] resolved from
 //! the metadata. A `qwen3moe` file keeps each layer's experts stacked (`ffn_gate_exps` [E, I, H],
 //! `ffn_up_exps`, `ffn_down_exps` [E, H, I]) with the router as `ffn_gate_inp`; they are served
@@ -7,9 +7,13 @@
 //! stacked experts with biases (`ffn_*_exps.bias`), its router as `ffn_gate_inp` (weight and
 //! bias, served as `mlp.router.*`), its sinks as `attn_sinks`, and the experts' weights as MXFP4
 //! (ggml type 39, which candle's reader does not know: [`crate::weights::gguf`] parses the
-//! header, [`GgufSource`] decodes the blocks).
+//! header, [`GgufSource`] decodes the blocks). A `llama4` file stacks its experts the same way
+//! (`Llama4Model.modify_tensors` splits `gate_up_proj` and transposes both into output-by-input
+//! rows), served under `feed_forward.experts.*` beside `feed_forward.router` and the shared
+//! expert (`ffn_*_shexp`). A `phi3` file keeps the fused `attn_qkv` (q | k | v) and `ffn_up`
+//! (gate | up) rows as `qkv_proj` / `gate_up_proj`, which the model splits as transformers does.
 //!
-//! Three things differ from an HF checkpoint, and each is undone here, once, at the edge:
+//! Four things differ from an HF checkpoint, and each is undone here, once, at the edge:
 //! - **Names.** `token_embd` -> `model.embed_tokens`, `blk.{i}.attn_q` -> `model.layers.{i}.self_attn.q_proj`,
 //!   ... (the table is [`hf_name`]), following llama.cpp's `gguf-py/gguf/tensor_mapping.py`.
 //! - **Shapes.** GGUF lists dimensions innermost first (`ne[0]` is the row length); candle's
@@ -19,7 +23,17 @@
 //!   "rotate half" layout `[x_0..x_{d/2}, y_0..y_{d/2}]` to llama.cpp's interleaved pairs
 //!   `[x_0, y_0, x_1, y_1, ...]`. We invert it (transformers' `reverse_permute_weights` in
 //!   `integrations/ggml.py` does the same), so the shared rotate-half rope applies unchanged.
-//!   qwen2 / qwen3 files are written unpermuted (their converters skip `LlamaModel.permute`).
+//!   qwen2 / qwen3 / gemma3 / phi3 files are written unpermuted (their converters skip
+//!   `LlamaModel.permute`), and so are llama4's (`Llama4Model.undo_permute = False`: Llama-4
+//!   already rotates interleaved pairs).
+//! - **Gemma's norms.** `Gemma3Model.modify_tensors` stores every `*norm.weight` with 1 added
+//!   (`Gemma3RMSNorm` computes `x * (1 + w)`, llama.cpp's norm `x * w`); we take it off
+//!   ([`Undo::NormPlusOne`]) and [`crate::model::gemma`] adds it back, as for a checkpoint.
+//!
+//! What a family's GGUF does not store, because llama.cpp fixes it, is filled in as llama.cpp
+//! fixes it (Gemma-3's layer pattern and attention scale, Llama-4's NoPE layers, chunks and
+//! temperature: [`gemma3_config`], [`llama4_config`]); a key that would make llama.cpp and the
+//! checkpoint disagree is refused, naming the file and the key.
 //!
 //! The file is untrusted: every size comes from checked arithmetic, every tensor's bytes must lie
 //! inside the file, unknown tensors are refused rather than silently ignored, and the metadata
@@ -50,6 +64,19 @@ const ARCHS: &[(&str, &str)] = &[
     ("qwen3", "qwen3"),
     ("qwen3moe", "qwen3_moe"),
     ("gpt-oss", "gpt_oss"),
+    ("gemma3", "gemma3_text"),
+    ("llama4", "llama4_text"),
+    ("phi3", "phi3"),
+];
+
+/// Tensors that hold rope scaling, read into the config: Llama 3's divisors
+/// (`LlamaModel.generate_extra_tensors`, also Llama-4's), Phi-3's LongRoPE factors
+/// (`Phi3MiniModel.generate_extra_tensors`).
+const ROPE_TENSORS: &[(&str, &str)] = &[
+    ("llama", "rope_freqs.weight"),
+    ("llama4", "rope_freqs.weight"),
+    ("phi3", "rope_factors_long.weight"),
+    ("phi3", "rope_factors_short.weight"),
 ];
 
 /// One GGUF tensor as served under its HF name.
@@ -58,8 +85,19 @@ struct Entry {
     gguf_name: String,
     /// HF order (`[out, in]` for a linear).
     shape: Vec<usize>,
-    /// llama.cpp's Q/K row interleave to undo, over this many heads.
-    unpermute_heads: Option<usize>,
+    /// What the converter did to the tensor, undone on load.
+    undo: Undo,
+}
+
+/// A converter's change to one tensor, undone on load.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Undo {
+    Nothing,
+    /// llama.cpp's Q/K row interleave (`LlamaModel.permute`), over this many heads.
+    QkRows(usize),
+    /// Gemma's `1 + w` norms are stored as `1 + w` (`Gemma3Model.modify_tensors`); the model
+    /// adds the 1 itself ([`crate::model::gemma`]), so 1 is taken off.
+    NormPlusOne,
 }
 
 /// A GGUF file opened for weight loading: the header parsed and validated. Tensors are read
@@ -136,6 +174,18 @@ fn resolve(path: &Path, header: &Header, data: &[u8]) -> Result<Resolved> {
     };
     let raw = config_file(&meta, model_type, content, data)?;
     let cfg = ModelConfig::resolve(&raw, path)?;
+    if let Some(rot) = meta.usize_opt("rope.dimension_count")?
+        && cfg.rotary_dim != rot
+    {
+        return Err(meta_err(
+            path,
+            &meta.key("rope.dimension_count"),
+            &format!(
+                "is {rot}, which does not rotate a whole even part of {}-dim heads",
+                cfg.head_dim
+            ),
+        ));
+    }
     let mut tensors = BTreeMap::new();
     let shapes = content
         .tensor_infos
@@ -148,7 +198,7 @@ fn resolve(path: &Path, header: &Header, data: &[u8]) -> Result<Resolved> {
                 .map(|(name, info)| (name, info.shape.as_slice())),
         );
     for (gguf_name, shape) in shapes {
-        if gguf_name == "rope_freqs.weight" {
+        if ROPE_TENSORS.contains(&(arch.as_str(), gguf_name.as_str())) {
             // Folded into the config's rope scaling above.
             continue;
         }
@@ -161,17 +211,18 @@ fn resolve(path: &Path, header: &Header, data: &[u8]) -> Result<Resolved> {
                 ),
             ));
         };
-        let unpermute_heads = match (arch.as_str(), hf.rsplit('.').nth(1)) {
-            ("llama", Some("q_proj")) => Some(cfg.num_heads),
-            ("llama", Some("k_proj")) => Some(cfg.num_kv_heads),
-            _ => None,
+        let undo = match (arch.as_str(), hf.rsplit('.').nth(1)) {
+            ("llama", Some("q_proj")) => Undo::QkRows(cfg.num_heads),
+            ("llama", Some("k_proj")) => Undo::QkRows(cfg.num_kv_heads),
+            ("gemma3", _) if hf.ends_with("norm.weight") => Undo::NormPlusOne,
+            _ => Undo::Nothing,
         };
         tensors.insert(
             hf,
             Entry {
                 gguf_name: gguf_name.clone(),
                 shape: shape.to_vec(),
-                unpermute_heads,
+                undo,
             },
         );
     }
@@ -179,7 +230,7 @@ fn resolve(path: &Path, header: &Header, data: &[u8]) -> Result<Resolved> {
 }
 
 impl GgufSource {
-    /// `general.architecture` (`llama`, `qwen2`, `qwen3`).
+    /// `general.architecture` (`llama`, `qwen2`, `gemma3`, ...).
     pub fn arch(&self) -> &str {
         &self.arch
     }
@@ -223,9 +274,13 @@ impl WeightSource for GgufSource {
                 .and_then(|q| q.dequantize(&Device::Cpu))
                 .ctx(what)?,
         };
-        let t = match entry.unpermute_heads {
-            Some(heads) => unpermute_rows(&self.path, name, &t, heads)?,
-            None => t,
+        let t = match entry.undo {
+            Undo::QkRows(heads) => unpermute_rows(&self.path, name, &t, heads)?,
+            // Exact in f32: the stored 1 + w lies in [0.5, 2] for any |w| <= 0.5 (Sterbenz), and
+            // the model's own `w + 1` then gives back the stored value bit for bit (for an f32
+            // checkpoint, the f32 `1 + w` that transformers' `Gemma3RMSNorm` multiplies by).
+            Undo::NormPlusOne => (t - 1.0).ctx(what)?,
+            Undo::Nothing => t,
         };
         t.to_device(device).ctx(what)
     }
@@ -284,7 +339,7 @@ impl GgufSource {
         let info = self.content.tensor_infos.get(&entry.gguf_name);
         let dims = info.map_or(&[][..], |i| i.shape.dims());
         let (n_rows, cols, info) = match (dims, info) {
-            ([r, c], Some(info)) if entry.unpermute_heads.is_none() => (*r, *c, info),
+            ([r, c], Some(info)) if entry.undo == Undo::Nothing => (*r, *c, info),
             _ => {
                 let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
                 let ids = Tensor::new(ids.as_slice(), device).ctx(what)?;
@@ -457,6 +512,32 @@ fn hf_name(gguf: &str, arch: &str, num_layers: usize, moe: bool) -> Option<Strin
         return None;
     }
     let hf = match rest {
+        // Gemma-3's sandwich norms (tensor_mapping.py: `pre_feedforward_layernorm` is FFN_NORM,
+        // `post_attention_layernorm` ATTN_POST_NORM, `post_feedforward_layernorm` FFN_POST_NORM).
+        "post_attention_norm.weight" if arch == "gemma3" => "post_attention_layernorm.weight",
+        "ffn_norm.weight" if arch == "gemma3" => "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight" if arch == "gemma3" => "post_feedforward_layernorm.weight",
+        // Phi-3 keeps its fused projections (rows q | k | v, and gate | up); llama.cpp splits them
+        // as `Phi3Attention` and `Phi3MLP` do. Its converter never writes attn_q / attn_k / attn_v.
+        "attn_qkv.weight" if arch == "phi3" => "self_attn.qkv_proj.weight",
+        "ffn_up.weight" if arch == "phi3" => "mlp.gate_up_proj.weight",
+        "attn_q.weight" | "attn_k.weight" | "attn_v.weight" if arch == "phi3" => return None,
+        // Llama-4's feed-forward (`feed_forward.*`): dense, or the router, the stacked experts
+        // (split and transposed by `Llama4Model.modify_tensors`) and the shared expert.
+        "ffn_gate.weight" if arch == "llama4" => "feed_forward.gate_proj.weight",
+        "ffn_up.weight" if arch == "llama4" => "feed_forward.up_proj.weight",
+        "ffn_down.weight" if arch == "llama4" => "feed_forward.down_proj.weight",
+        "ffn_gate_inp.weight" if arch == "llama4" => "feed_forward.router.weight",
+        "ffn_gate_exps.weight" if arch == "llama4" => "feed_forward.experts.gate_proj",
+        "ffn_up_exps.weight" if arch == "llama4" => "feed_forward.experts.up_proj",
+        "ffn_down_exps.weight" if arch == "llama4" => "feed_forward.experts.down_proj",
+        "ffn_gate_shexp.weight" if arch == "llama4" => {
+            "feed_forward.shared_expert.gate_proj.weight"
+        }
+        "ffn_up_shexp.weight" if arch == "llama4" => "feed_forward.shared_expert.up_proj.weight",
+        "ffn_down_shexp.weight" if arch == "llama4" => {
+            "feed_forward.shared_expert.down_proj.weight"
+        }
         "attn_norm.weight" => "input_layernorm.weight",
         "attn_q.weight" => "self_attn.q_proj.weight",
         "attn_k.weight" => "self_attn.k_proj.weight",
@@ -577,11 +658,11 @@ fn config_file(
     let experts = meta.usize_opt("expert_count")?.unwrap_or(0);
     let gpt_oss = model_type == "gpt_oss";
     let moe = model_type == "qwen3_moe";
-    if experts > 0 && !moe && !gpt_oss {
+    if experts > 0 && !moe && !gpt_oss && model_type != "llama4_text" {
         return Err(Error::config(
             path,
             format!(
-                "GGUF metadata `{}` > 0: MoE GGUF targets of `{}` are not supported (qwen3moe and gpt-oss are)",
+                "GGUF metadata `{}` > 0: MoE GGUF targets of `{}` are not supported (qwen3moe, gpt-oss and llama4 are)",
                 meta.key("expert_count"),
                 meta.arch
             ),
@@ -605,8 +686,10 @@ fn config_file(
     }
     let head_dim = key_len.or(value_len);
     let effective_head_dim = head_dim.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
+    // Phi-3 rotates part of each head ([`phi3_config`] reads it).
     if let Some(rot) = meta.usize_opt("rope.dimension_count")?
         && rot != effective_head_dim
+        && model_type != "phi3"
     {
         return Err(Error::config(
             path,
@@ -661,8 +744,14 @@ fn config_file(
     }
 
     let theta = meta.f64_opt("rope.freq_base")?;
-    let mut rope_scaling = rope_scaling_from_meta(meta)?;
-    if content.tensor_infos.contains_key("rope_freqs.weight") {
+    // Phi-3's LongRoPE is factor tensors and no scaling key ([`phi3_config`]).
+    let mut rope_scaling = match model_type {
+        "phi3" => None,
+        _ => rope_scaling_from_meta(meta)?,
+    };
+    if content.tensor_infos.contains_key("rope_freqs.weight")
+        && ROPE_TENSORS.contains(&(meta.arch, "rope_freqs.weight"))
+    {
         if rope_scaling.is_some() {
             return Err(Error::config(
                 path,
@@ -693,8 +782,10 @@ fn config_file(
         hidden_size: Some(hidden),
         num_hidden_layers: Some(blocks),
         num_attention_heads: Some(heads),
-        num_key_value_heads: kv_heads,
-        head_dim,
+        // llama.cpp's defaults: as many KV heads as heads, head_dim = n_embd / n_head (Gemma's
+        // config.json defaults, 4 and 256, do not apply to a GGUF).
+        num_key_value_heads: Some(kv_heads.unwrap_or(heads)),
+        head_dim: Some(effective_head_dim),
         // A qwen3moe file may leave it out (no dense block).
         intermediate_size: if moe {
             meta.usize_opt("feed_forward_length")?
@@ -745,24 +836,322 @@ fn config_file(
         }),
         ..ConfigFile::default()
     };
-    if !gpt_oss {
-        return Ok(base);
+    match model_type {
+        "gpt_oss" => gpt_oss_config(meta, base),
+        "gemma3_text" => gemma3_config(meta, base),
+        "llama4_text" => llama4_config(meta, content, base),
+        "phi3" => phi3_config(meta, content, data, base),
+        _ => Ok(base),
     }
-    // gpt-oss (convert_hf_to_gguf.py `GptOssModel.set_gguf_parameters`): every block holds
-    // experts of `feed_forward_length` (= `expert_feed_forward_length`), the window is
-    // `attention.sliding_window` and llama.cpp alternates it from block 0
-    // (llama-model.cpp `LLM_ARCH_OPENAI_MOE`: `set_swa_pattern(2)`), which is `GptOssConfig`'s
-    // default `layer_types`; q/k/v/o are biased. The clamped SwiGLU's alpha 1.702 and limit 7.0
-    // are not stored (llama.cpp hard-codes both), so the config's defaults apply.
+}
+
+/// gpt-oss (convert_hf_to_gguf.py `GptOssModel.set_gguf_parameters`): every block holds
+/// experts of `feed_forward_length` (= `expert_feed_forward_length`), the window is
+/// `attention.sliding_window` and llama.cpp alternates it from block 0
+/// (llama-model.cpp `LLM_ARCH_OPENAI_MOE`: `set_swa_pattern(2)`), which is `GptOssConfig`'s
+/// default `layer_types`; q/k/v/o are biased. The clamped SwiGLU's alpha 1.702 and limit 7.0
+/// are not stored (llama.cpp hard-codes both), so the config's defaults apply.
+fn gpt_oss_config(meta: &Meta, base: ConfigFile) -> Result<ConfigFile> {
     Ok(ConfigFile {
         intermediate_size: Some(
             meta.usize_opt("expert_feed_forward_length")?
                 .map_or_else(|| meta.usize("feed_forward_length"), Ok)?,
         ),
-        num_local_experts: Some(experts),
+        num_local_experts: Some(meta.usize("expert_count")?),
         num_experts_per_tok: Some(meta.usize("expert_used_count")?),
         sliding_window: Some(meta.usize("attention.sliding_window")?),
         attention_bias: Some(true),
+        ..base
+    })
+}
+
+/// Gemma-3 (`Gemma3Model.set_gguf_parameters` after `TextModel`'s; llama-model.cpp
+/// `LLM_ARCH_GEMMA3`). Stored: the full layers' rope (`rope.freq_base`, linear
+/// `rope.scaling.*`), the sliding layers' base (`rope.freq_base_swa`, newer converters),
+/// `attention.sliding_window`, `final_logit_softcapping`. Fixed by llama.cpp, never stored: with
+/// a window, every 6th layer is full and the others slide (`set_swa_pattern(6)`), without one
+/// every layer is full; the sliding layers' rope is base 1e4 unscaled; the softmax scale is
+/// 1/sqrt(head_dim), 1/sqrt(n_embd / n_head) for the 62-layer 27B (`f_attention_scale`, from
+/// gemma_pytorch's config), which is `query_pre_attn_scalar`; the activation is tanh GELU.
+fn gemma3_config(meta: &Meta, base: ConfigFile) -> Result<ConfigFile> {
+    let (layers, hidden, heads) = (
+        base.num_hidden_layers.unwrap_or(0),
+        base.hidden_size.unwrap_or(0),
+        base.num_attention_heads.unwrap_or(1).max(1),
+    );
+    if let Some(cap) = meta.f64_opt("attn_logit_softcapping")?
+        && cap != 0.0
+    {
+        return Err(meta_err(
+            meta.path,
+            &meta.key("attn_logit_softcapping"),
+            &format!("is {cap}: attention softcapping is not supported (Gemma-3 has none)"),
+        ));
+    }
+    let window = meta
+        .usize_opt("attention.sliding_window")?
+        .filter(|&w| w > 0);
+    let sliding: Vec<bool> = (0..layers)
+        .map(|i| window.is_some() && (i + 1) % 6 != 0)
+        .collect();
+    check_swa_pattern(meta, &sliding)?;
+    let layer_types = sliding
+        .iter()
+        .map(|&s| {
+            if s {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            }
+            .to_string()
+        })
+        .collect();
+    let mut full = base
+        .rope_scaling
+        .clone()
+        .unwrap_or_else(|| serde_json::json!({"rope_type": "default"}));
+    // llama.cpp's default base when the key is missing (`rope_freq_base_train`).
+    full["rope_theta"] = serde_json::json!(base.rope_theta.unwrap_or(10000.0));
+    let local_theta = meta.f64_opt("rope.freq_base_swa")?.unwrap_or(10000.0);
+    let head_dim = base.head_dim.unwrap_or(0);
+    Ok(ConfigFile {
+        rope_theta: None,
+        rope_scaling: None,
+        rope_parameters: Some(serde_json::json!({
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        })),
+        sliding_window: window,
+        layer_types: Some(layer_types),
+        query_pre_attn_scalar: Some(if layers == 62 {
+            (hidden / heads) as f64
+        } else {
+            head_dim as f64
+        }),
+        // 0 is llama.cpp's "none".
+        final_logit_softcapping: meta
+            .f64_opt("final_logit_softcapping")?
+            .filter(|&c| c != 0.0),
+        hidden_activation: Some("gelu_pytorch_tanh".into()),
+        ..base
+    })
+}
+
+/// `attention.sliding_window_pattern` (gguf-py's `add_sliding_window_pattern`: a period, or one
+/// bool per layer, true for a sliding one), which llama.cpp's gemma3 does not read: accepted
+/// only where it says what llama.cpp does anyway.
+fn check_swa_pattern(meta: &Meta, sliding: &[bool]) -> Result<()> {
+    let key = meta.key("attention.sliding_window_pattern");
+    let Some(v) = meta.md.get(&key) else {
+        return Ok(());
+    };
+    let agrees = match v {
+        Value::Array(items) => {
+            items.len() == sliding.len()
+                && items
+                    .iter()
+                    .zip(sliding)
+                    .all(|(x, &s)| matches!(x, Value::Bool(b) if *b == s))
+        }
+        other => unsigned(other) == Some(6) && sliding.iter().any(|&s| s),
+    };
+    if agrees {
+        return Ok(());
+    }
+    Err(meta_err(
+        meta.path,
+        &key,
+        &format!(
+            "is {v:?}, but llama.cpp's gemma3 ignores it and slides {} of the layers \
+             (every 6th full): not supported",
+            if sliding.iter().any(|&s| s) {
+                "all but every 6th"
+            } else {
+                "none"
+            }
+        ),
+    ))
+}
+
+/// Llama-4 (`Llama4Model.set_gguf_parameters` after `LlamaModel`'s; llama-model.cpp
+/// `LLM_ARCH_LLAMA4`). Stored: the dense layers' width (`feed_forward_length`, the checkpoint's
+/// `intermediate_size_mlp`), the experts' (`expert_feed_forward_length`), their count and top-k,
+/// `interleave_moe_layer_step` (layer i is MoE when (i + 1) % step == 0, as
+/// `Llama4TextConfig.moe_layers` defaults). Fixed by llama.cpp, never stored: unless
+/// `attention.sliding_window` is 0, 3 of every 4 layers rotate and attend within chunks of 8192,
+/// every 4th is a NoPE layer over everything with the attention temperature (floor 8192, scale
+/// 0.1); with 0 (MobileLLM), every layer rotates over everything, no temperature. q/k are
+/// L2-normalised unless there are 128 experts (Maverick: `use_kq_norm`). The router scores with
+/// a sigmoid and weighs each expert's input, as `Llama4TextMoe` ([`crate::config::moe`]).
+fn llama4_config(meta: &Meta, content: &Content, base: ConfigFile) -> Result<ConfigFile> {
+    let layers = base.num_hidden_layers.unwrap_or(0);
+    let experts = meta.usize("expert_count")?;
+    if experts == 0 {
+        return Err(meta_err(
+            meta.path,
+            &meta.key("expert_count"),
+            "is 0: Llama-4 GGUF targets without experts are not supported",
+        ));
+    }
+    let step_key = meta.key("interleave_moe_layer_step");
+    let step = meta.usize("interleave_moe_layer_step")?;
+    if step == 0 {
+        return Err(meta_err(meta.path, &step_key, "is 0"));
+    }
+    // The MoE layers the step names must be the ones holding a router, and only those.
+    for i in 0..layers {
+        let routed = content
+            .tensor_infos
+            .contains_key(&format!("blk.{i}.ffn_gate_inp.weight"));
+        if routed != ((i + 1) % step == 0) {
+            return Err(meta_err(
+                meta.path,
+                &step_key,
+                &format!(
+                    "is {step}, which makes layer {i} {}, but blk.{i} {} ffn_gate_inp",
+                    if routed { "dense" } else { "MoE" },
+                    if routed { "holds" } else { "holds no" }
+                ),
+            ));
+        }
+    }
+    let window_key = meta.key("attention.sliding_window");
+    let chunked = match meta.usize_opt("attention.sliding_window")? {
+        None | Some(LLAMA4_CHUNK) => true,
+        Some(0) => false,
+        Some(w) => {
+            return Err(meta_err(
+                meta.path,
+                &window_key,
+                &format!(
+                    "is {w}: llama.cpp reads it only as 0 (no chunks) or not 0 (chunks of \
+                     {LLAMA4_CHUNK}); not supported"
+                ),
+            ));
+        }
+    };
+    Ok(ConfigFile {
+        intermediate_size: Some(meta.usize("expert_feed_forward_length")?),
+        intermediate_size_mlp: Some(meta.usize("feed_forward_length")?),
+        num_local_experts: Some(experts),
+        num_experts_per_tok: Some(meta.usize("expert_used_count")?),
+        interleave_moe_layer_step: Some(step),
+        moe_layers: None,
+        // 1: the layer rotates (`Llama4TextConfig.no_rope_layers`); llama.cpp's
+        // `n_no_rope_layer_step` is 4 (llama-hparams.h), the layer count without chunks.
+        no_rope_layers: Some(
+            (0..layers)
+                .map(|i| u8::from(!chunked || (i + 1) % 4 != 0))
+                .collect(),
+        ),
+        attention_chunk_size: Some(chunked.then_some(LLAMA4_CHUNK)),
+        layer_types: None,
+        attn_temperature_tuning: Some(chunked),
+        floor_scale: Some(LLAMA4_CHUNK as f64),
+        attn_scale: Some(0.1),
+        use_qk_norm: Some(experts != 128),
+        ..base
+    })
+}
+
+/// llama.cpp's Llama-4 chunk (`n_swa`) and temperature floor (`n_attn_temp_floor_scale`).
+const LLAMA4_CHUNK: usize = 8192;
+
+/// Phi-3 (`Phi3MiniModel.set_gguf_parameters` and `generate_extra_tensors`; llama-model.cpp
+/// `LLM_ARCH_PHI3`): `rope.dimension_count` of each head rotated (Phi-4-mini 0.75), `context_length`
+/// the checkpoint's `max_position_embeddings`, `attention.sliding_window` (0: none), and LongRoPE
+/// as the tensors `rope_factors_long` / `rope_factors_short` with
+/// `rope.scaling.original_context_length` and `rope.scaling.attn_factor`. transformers picks the
+/// long factors for a sequence longer than the original context (`longrope_frequency_update`),
+/// llama.cpp for a context longer than it; we run the model as transformers does.
+fn phi3_config(
+    meta: &Meta,
+    content: &Content,
+    data: &[u8],
+    base: ConfigFile,
+) -> Result<ConfigFile> {
+    let path = meta.path;
+    let head_dim = base.head_dim.unwrap_or(0);
+    let rot = meta.usize_opt("rope.dimension_count")?.unwrap_or(head_dim);
+    if rot == 0 || rot > head_dim || !rot.is_multiple_of(2) {
+        return Err(meta_err(
+            path,
+            &meta.key("rope.dimension_count"),
+            &format!("is {rot}: rope must rotate an even part of the {head_dim}-dim heads"),
+        ));
+    }
+    if let Some(kind) = meta.str_opt("rope.scaling.type")?
+        && !matches!(kind, "none" | "longrope")
+    {
+        return Err(meta_err(
+            path,
+            &meta.key("rope.scaling.type"),
+            &format!("is `{kind}`: Phi-3 GGUF targets take LongRoPE factor tensors or none"),
+        ));
+    }
+    let theta = base.rope_theta.unwrap_or(10000.0);
+    let factors = |name: &str| -> Result<Option<Vec<f64>>> {
+        if !content.tensor_infos.contains_key(name) {
+            return Ok(None);
+        }
+        let list = dequantize(content, data, name)
+            .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+            .ctx(|| format!("{}: GGUF tensor {name}", path.display()))?;
+        if list.len() != rot / 2 || list.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+            return Err(Error::weights(
+                path,
+                format!(
+                    "GGUF tensor {name}: expected {} positive finite factors ({} {rot} / 2), found {}",
+                    rot / 2,
+                    meta.key("rope.dimension_count"),
+                    list.len()
+                ),
+            ));
+        }
+        Ok(Some(list.into_iter().map(f64::from).collect()))
+    };
+    let (long, short) = (
+        factors("rope_factors_long.weight")?,
+        factors("rope_factors_short.weight")?,
+    );
+    let orig_key = meta.key("rope.scaling.original_context_length");
+    let orig = meta.usize_opt("rope.scaling.original_context_length")?;
+    let rope_parameters = match (long, short) {
+        (None, None) => serde_json::json!({"rope_type": "default", "rope_theta": theta}),
+        (Some(long), Some(short)) => {
+            let orig =
+                orig.ok_or_else(|| meta_err(path, &orig_key, "is missing (LongRoPE needs it)"))?;
+            let mut p = serde_json::json!({
+                "rope_type": "longrope",
+                "rope_theta": theta,
+                "long_factor": long,
+                "short_factor": short,
+                "original_max_position_embeddings": orig,
+            });
+            if let Some(f) = meta.f64_opt("rope.scaling.attn_factor")? {
+                p["attention_factor"] = serde_json::json!(f);
+            }
+            p
+        }
+        (long, _) => {
+            let missing = if long.is_none() { "long" } else { "short" };
+            return Err(Error::weights(
+                path,
+                format!(
+                    "GGUF tensor `rope_factors_{missing}.weight` is missing (LongRoPE needs both factor tensors)"
+                ),
+            ));
+        }
+    };
+    Ok(ConfigFile {
+        rope_theta: None,
+        rope_scaling: None,
+        rope_parameters: Some(rope_parameters),
+        partial_rotary_factor: Some(rot as f64 / head_dim.max(1) as f64),
+        original_max_position_embeddings: orig,
+        sliding_window: meta
+            .usize_opt("attention.sliding_window")?
+            .filter(|&w| w > 0),
         ..base
     })
 }
@@ -818,8 +1207,8 @@ fn rope_scaling_from_meta(meta: &Meta) -> Result<Option<serde_json::Value>> {
 /// Recovers Llama 3.x rope scaling from the `rope_freqs.weight` llama.cpp writes instead of
 /// metadata (`LlamaModel.generate_extra_tensors`: one divisor per rotary frequency). The
 /// parameters are not stored, so we take `factor` = the largest divisor and Llama 3's
-/// `low_freq_factor` 1 / `high_freq_factor` 4, try each plausible original context length, and
-/// accept one only if it reproduces every stored divisor.
+/// `low_freq_factor` 1 / `high_freq_factor` 4 (then Llama-4's 1 / 1), try each plausible original
+/// context length, and accept one only if it reproduces every stored divisor.
 fn llama3_from_rope_freqs(
     path: &Path,
     factors: &[f32],
@@ -843,61 +1232,64 @@ fn llama3_from_rope_freqs(
         return Ok(None);
     }
     let factor = factors.iter().fold(0f64, |m, &f| m.max(f as f64));
-    let (low, high) = (1.0, 4.0);
     let wavelen = |i: usize| {
         let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
         2.0 * std::f64::consts::PI / freq
     };
-    let mut candidates: Vec<f64> = meta_orig.map(|o| o as f64).into_iter().collect();
-    candidates.push(8192.0);
-    for (i, &f) in factors.iter().enumerate() {
-        let f = f as f64;
-        if f > 1.0 + TOL && f < factor - TOL {
-            // In the smooth band: 1/f = (1 - s)/factor + s, s = (orig/wavelen - low)/(high - low).
-            let s = (1.0 / f - 1.0 / factor) / (1.0 - 1.0 / factor);
-            let orig = wavelen(i) * (low + s * (high - low));
-            candidates.push(if (orig - orig.round()).abs() < 1e-3 * orig {
-                orig.round()
-            } else {
-                orig
-            });
+    // Llama 3.1's low 1 / high 4; then Llama-4's low = high = 1, which has no smooth band (each
+    // frequency is divided by 1 or by `factor`).
+    for (low, high) in [(1.0, 4.0), (1.0, 1.0)] {
+        let mut candidates: Vec<f64> = meta_orig.map(|o| o as f64).into_iter().collect();
+        candidates.push(8192.0);
+        for (i, &f) in factors.iter().enumerate() {
+            let f = f as f64;
+            if high > low && f > 1.0 + TOL && f < factor - TOL {
+                // In the smooth band: 1/f = (1 - s)/factor + s, s = (orig/wavelen - low)/(high - low).
+                let s = (1.0 / f - 1.0 / factor) / (1.0 - 1.0 / factor);
+                let orig = wavelen(i) * (low + s * (high - low));
+                candidates.push(if (orig - orig.round()).abs() < 1e-3 * orig {
+                    orig.round()
+                } else {
+                    orig
+                });
+            }
         }
-    }
-    // The divisors a candidate implies, computed by the runner's own llama3 rope (nn::inv_freq).
-    let divisors = |orig: f64| -> Vec<f64> {
-        let rope = |scaling| Rope { theta, scaling };
-        let (base, _) = inv_freq(&rope(RopeScaling::None), head_dim);
-        let (scaled, _) = inv_freq(
-            &rope(RopeScaling::Llama3 {
-                factor,
-                low_freq_factor: low,
-                high_freq_factor: high,
-                original_max_position_embeddings: orig,
-            }),
-            head_dim,
-        );
-        base.iter().zip(&scaled).map(|(b, s)| b / s).collect()
-    };
-    for orig in candidates {
-        let fits = factors
-            .iter()
-            .zip(divisors(orig))
-            .all(|(&f, d)| (d - f as f64).abs() <= TOL * factor);
-        if fits {
-            return Ok(Some(serde_json::json!({
-                "rope_type": "llama3",
-                "factor": factor,
-                "low_freq_factor": low,
-                "high_freq_factor": high,
-                "original_max_position_embeddings": orig,
-            })));
+        // The divisors a candidate implies, computed by the runner's own llama3 rope (nn::inv_freq).
+        let divisors = |orig: f64| -> Vec<f64> {
+            let rope = |scaling| Rope { theta, scaling };
+            let (base, _) = inv_freq(&rope(RopeScaling::None), head_dim);
+            let (scaled, _) = inv_freq(
+                &rope(RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: orig,
+                }),
+                head_dim,
+            );
+            base.iter().zip(&scaled).map(|(b, s)| b / s).collect()
+        };
+        for orig in candidates {
+            let fits = factors
+                .iter()
+                .zip(divisors(orig))
+                .all(|(&f, d)| (d - f as f64).abs() <= TOL * factor);
+            if fits {
+                return Ok(Some(serde_json::json!({
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": orig,
+                })));
+            }
         }
     }
     Err(Error::weights(
         path,
         format!(
             "GGUF tensor rope_freqs.weight does not match Llama 3 rope scaling (factor {factor}, \
-             low_freq_factor 1, high_freq_factor 4) for any original context length; not supported"
+             low_freq_factor 1, high_freq_factor 4 or 1) for any original context length; not supported"
         ),
     ))
 }
@@ -942,6 +1334,79 @@ mod tests {
         assert_eq!(
             hf_name("blk.0.attn_output.bias", "qwen3moe", 4, false),
             None
+        );
+    }
+
+    /// The same GGUF name is another HF tensor in another architecture: Gemma-3's `ffn_norm` is
+    /// the norm before its MLP (Llama's is after attention), Phi-3's `ffn_up` holds gate and up,
+    /// Llama-4's feed-forward lives under `feed_forward`.
+    #[test]
+    fn family_names_follow_their_architecture() {
+        let name = |g: &str, arch: &str| hf_name(g, arch, 4, arch == "llama4");
+        assert_eq!(
+            name("blk.1.ffn_norm.weight", "gemma3").as_deref(),
+            Some("model.layers.1.pre_feedforward_layernorm.weight")
+        );
+        assert_eq!(
+            name("blk.1.ffn_norm.weight", "llama4").as_deref(),
+            Some("model.layers.1.post_attention_layernorm.weight")
+        );
+        assert_eq!(
+            name("blk.1.post_attention_norm.weight", "gemma3").as_deref(),
+            Some("model.layers.1.post_attention_layernorm.weight")
+        );
+        assert_eq!(name("blk.1.post_ffw_norm.weight", "phi3"), None);
+        assert_eq!(
+            name("blk.0.ffn_up.weight", "phi3").as_deref(),
+            Some("model.layers.0.mlp.gate_up_proj.weight")
+        );
+        assert_eq!(
+            name("blk.0.attn_qkv.weight", "phi3").as_deref(),
+            Some("model.layers.0.self_attn.qkv_proj.weight")
+        );
+        assert_eq!(name("blk.0.attn_q.weight", "phi3"), None);
+        assert_eq!(name("blk.0.attn_qkv.weight", "llama"), None);
+        assert_eq!(
+            name("blk.3.ffn_gate_inp.weight", "llama4").as_deref(),
+            Some("model.layers.3.feed_forward.router.weight")
+        );
+        assert_eq!(
+            name("blk.3.ffn_down_exps.weight", "llama4").as_deref(),
+            Some("model.layers.3.feed_forward.experts.down_proj")
+        );
+        assert_eq!(
+            name("blk.3.ffn_gate_shexp.weight", "llama4").as_deref(),
+            Some("model.layers.3.feed_forward.shared_expert.gate_proj.weight")
+        );
+        assert_eq!(name("blk.3.ffn_gate_shexp.weight", "qwen3moe"), None);
+    }
+
+    /// Llama-4 Scout's rope (factor 16, low = high = 1, original 8192): each frequency divided by
+    /// 1 or 16, no smooth band; recovered as such, not as Llama 3.1's low 1 / high 4.
+    #[test]
+    fn llama4_scaling_is_recovered_from_rope_freqs() {
+        let (theta, dim) = (500000.0f64, 128usize);
+        let factors: Vec<f32> = (0..dim / 2)
+            .map(|i| {
+                let freq = 1.0 / theta.powf((2 * i) as f64 / dim as f64);
+                if 2.0 * std::f64::consts::PI / freq < 8192.0 {
+                    1.0
+                } else {
+                    16.0
+                }
+            })
+            .collect();
+        let got = llama3_from_rope_freqs(Path::new("x.gguf"), &factors, theta, dim, None)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_default();
+        assert_eq!(
+            (got["factor"].as_f64(), got["low_freq_factor"].as_f64()),
+            (Some(16.0), Some(1.0))
+        );
+        assert_eq!(got["high_freq_factor"].as_f64(), Some(1.0));
+        assert_eq!(
+            got["original_max_position_embeddings"].as_f64(),
+            Some(8192.0)
         );
     }
 

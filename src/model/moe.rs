@@ -467,6 +467,23 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize, names: &MoeNames) -> Result<
     if let ExpertsAct::ClampedSwiglu { .. } = moe.act {
         return load_gpt_oss_experts(ex, moe, h);
     }
+    if ex.contains("gate_proj") {
+        // Stacked but not fused (a GGUF's `ffn_{gate,up,down}_exps`, Llama-4's included: its
+        // converter transposes them to output by input): gate [E, I, H], up [E, I, H],
+        // down [E, H, I].
+        let what = ex.path("gate_proj");
+        let gate = ex.get("gate_proj", &[e, inter, h])?;
+        let up = ex.get("up_proj", &[e, inter, h])?;
+        let down = ex.get("down_proj", &[e, h, inter])?;
+        let stack = || -> candle_core::Result<StackedExperts> {
+            Ok(StackedExperts::new(
+                e,
+                Tensor::cat(&[&gate, &up], 1)?.reshape((e * 2 * inter, h))?,
+                down.reshape((e * h, inter))?,
+            ))
+        };
+        return stacked_experts(stack().ctx(|| what.clone())?, moe.act, &what);
+    }
     if names.experts_in_by_out {
         // Llama-4: `gate_up_proj` [E, H, 2I] (gate the first I output columns, up the rest:
         // `gate_up.chunk(2, dim=-1)`), `down_proj` [E, I, H]; transposed into the stacked
@@ -498,22 +515,6 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize, names: &MoeNames) -> Result<
             down.reshape((e * h, inter)).ctx(|| ex.path("down_proj"))?,
         );
         return stacked_experts(stacked, moe.act, &what);
-    }
-    if ex.contains("gate_proj") {
-        // Stacked but not fused (a GGUF's `ffn_{gate,up,down}_exps`): gate [E, I, H],
-        // up [E, I, H], down [E, H, I].
-        let what = ex.path("gate_proj");
-        let gate = ex.get("gate_proj", &[e, inter, h])?;
-        let up = ex.get("up_proj", &[e, inter, h])?;
-        let down = ex.get("down_proj", &[e, h, inter])?;
-        let stack = || -> candle_core::Result<StackedExperts> {
-            Ok(StackedExperts::new(
-                e,
-                Tensor::cat(&[&gate, &up], 1)?.reshape((e * 2 * inter, h))?,
-                down.reshape((e * h, inter))?,
-            ))
-        };
-        return stacked_experts(stack().ctx(|| what.clone())?, moe.act, &what);
     }
     let names = if ex.contains("0.w1.weight") {
         ["w1", "w3", "w2"]
