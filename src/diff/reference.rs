@@ -3,7 +3,9 @@
 
 use super::names::NameMap;
 use crate::error::{CandleContext, Error, Result};
-use crate::model::{Capture, CaptureRequest, LoadedTarget, Progress, Sink, TargetOptions};
+use crate::model::{
+    Capture, CaptureRequest, LoadedTarget, ManyOptions, Progress, Sink, TargetOptions,
+};
 use crate::report::Report;
 use candle_core::{DType, Tensor};
 use std::path::{Path, PathBuf};
@@ -137,10 +139,11 @@ impl ReferenceSource for RunnerReference {
             .collect::<Result<Vec<_>>>()?;
         let ids: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
         let start = std::time::Instant::now();
+        let opts = ManyOptions::for_device(self.target.model.device());
         let done = self
             .target
             .model
-            .forward_many(&ids, &reference_request(), sink);
+            .forward_many(&ids, &reference_request(), &opts, sink);
         self.forward_seconds += start.elapsed().as_secs_f64();
         done
     }

@@ -19,7 +19,7 @@
 use super::Resident;
 use super::llama::LlamaDecoder;
 use super::nn::{Linear, RopeTables};
-use super::{Capture, CaptureRequest, EmbedRows, Progress, Target, phases};
+use super::{Capture, CaptureRequest, EmbedRows, ManyOptions, Progress, Sink, Target, phases};
 use crate::config::ModelConfig;
 use crate::error::{CandleContext, Result};
 use crate::kernels::KernelDType;
@@ -281,7 +281,10 @@ impl FastLlama {
         Ok((rows(cos)?, rows(sin)?))
     }
 
-    fn forward_fast(&self, ids: &[u32], want: &CaptureRequest) -> Result<Capture> {
+    /// One forward over `ids`, sequences of `lens` tokens packed one after another (`[T]` for
+    /// one sequence): every launch sees all rows but rope (each sequence's positions from 0)
+    /// and attention (one launch per sequence, on its rows).
+    fn forward_fast(&self, ids: &[u32], lens: &[usize], want: &CaptureRequest) -> Result<Capture> {
         let cfg = self.cfg();
         let (t, h, l) = (ids.len(), cfg.hidden_size, cfg.num_layers);
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
@@ -304,7 +307,12 @@ impl FastLlama {
         };
         let s = self.scratch(t).ctx(|| "scratch buffers".to_string())?;
         let ids_t = Tensor::new(ids, &device).ctx(|| "token ids".to_string())?;
-        let (cos_t, sin_t) = self.rope_tables(t)?;
+        let (cos_t, sin_t) = if lens.len() == 1 {
+            self.rope_tables(t)?
+        } else {
+            let r = super::llama::packed_rope(&cfg.rope, hd, lens, DType::F32, &device)?;
+            (r.cos32, r.sin32)
+        };
         let row = |base: DevPtr, i: usize| base + (i * t * h * self.kd.size()) as u64;
         let caps_p = ptr(&caps)?;
         let (normed_p, qkv_p, attn_p, proj_p, mid_p, gu_p, act_p) = (
@@ -443,32 +451,38 @@ impl FastLlama {
                 launch("rope k", rope_on(k, ks, nkv))?;
             }
             phases::mark("rope", &device);
-            launch(
-                "attention",
-                flash_attn(
-                    &self.dev,
-                    self.kd,
-                    &FlashArgs {
-                        q,
-                        q_stride: qs,
-                        k,
-                        k_stride: ks,
-                        v,
-                        v_stride: vs,
-                        out: attn_p,
-                        o_stride: nh * hd,
-                        tq: t,
-                        tk: t,
-                        nh,
-                        nkv,
-                        dk: hd,
-                        dv: hd,
-                        scale: 1.0 / (hd as f32).sqrt(),
-                        window: cfg.sliding_window.unwrap_or(0),
-                    },
-                )
-                .map(|_| ()),
-            )?;
+            // One launch per packed sequence, on its rows: no token attends across the end of
+            // one.
+            let mut at = 0u64;
+            for &len in lens {
+                launch(
+                    "attention",
+                    flash_attn(
+                        &self.dev,
+                        self.kd,
+                        &FlashArgs {
+                            q: q + at * (qs as u64) * el,
+                            q_stride: qs,
+                            k: k + at * (ks as u64) * el,
+                            k_stride: ks,
+                            v: v + at * (vs as u64) * el,
+                            v_stride: vs,
+                            out: attn_p + at * ((nh * hd) as u64) * el,
+                            o_stride: nh * hd,
+                            tq: len,
+                            tk: len,
+                            nh,
+                            nkv,
+                            dk: hd,
+                            dv: hd,
+                            scale: 1.0 / (hd as f32).sqrt(),
+                            window: cfg.sliding_window.unwrap_or(0),
+                        },
+                    )
+                    .map(|_| ()),
+                )?;
+                at += len as u64;
+            }
             phases::mark("attention", &device);
             // mid = x + attn @ Wo^T: in the GEMM's epilogue when o has no bias (one rounding of
             // the f32 sum where HF rounds the projection and then the sum), else added by the norm.
@@ -638,8 +652,47 @@ impl Target for FastLlama {
         want: &CaptureRequest,
         progress: &mut Progress,
     ) -> Result<Capture> {
-        let capture = self.forward_fast(ids, want)?;
+        let capture = self.forward_fast(ids, &[ids.len()], want)?;
         progress.finish();
         Ok(capture)
+    }
+
+    /// Consecutive samples packed into forwards of up to `opts.pack_tokens` tokens: short
+    /// samples share every weight read and every launch.
+    fn forward_many(
+        &self,
+        samples: &[&[u32]],
+        want: &CaptureRequest,
+        opts: &ManyOptions,
+        sink: &mut Sink,
+    ) -> Result<()> {
+        let l = self.cfg().num_layers;
+        for pack in super::packs(samples, opts.pack_tokens) {
+            let ids: Vec<u32> = pack
+                .iter()
+                .flat_map(|&s| samples[s].iter().copied())
+                .collect();
+            let lens: Vec<usize> = pack.iter().map(|&s| samples[s].len()).collect();
+            let capture = self.forward_fast(&ids, &lens, want)?;
+            let mut at = 0;
+            for (&s, &len) in pack.iter().zip(&lens) {
+                let rows = |t: &Tensor| {
+                    t.narrow(0, at, len)
+                        .ctx(|| format!("sample {s} of a packed forward"))
+                };
+                let mut own = Capture::default();
+                for (b, t) in &capture.hidden {
+                    own.hidden.insert(*b, rows(t)?);
+                }
+                for (k, t) in &capture.extras {
+                    own.extras.insert(k.clone(), rows(t)?);
+                }
+                own.final_pre_norm = capture.final_pre_norm.as_ref().map(rows).transpose()?;
+                own.logits = capture.logits.as_ref().map(rows).transpose()?;
+                super::emit_capture(s, own, l, sink)?;
+                at += len;
+            }
+        }
+        Ok(())
     }
 }

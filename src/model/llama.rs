@@ -125,6 +125,17 @@ impl Attention {
         xs: &Tensor,
         rope: &RopeTables,
     ) -> candle_core::Result<Tensor> {
+        self.forward_kernels_packed(xs, rope, &Packed::default())
+    }
+
+    /// [`Attention::forward_kernels`] over the sequences `packed` lays out in `xs`'s rows
+    /// (rope `rope`'s rows restart with each): flash attention runs on each one's rows.
+    pub(crate) fn forward_kernels_packed(
+        &self,
+        xs: &Tensor,
+        rope: &RopeTables,
+        packed: &Packed,
+    ) -> candle_core::Result<Tensor> {
         let t = xs.dim(0)?;
         let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let mut q = self.q.forward(xs)?.contiguous()?;
@@ -157,7 +168,16 @@ impl Attention {
             scale: self.scale,
             window: self.window,
         };
-        let out = kernels::flash_attention_with_sinks(&q, &k, &v, &params, self.sinks.as_ref())?;
+        let out = packed.each(t, |a, len, _| {
+            let rows = |x: &Tensor| x.narrow(0, a, len);
+            kernels::flash_attention_with_sinks(
+                &rows(&q)?,
+                &rows(&k)?,
+                &rows(&v)?,
+                &params,
+                self.sinks.as_ref(),
+            )
+        })?;
         self.o.forward(&out)
     }
 
@@ -167,6 +187,19 @@ impl Attention {
         xs: &Tensor,
         rope: &RopeTables,
         mask: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        self.forward_packed(xs, rope, mask, &Packed::default())
+    }
+
+    /// [`Attention::forward`] over the sequences `packed` lays out in `xs`'s rows: attention
+    /// runs on each one's rows under its own mask (`mask` is the whole forward's when there
+    /// is one sequence).
+    pub(crate) fn forward_packed(
+        &self,
+        xs: &Tensor,
+        rope: &RopeTables,
+        mask: &Tensor,
+        packed: &Packed,
     ) -> candle_core::Result<Tensor> {
         let t = xs.dim(0)?;
         let split = |y: Tensor, n: usize| y.reshape((t, n, self.head_dim))?.transpose(0, 1);
@@ -188,9 +221,97 @@ impl Attention {
         }
         let q = rope.apply_half_partial(&q.contiguous()?, self.rot_dim)?;
         let k = rope.apply_half_partial(&k.contiguous()?, self.rot_dim)?;
-        let out = attention_with_sinks(&q, &k, &v, mask, self.scale, self.sinks.as_ref())?;
+        let out = packed.each(t, |a, len, m| {
+            let rows = |x: &Tensor| x.narrow(1, a, len);
+            let mask = m.unwrap_or(mask);
+            attention_with_sinks(
+                &rows(&q)?,
+                &rows(&k)?,
+                &rows(&v)?,
+                mask,
+                self.scale,
+                self.sinks.as_ref(),
+            )
+        })?;
         self.o.forward(&out)
     }
+}
+
+/// The sequences packed one after another in the rows of one forward (`(first row, rows)`
+/// each, with the candle path's causal mask of each); none for a forward of one sequence.
+#[derive(Default)]
+pub(crate) struct Packed {
+    spans: Vec<(usize, usize)>,
+    masks: Vec<Tensor>,
+}
+
+impl Packed {
+    /// Sequences of `lens` tokens, one after another; `mask(len)` makes each one's mask.
+    pub(crate) fn new(lens: &[usize], mask: impl Fn(usize) -> Result<Tensor>) -> Result<Packed> {
+        let mut spans = Vec::with_capacity(lens.len());
+        let mut at = 0;
+        for &len in lens {
+            spans.push((at, len));
+            at += len;
+        }
+        Ok(Packed {
+            spans,
+            masks: lens.iter().map(|&len| mask(len)).collect::<Result<_>>()?,
+        })
+    }
+
+    /// `f(first row, rows, mask)` on each sequence, the results stacked row-wise; on all `t`
+    /// rows at once (no mask of its own) when nothing is packed.
+    pub(crate) fn each(
+        &self,
+        t: usize,
+        f: impl Fn(usize, usize, Option<&Tensor>) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        if self.spans.is_empty() {
+            return f(0, t, None);
+        }
+        let parts = self
+            .spans
+            .iter()
+            .zip(&self.masks)
+            .map(|(&(a, len), m)| f(a, len, Some(m)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 0)
+    }
+
+    /// Each sequence's `(first row, rows)`; `[(0, t)]` when nothing is packed.
+    pub(crate) fn spans(&self, t: usize) -> Vec<(usize, usize)> {
+        if self.spans.is_empty() {
+            vec![(0, t)]
+        } else {
+            self.spans.clone()
+        }
+    }
+}
+
+/// Rope tables for sequences of `lens` tokens packed one after another: each sequence's own
+/// tables (positions from 0, and whatever its length decides, LongRoPE's factors say), stacked.
+pub(crate) fn packed_rope(
+    rope: &crate::config::Rope,
+    dim: usize,
+    lens: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<RopeTables> {
+    let tables = lens
+        .iter()
+        .map(|&t| RopeTables::new(rope, dim, t, dtype, device))
+        .collect::<Result<Vec<_>>>()?;
+    let cat = |f: fn(&RopeTables) -> &Tensor| {
+        let parts: Vec<&Tensor> = tables.iter().map(f).collect();
+        Tensor::cat(&parts, 0).ctx(|| "packed rope tables".to_string())
+    };
+    Ok(RopeTables {
+        cos: cat(|r| &r.cos)?,
+        sin: cat(|r| &r.sin)?,
+        cos32: cat(|r| &r.cos32)?,
+        sin32: cat(|r| &r.sin32)?,
+    })
 }
 
 /// q, k and v from their own projections; with `fuse`, stacked into one whose row views they
@@ -293,6 +414,7 @@ impl Layer {
         rope: &RopeTables,
         qkv: &Linear,
         gate_up: &Linear,
+        packed: &Packed,
     ) -> candle_core::Result<LayerStep> {
         let (t, h) = xs.dims2()?;
         let dev = xs.device();
@@ -335,7 +457,12 @@ impl Layer {
         );
         mark("qk norm + rope");
         let scale = a.scale as f32;
-        let attn = cpu::attention(&qkv_out, t, hs, scale, a.window)?;
+        let ld = qkv_out.len() / t.max(1);
+        let mut attn = Vec::with_capacity(t * a.heads * a.head_dim);
+        for (at, len) in packed.spans(t) {
+            let rows = &qkv_out[at * ld..(at + len) * ld];
+            attn.extend(cpu::attention(rows, len, hs, scale, a.window)?);
+        }
         mark("attention");
         let o = cpu::project(&attn, t, &a.o)?;
         mark("o_proj");
@@ -416,11 +543,33 @@ pub fn head_name(cfg: &ModelConfig, vb: &Vb) -> Result<Option<&'static str>> {
     }
 }
 
+/// What every layer of one Llama-family forward shares: the rope tables, the additive causal
+/// mask (a placeholder on the kernel path and the CPU forward, which mask by position), and the
+/// sequences packed in it.
+pub(crate) struct LlamaCtx {
+    rope: RopeTables,
+    mask: Tensor,
+    packed: Packed,
+}
+
+impl LlamaDecoder {
+    /// The causal mask of `t` tokens the candle path adds (a placeholder elsewhere).
+    fn mask(&self, t: usize, device: &Device) -> Result<Tensor> {
+        match self.path {
+            ComputePath::Candle if !self.runs_cpu_forward(device) => {
+                causal_mask(t, self.cfg.sliding_window, self.dtype, device)
+            }
+            // Flash attention and the CPU forward mask by position; no [T, T] matrix.
+            ComputePath::Candle | ComputePath::Kernels | ComputePath::Fused => {
+                Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())
+            }
+        }
+    }
+}
+
 impl Decoder for LlamaDecoder {
     type Layer = Layer;
-    /// Rope tables and the additive causal mask (a placeholder on the kernel path, whose flash
-    /// attention masks by position).
-    type Ctx = (RopeTables, Tensor);
+    type Ctx = LlamaCtx;
 
     fn config(&self) -> &ModelConfig {
         &self.cfg
@@ -435,39 +584,37 @@ impl Decoder for LlamaDecoder {
     }
 
     fn context(&self, t: usize, device: &Device) -> Result<Self::Ctx> {
-        let rope = RopeTables::new(&self.cfg.rope, self.cfg.rotary_dim, t, self.dtype, device)?;
-        let mask = match self.path {
-            ComputePath::Candle if !self.runs_cpu_forward(device) => {
-                causal_mask(t, self.cfg.sliding_window, self.dtype, device)?
-            }
-            // Flash attention and the CPU forward mask by position; no [T, T] matrix.
-            ComputePath::Candle | ComputePath::Kernels | ComputePath::Fused => {
-                Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?
-            }
-        };
-        Ok((rope, mask))
+        Ok(LlamaCtx {
+            rope: RopeTables::new(&self.cfg.rope, self.cfg.rotary_dim, t, self.dtype, device)?,
+            mask: self.mask(t, device)?,
+            packed: Packed::default(),
+        })
     }
 
-    fn step(
-        &self,
-        layer: &Layer,
-        i: usize,
-        xs: &Tensor,
-        (rope, mask): &Self::Ctx,
-    ) -> Result<LayerStep> {
+    fn context_packed(&self, lens: &[usize], device: &Device) -> Result<Option<Self::Ctx>> {
+        let cfg = &self.cfg;
+        Ok(Some(LlamaCtx {
+            rope: packed_rope(&cfg.rope, cfg.rotary_dim, lens, self.dtype, device)?,
+            mask: self.mask(1, device)?,
+            packed: Packed::new(lens, |t| self.mask(t, device))?,
+        }))
+    }
+
+    fn step(&self, layer: &Layer, i: usize, xs: &Tensor, ctx: &Self::Ctx) -> Result<LayerStep> {
+        let LlamaCtx { rope, mask, packed } = ctx;
         let step = || -> candle_core::Result<LayerStep> {
             if let (Some(qkv), Some(gate_up)) = (&layer.attn.qkv, &layer.gate_up) {
-                return layer.forward_cpu(xs, rope, qkv, gate_up);
+                return layer.forward_cpu(xs, rope, qkv, gate_up, packed);
             }
             let normed = layer.input_norm.forward(xs)?;
             let (xs, normed) = match self.path {
                 ComputePath::Candle => {
-                    let xs = (xs + layer.attn.forward(&normed, rope, mask)?)?;
+                    let xs = (xs + layer.attn.forward_packed(&normed, rope, mask, packed)?)?;
                     let normed = layer.post_norm.forward(&xs)?;
                     (xs, normed)
                 }
                 ComputePath::Kernels | ComputePath::Fused => {
-                    let h = layer.attn.forward_kernels(&normed, rope)?;
+                    let h = layer.attn.forward_kernels_packed(&normed, rope, packed)?;
                     layer.post_norm.add_forward(xs, &h)?
                 }
             };

@@ -122,10 +122,47 @@ pub enum Produced {
 /// on the target's device. The tensor is the forward's own: keep a clone only as long as needed.
 pub type Sink<'a> = dyn FnMut(usize, Produced, &Tensor) -> Result<()> + 'a;
 
+/// How a forward over many samples runs them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ManyOptions {
+    /// Consecutive samples are packed into one forward of up to this many tokens (positions
+    /// restarting per sample, attention within each), so short samples share every weight
+    /// read and every launch; a longer sample runs alone. 0: one sample per forward.
+    pub pack_tokens: usize,
+}
+
+impl ManyOptions {
+    /// One sample per forward.
+    pub const UNPACKED: ManyOptions = ManyOptions { pack_tokens: 0 };
+
+    /// Packing where it pays: on a GPU, where short samples are launch- and weight-bound
+    /// ([`GPU_PACK_TOKENS`]); on the CPU too (the GEMMs see more rows, the same bits).
+    pub fn for_device(device: &Device) -> ManyOptions {
+        ManyOptions {
+            pack_tokens: if device.is_cuda() {
+                GPU_PACK_TOKENS
+            } else {
+                CPU_PACK_TOKENS
+            },
+        }
+    }
+}
+
+/// Tokens per packed forward on a GPU: an 8B-shape forward is GEMM-bound from about 2048
+/// tokens on (BENCHMARKS.md, the H200 runs), and 4096 keeps the activations of one pass small.
+pub const GPU_PACK_TOKENS: usize = 4096;
+/// Tokens per packed forward on the CPU.
+pub const CPU_PACK_TOKENS: usize = 2048;
+
 /// Hands a single forward's capture of sample `s` to `sink` in the order a layer-major forward
 /// would make its tensors: b = 0, then per layer its output and the boundary after it, then the
 /// pre-norm state, the logits and b = L.
-fn emit_capture(s: usize, mut cap: Capture, num_layers: usize, sink: &mut Sink) -> Result<()> {
+pub(crate) fn emit_capture(
+    s: usize,
+    mut cap: Capture,
+    num_layers: usize,
+    sink: &mut Sink,
+) -> Result<()> {
     if let Some(t) = cap.hidden.remove(&0).filter(|_| num_layers > 0) {
         sink(s, Produced::Boundary(0), &t)?;
     }
@@ -187,6 +224,7 @@ pub trait Target {
         &self,
         samples: &[&[u32]],
         want: &CaptureRequest,
+        _opts: &ManyOptions,
         sink: &mut Sink,
     ) -> Result<()> {
         let n = self.config().num_layers;
@@ -214,6 +252,13 @@ pub(crate) trait Decoder: Send + Sync {
     /// Decoder layer `i`, from `m` (the decoder prefix: `m.pp("layers.{i}")` holds it).
     fn load_layer(&self, m: &source::Vb, i: usize) -> Result<Self::Layer>;
     fn context(&self, seq_len: usize, device: &Device) -> Result<Self::Ctx>;
+    /// The context of sequences packed one after another (`lens`, in order) into one forward:
+    /// positions restart at each and no token attends across the end of one, so each
+    /// sequence's rows are what its own forward computes. `None` when this decoder runs one
+    /// sequence per forward.
+    fn context_packed(&self, _lens: &[usize], _device: &Device) -> Result<Option<Self::Ctx>> {
+        Ok(None)
+    }
     /// b = 0 from the embedding rows `[T, H]`: the rows themselves, Gemma's times sqrt(H).
     fn embed(&self, rows: Tensor) -> Result<Tensor> {
         Ok(rows)
@@ -316,6 +361,7 @@ impl<D: Decoder> Target for Resident<D> {
         &self,
         samples: &[&[u32]],
         want: &CaptureRequest,
+        opts: &ManyOptions,
         sink: &mut Sink,
     ) -> Result<()> {
         let dev = self.embed.device();
@@ -323,6 +369,7 @@ impl<D: Decoder> Target for Resident<D> {
             &self.dec,
             samples,
             want,
+            opts,
             sink,
             |ids| self.embed.rows(ids),
             dev,
@@ -652,65 +699,115 @@ impl<'a> DecoderRun<'a> {
 
 /// The body of every decoder's [`Target::forward_many`]: every sample's residual stream and
 /// context held at once, each layer run over all of them before the next is needed, each state
-/// handed to the sink as it is made. Memory: `samples x T x H` activations, not a boundary more.
+/// handed to the sink as it is made. Consecutive samples are packed into one forward where the
+/// decoder can ([`Decoder::context_packed`]) up to [`ManyOptions::pack_tokens`]. Memory:
+/// `samples x T x H` activations, not a boundary more.
 pub(crate) struct ManyRun<'a, 's, D: Decoder> {
     dec: &'a D,
-    /// Per sample, `[T, H]`: the input of the next layer.
+    /// Per packed forward: `[sum T, H]`, the input of the next layer.
     xs: Vec<Tensor>,
     ctxs: Vec<D::Ctx>,
+    /// Per packed forward: its samples, each `(sample, first row, rows)`.
+    packs: Vec<Vec<(usize, usize, usize)>>,
     want: &'a CaptureRequest,
     sink: &'a mut Sink<'s>,
 }
 
 impl<'a, 's, D: Decoder> ManyRun<'a, 's, D> {
-    /// Embeds every sample (`rows`: the embedding rows of some ids) and hands over b = 0.
+    /// Packs and embeds every sample (`rows`: the embedding rows of some ids) and hands over
+    /// b = 0.
     pub(crate) fn new(
         dec: &'a D,
         samples: &[&[u32]],
         want: &'a CaptureRequest,
+        opts: &ManyOptions,
         sink: &'a mut Sink<'s>,
         rows: impl Fn(&[u32]) -> Result<Tensor>,
         device: &Device,
     ) -> Result<ManyRun<'a, 's, D>> {
-        let mut xs = Vec::with_capacity(samples.len());
-        let mut ctxs = Vec::with_capacity(samples.len());
-        for (s, ids) in samples.iter().enumerate() {
-            let x = dec.embed(rows(ids)?)?;
-            if want.wants(0) && dec.config().num_layers > 0 {
-                sink(s, Produced::Boundary(0), &x)?;
-            }
-            xs.push(x);
-            ctxs.push(dec.context(ids.len(), device)?);
-        }
-        Ok(ManyRun {
+        let mut run = ManyRun {
             dec,
-            xs,
-            ctxs,
+            xs: Vec::new(),
+            ctxs: Vec::new(),
+            packs: Vec::new(),
             want,
             sink,
-        })
+        };
+        for pack in packs(samples, opts.pack_tokens) {
+            let lens: Vec<usize> = pack.iter().map(|&s| samples[s].len()).collect();
+            let ctx = match pack.len() {
+                1 => None,
+                _ => dec.context_packed(&lens, device)?,
+            };
+            let (members, ctx) = match ctx {
+                Some(ctx) => (vec![pack], vec![ctx]),
+                None => {
+                    let ctxs = lens
+                        .iter()
+                        .map(|&t| dec.context(t, device))
+                        .collect::<Result<Vec<_>>>()?;
+                    (pack.into_iter().map(|s| vec![s]).collect(), ctxs)
+                }
+            };
+            for (members, ctx) in members.into_iter().zip(ctx) {
+                let ids: Vec<u32> = members
+                    .iter()
+                    .flat_map(|&s| samples[s].iter().copied())
+                    .collect();
+                let x = dec.embed(rows(&ids)?)?;
+                let mut at = 0;
+                let mut placed = Vec::with_capacity(members.len());
+                for &s in &members {
+                    placed.push((s, at, samples[s].len()));
+                    at += samples[s].len();
+                }
+                run.xs.push(x);
+                run.ctxs.push(ctx);
+                run.packs.push(placed);
+            }
+        }
+        if want.wants(0) && dec.config().num_layers > 0 {
+            for p in 0..run.xs.len() {
+                run.hand(p, Produced::Boundary(0), &run.xs[p].clone())?;
+            }
+        }
+        Ok(run)
+    }
+
+    /// Hands each sample's rows of packed forward `p`'s tensor `xs` to the sink.
+    fn hand(&mut self, p: usize, what: Produced, xs: &Tensor) -> Result<()> {
+        if let [(s, _, _)] = self.packs[p][..] {
+            return (self.sink)(s, what, xs);
+        }
+        for &(s, at, len) in &self.packs[p] {
+            let rows = xs
+                .narrow(0, at, len)
+                .ctx(|| format!("sample {s} of a packed forward"))?;
+            (self.sink)(s, what, &rows)?;
+        }
+        Ok(())
     }
 
     /// Layer `i` over every sample; its output and the boundary after it handed over.
     pub(crate) fn layer(&mut self, i: usize, layer: &D::Layer) -> Result<()> {
         let n = self.dec.config().num_layers;
-        for (s, (xs, ctx)) in self.xs.iter_mut().zip(&self.ctxs).enumerate() {
-            let out = self.dec.step(layer, i, xs, ctx)?;
+        for p in 0..self.xs.len() {
+            let out = self.dec.step(layer, i, &self.xs[p], &self.ctxs[p])?;
             if self.want.layer_outputs {
-                (self.sink)(s, Produced::LayerOutput(i), &out.ffn_out)?;
+                self.hand(p, Produced::LayerOutput(i), &out.ffn_out)?;
             }
-            *xs = out.next;
+            self.xs[p] = out.next;
             if i + 1 < n && self.want.wants(i + 1) {
-                (self.sink)(s, Produced::Boundary(i + 1), xs)?;
+                self.hand(p, Produced::Boundary(i + 1), &self.xs[p].clone())?;
             }
         }
         Ok(())
     }
 
-    /// The final norm over every sample: the pre-norm state, the logits (`head`: every
-    /// sample's normed `[T, H]` to its `[T, V]`) and b = L, as asked.
+    /// The final norm over every sample: the pre-norm state, the logits (`head`: each packed
+    /// forward's normed `[T, H]` to its `[T, V]`) and b = L, as asked.
     pub(crate) fn finish(
-        self,
+        mut self,
         norm: &nn::RmsNorm,
         head: impl FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
     ) -> Result<()> {
@@ -721,23 +818,44 @@ impl<'a, 's, D: Decoder> ManyRun<'a, 's, D> {
             .map(|x| norm.forward(x).ctx(|| "final norm".to_string()))
             .collect::<Result<Vec<_>>>()?;
         if self.want.final_pre_norm {
-            for (s, x) in self.xs.iter().enumerate() {
-                (self.sink)(s, Produced::FinalPreNorm, x)?;
+            for p in 0..self.xs.len() {
+                self.hand(p, Produced::FinalPreNorm, &self.xs[p].clone())?;
             }
         }
         if self.want.logits {
             let logits = head(&normed)?;
-            for (s, lg) in logits.iter().enumerate() {
-                (self.sink)(s, Produced::Logits, &self.dec.logits(lg.clone())?)?;
+            for (p, lg) in logits.into_iter().enumerate() {
+                let lg = self.dec.logits(lg)?;
+                self.hand(p, Produced::Logits, &lg)?;
             }
         }
         if self.want.wants(n) {
-            for (s, x) in normed.iter().enumerate() {
-                (self.sink)(s, Produced::Boundary(n), x)?;
+            for (p, x) in normed.iter().enumerate() {
+                self.hand(p, Produced::Boundary(n), x)?;
             }
         }
         Ok(())
     }
+}
+
+/// Consecutive samples in packs of at most `budget` tokens (a longer sample alone); every
+/// sample alone when `budget` is 0.
+pub(crate) fn packs(samples: &[&[u32]], budget: usize) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut tokens = 0;
+    for (s, ids) in samples.iter().enumerate() {
+        match out.last_mut() {
+            Some(last) if budget > 0 && tokens + ids.len() <= budget => {
+                last.push(s);
+                tokens += ids.len();
+            }
+            _ => {
+                out.push(vec![s]);
+                tokens = ids.len();
+            }
+        }
+    }
+    out
 }
 
 /// The common end of every target forward: keep the pre-norm state, apply the final norm, the

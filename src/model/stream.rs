@@ -17,8 +17,8 @@ use crate::memory::Budget;
 use crate::model::nn::RmsNorm;
 use crate::model::source::{Vb, WeightSource};
 use crate::model::{
-    Capture, CaptureRequest, Decoder, DecoderRun, EmbedRows, ManyRun, Progress, Sink, Target,
-    finish_capture, llama, refuse_unread,
+    Capture, CaptureRequest, Decoder, DecoderRun, EmbedRows, ManyOptions, ManyRun, Progress, Sink,
+    Target, finish_capture, llama, refuse_unread,
 };
 use crate::naming;
 use crate::size::format_bytes;
@@ -564,6 +564,7 @@ impl<D: Decoder> Target for Streamed<D> {
         &self,
         samples: &[&[u32]],
         want: &CaptureRequest,
+        opts: &ManyOptions,
         sink: &mut Sink,
     ) -> Result<()> {
         let start = Instant::now();
@@ -573,6 +574,7 @@ impl<D: Decoder> Target for Streamed<D> {
             &self.dec,
             samples,
             want,
+            opts,
             sink,
             |ids| self.rows(ids),
             &self.device,

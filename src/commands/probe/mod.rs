@@ -27,7 +27,8 @@ use crate::judge::{self, Dims, StaticInput, acceptance};
 use crate::locate;
 use crate::model::draft::{Chain, Eagle3Draft, open_draft};
 use crate::model::{
-    Capture, CaptureRequest, LoadedTarget, Produced, Progress, TargetOptions, open_target_with,
+    Capture, CaptureRequest, LoadedTarget, ManyOptions, Produced, Progress, TargetOptions,
+    open_target_with,
 };
 use crate::report::{ProbeRow, Report};
 use crate::spec::Spec;
@@ -300,19 +301,22 @@ fn capture_sets(
     let mut progress = Progress::new("target forward");
     let l = target.cfg.num_layers;
     let want = CaptureRequest::all();
-    target.model.forward_many(&ids, &want, &mut |s, what, t| {
-        let c = &mut captures[s];
-        match what {
-            Produced::Boundary(b) => {
-                c.hidden.insert(b, t.clone());
-                progress.tick(b, l);
+    let opts = ManyOptions::for_device(target.model.device());
+    target
+        .model
+        .forward_many(&ids, &want, &opts, &mut |s, what, t| {
+            let c = &mut captures[s];
+            match what {
+                Produced::Boundary(b) => {
+                    c.hidden.insert(b, t.clone());
+                    progress.tick(b, l);
+                }
+                Produced::FinalPreNorm => c.final_pre_norm = Some(t.clone()),
+                Produced::Logits => c.logits = Some(t.clone()),
+                Produced::LayerOutput(_) => {}
             }
-            Produced::FinalPreNorm => c.final_pre_norm = Some(t.clone()),
-            Produced::Logits => c.logits = Some(t.clone()),
-            Produced::LayerOutput(_) => {}
-        }
-        Ok(())
-    })?;
+            Ok(())
+        })?;
     progress.finish();
     captures
         .into_iter()
