@@ -9,6 +9,7 @@
 use crate::config::{MlaConfig, ModelConfig, MoeConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams};
+use crate::model::llama::{Packed, packed_rope};
 use crate::model::moe::{DEEPSEEK_NAMES, Ffn, MoeBlock, residual_step};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
@@ -222,7 +223,24 @@ impl Mla {
         xs: &Tensor,
         rope: &RopeTables,
     ) -> candle_core::Result<Tensor> {
+        self.forward_kernels_packed(xs, rope, &Packed::default())
+    }
+
+    /// [`Mla::forward_kernels`] over the sequences `packed` lays out in `xs`'s rows: flash
+    /// attention on each one's rows.
+    pub(crate) fn forward_kernels_packed(
+        &self,
+        xs: &Tensor,
+        rope: &RopeTables,
+        packed: &Packed,
+    ) -> candle_core::Result<Tensor> {
         let t = xs.dim(0)?;
+        let flash = |q: &Tensor, k: &Tensor, v: &Tensor, params: &AttnParams| {
+            packed.each(t, |a, len, _| {
+                let rows = |x: &Tensor| x.narrow(0, a, len);
+                kernels::flash_attention(&rows(q)?, &rows(k)?, &rows(v)?, params)
+            })
+        };
         let (nh, nope, rd, vd) = (self.heads, self.nope, self.rope, self.v_dim);
         let rot = |heads, head_stride, rot_offset| RopeParams {
             heads,
@@ -274,7 +292,7 @@ impl Mla {
             let k = ckv.matmul(&wk.t()?)?; // [T, nh * (nope + rope)]
             let v = ckv.matmul(&wv.t()?)?; // [T, nh * v]
             phases::mark("mla: kv projections", dev);
-            let out = kernels::flash_attention(&q, &k, &v, &params)?;
+            let out = flash(&q, &k, &v, &params)?;
             phases::mark("mla: flash attention", dev);
             let out = self.o.forward(&out)?;
             phases::mark("mla: o_proj", dev);
@@ -296,8 +314,7 @@ impl Mla {
             .narrow(2, nope, vd)?
             .contiguous()?
             .reshape((t, nh * vd))?;
-        self.o
-            .forward(&kernels::flash_attention(&q, &k, &v, &params)?)
+        self.o.forward(&flash(&q, &k, &v, &params)?)
     }
 
     /// `xs`: [T, in_dim] -> [T, hidden]
@@ -306,6 +323,18 @@ impl Mla {
         xs: &Tensor,
         rope: &RopeTables,
         mask: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        self.forward_packed(xs, rope, mask, &Packed::default())
+    }
+
+    /// [`Mla::forward`] over the sequences `packed` lays out in `xs`'s rows: attention on each
+    /// one's rows under its own mask.
+    pub(crate) fn forward_packed(
+        &self,
+        xs: &Tensor,
+        rope: &RopeTables,
+        mask: &Tensor,
+        packed: &Packed,
     ) -> candle_core::Result<Tensor> {
         let t = xs.dim(0)?;
         let (nh, nope, rd) = (self.heads, self.nope, self.rope);
@@ -337,7 +366,17 @@ impl Mla {
         let v = kv.narrow(D::Minus1, nope, self.v_dim)?;
         let k = Tensor::cat(&[&k_nope, &k_rot.broadcast_as((nh, t, rd))?], D::Minus1)?;
         let q = Tensor::cat(&[&q_pass, &q_rot], D::Minus1)?;
-        let out = attention(&q, &k, &v, mask, self.scale)?; // [T, nh * v]
+        // [T, nh * v]
+        let out = packed.each(t, |a, len, m| {
+            let rows = |x: &Tensor| x.narrow(1, a, len);
+            attention(
+                &rows(&q)?,
+                &rows(&k)?,
+                &rows(&v)?,
+                m.unwrap_or(mask),
+                self.scale,
+            )
+        })?;
         self.o.forward(&out)
     }
 }
@@ -417,6 +456,16 @@ impl DeepseekDecoder {
         })
     }
 
+    /// The causal mask of `t` tokens the candle path adds (a placeholder on the kernel path).
+    fn mask(&self, t: usize, device: &Device) -> Result<Tensor> {
+        match self.path {
+            ComputePath::Candle => causal_mask(t, None, self.dtype, device),
+            ComputePath::Kernels | ComputePath::Fused => {
+                Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())
+            }
+        }
+    }
+
     fn rope_dim(&self) -> usize {
         self.cfg.mla.as_ref().map_or(0, |m| m.qk_rope_head_dim)
     }
@@ -424,9 +473,9 @@ impl DeepseekDecoder {
 
 impl Decoder for DeepseekDecoder {
     type Layer = Layer;
-    /// Rope tables over the rope part of each head and the additive causal mask (a placeholder
-    /// on the kernel path).
-    type Ctx = (RopeTables, Tensor);
+    /// Rope tables over the rope part of each head, the additive causal mask (a placeholder
+    /// on the kernel path) and the sequences packed in the forward.
+    type Ctx = (RopeTables, Tensor, Packed);
 
     fn config(&self) -> &ModelConfig {
         &self.cfg
@@ -456,13 +505,13 @@ impl Decoder for DeepseekDecoder {
                 }
             }
         };
-        let mask = match self.path {
-            ComputePath::Candle => causal_mask(t, None, self.dtype, device)?,
-            ComputePath::Kernels | ComputePath::Fused => {
-                Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?
-            }
-        };
-        Ok((rope, mask))
+        Ok((rope, self.mask(t, device)?, Packed::default()))
+    }
+
+    fn context_packed(&self, lens: &[usize], device: &Device) -> Result<Option<Self::Ctx>> {
+        let rope = packed_rope(&self.cfg.rope, self.rope_dim(), lens, self.dtype, device)?;
+        let packed = Packed::new(lens, |t| self.mask(t, device))?;
+        Ok(Some((rope, self.mask(1, device)?, packed)))
     }
 
     fn step(
@@ -470,7 +519,7 @@ impl Decoder for DeepseekDecoder {
         layer: &Layer,
         i: usize,
         xs: &Tensor,
-        (rope, mask): &Self::Ctx,
+        (rope, mask, packed): &Self::Ctx,
     ) -> Result<LayerStep> {
         residual_step(
             i,
@@ -479,8 +528,8 @@ impl Decoder for DeepseekDecoder {
             &layer.input_norm,
             &layer.post_norm,
             &layer.ffn,
-            |normed| layer.attn.forward(normed, rope, mask),
-            |normed| layer.attn.forward_kernels(normed, rope),
+            |normed| layer.attn.forward_packed(normed, rope, mask, packed),
+            |normed| layer.attn.forward_kernels_packed(normed, rope, packed),
         )
     }
 }

@@ -136,14 +136,17 @@ impl ManyOptions {
     pub const UNPACKED: ManyOptions = ManyOptions { pack_tokens: 0 };
 
     /// Packing where it pays: on a GPU, where short samples are launch- and weight-bound
-    /// ([`GPU_PACK_TOKENS`]); on the CPU too (the GEMMs see more rows, the same bits).
+    /// ([`GPU_PACK_TOKENS`]). Not on the CPU, which is compute-bound at any length, and where
+    /// one sample per forward keeps every capture the bits of the sample's own forward (packed
+    /// rows are those bits for the Llama family in f32, within 1.3e-6 for the MoE families,
+    /// whose expert GEMMs then see other row counts: tests/stream.rs).
     pub fn for_device(device: &Device) -> ManyOptions {
-        ManyOptions {
-            pack_tokens: if device.is_cuda() {
-                GPU_PACK_TOKENS
-            } else {
-                CPU_PACK_TOKENS
-            },
+        if device.is_cuda() {
+            ManyOptions {
+                pack_tokens: GPU_PACK_TOKENS,
+            }
+        } else {
+            ManyOptions::UNPACKED
         }
     }
 }
@@ -151,8 +154,6 @@ impl ManyOptions {
 /// Tokens per packed forward on a GPU: an 8B-shape forward is GEMM-bound from about 2048
 /// tokens on (BENCHMARKS.md, the H200 runs), and 4096 keeps the activations of one pass small.
 pub const GPU_PACK_TOKENS: usize = 4096;
-/// Tokens per packed forward on the CPU.
-pub const CPU_PACK_TOKENS: usize = 2048;
 
 /// Hands a single forward's capture of sample `s` to `sink` in the order a layer-major forward
 /// would make its tensors: b = 0, then per layer its output and the boundary after it, then the

@@ -27,7 +27,7 @@
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{CandleContext, Error, Result};
-use crate::model::llama::Attention;
+use crate::model::llama::{Attention, Packed, packed_rope};
 use crate::model::moe::{
     DEEPSEEK_NAMES, Ffn, GPT_OSS_NAMES, MINIMAX_NAMES, MoeBlock, MoeNames, QWEN_NAMES,
     residual_step,
@@ -117,6 +117,29 @@ pub(crate) struct Ctx {
     rope: RopeTables,
     full: Tensor,
     sliding: Option<Tensor>,
+    /// The sequences packed in the forward, with each one's causal and sliding masks.
+    packed_full: Packed,
+    packed_sliding: Packed,
+}
+
+impl SparseDecoder {
+    /// The candle path's causal mask of `t` tokens and, when a layer has a window, its
+    /// sliding one (placeholders on the kernel path, whose flash attention masks by position).
+    fn masks(&self, t: usize, device: &Device) -> Result<(Tensor, Option<Tensor>)> {
+        let window = (0..self.cfg.num_layers).find_map(|i| self.cfg.window_of(i));
+        Ok(match self.path {
+            ComputePath::Candle => (
+                causal_mask(t, None, self.dtype, device)?,
+                window
+                    .map(|w| causal_mask(t, Some(w), self.dtype, device))
+                    .transpose()?,
+            ),
+            ComputePath::Kernels | ComputePath::Fused => (
+                Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
+                None,
+            ),
+        })
+    }
 }
 
 impl Decoder for SparseDecoder {
@@ -137,30 +160,39 @@ impl Decoder for SparseDecoder {
 
     fn context(&self, t: usize, device: &Device) -> Result<Ctx> {
         let rope = RopeTables::new(&self.cfg.rope, self.cfg.rotary_dim, t, self.dtype, device)?;
-        let window = (0..self.cfg.num_layers).find_map(|i| self.cfg.window_of(i));
-        let (full, sliding) = match self.path {
-            ComputePath::Candle => (
-                causal_mask(t, None, self.dtype, device)?,
-                window
-                    .map(|w| causal_mask(t, Some(w), self.dtype, device))
-                    .transpose()?,
-            ),
-            ComputePath::Kernels | ComputePath::Fused => (
-                Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?,
-                None,
-            ),
-        };
+        let (full, sliding) = self.masks(t, device)?;
         Ok(Ctx {
             rope,
             full,
             sliding,
+            packed_full: Packed::default(),
+            packed_sliding: Packed::default(),
         })
     }
 
+    fn context_packed(&self, lens: &[usize], device: &Device) -> Result<Option<Ctx>> {
+        let cfg = &self.cfg;
+        let rope = packed_rope(&cfg.rope, cfg.rotary_dim, lens, self.dtype, device)?;
+        let (full, sliding) = self.masks(1, device)?;
+        let packed_full = Packed::new(lens, |t| Ok(self.masks(t, device)?.0))?;
+        let packed_sliding = Packed::new(lens, |t| {
+            let (full, sliding) = self.masks(t, device)?;
+            Ok(sliding.unwrap_or(full))
+        })?;
+        Ok(Some(Ctx {
+            rope,
+            full,
+            sliding,
+            packed_full,
+            packed_sliding,
+        }))
+    }
+
     fn step(&self, layer: &Layer, i: usize, xs: &Tensor, ctx: &Ctx) -> Result<LayerStep> {
-        let mask = match (layer.attn.window(), &ctx.sliding) {
-            (Some(_), Some(sliding)) => sliding,
-            _ => &ctx.full,
+        let (mask, packed) = match (layer.attn.window(), &ctx.sliding) {
+            (Some(_), Some(sliding)) => (sliding, &ctx.packed_sliding),
+            (Some(_), None) => (&ctx.full, &ctx.packed_sliding),
+            _ => (&ctx.full, &ctx.packed_full),
         };
         residual_step(
             i,
@@ -169,8 +201,8 @@ impl Decoder for SparseDecoder {
             &layer.input_norm,
             &layer.post_norm,
             &layer.ffn,
-            |normed| layer.attn.forward(normed, &ctx.rope, mask),
-            |normed| layer.attn.forward_kernels(normed, &ctx.rope),
+            |normed| layer.attn.forward_packed(normed, &ctx.rope, mask, packed),
+            |normed| layer.attn.forward_kernels_packed(normed, &ctx.rope, packed),
         )
     }
 }
