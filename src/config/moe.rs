@@ -111,7 +111,13 @@ fn checked(moe: MoeConfig, path: &Path) -> Result<MoeConfig> {
 /// The MoE settings of `arch`'s config, `None` for a dense one.
 pub(super) fn resolve(arch: Arch, raw: &ConfigFile, path: &Path) -> Result<Option<MoeConfig>> {
     let moe = match arch {
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 | Arch::Gemma3 => {
+        Arch::Llama
+        | Arch::Mistral
+        | Arch::Qwen2
+        | Arch::Qwen3
+        | Arch::Phi3
+        | Arch::Gemma3
+        | Arch::Gemma4 => {
             return Ok(None);
         }
         Arch::Llama4 => llama4(raw, path)?,
@@ -120,14 +126,19 @@ pub(super) fn resolve(arch: Arch, raw: &ConfigFile, path: &Path) -> Result<Optio
             Some(n) if n > 0 => deepseek_style(arch, raw, path, n)?,
             _ => return Ok(None),
         },
-        Arch::Qwen3Moe | Arch::Qwen2Moe => {
-            // `Qwen3MoeConfig.num_experts` defaults to 128, `Qwen2MoeConfig`'s to 60; 0 is a
-            // dense model (`Qwen3MoeDecoderLayer.__init__`: `config.num_experts > 0`).
-            // transformers 5 writes it as `num_local_experts` (its `attribute_map`).
+        Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Qwen3VlMoe | Arch::Qwen3Next => {
+            // `Qwen3MoeConfig.num_experts` defaults to 128, `Qwen2MoeConfig`'s and
+            // `Qwen3VLMoeTextConfig`'s to 60, `Qwen3NextConfig`'s to 512; 0 is a dense model
+            // (`Qwen3MoeDecoderLayer.__init__`: `config.num_experts > 0`). transformers 5
+            // writes it as `num_local_experts` (its `attribute_map`).
             let n = raw
                 .num_experts
                 .or(raw.num_local_experts)
-                .unwrap_or(if arch == Arch::Qwen3Moe { 128 } else { 60 });
+                .unwrap_or(match arch {
+                    Arch::Qwen3Moe => 128,
+                    Arch::Qwen3Next => 512,
+                    _ => 60,
+                });
             if n == 0 {
                 return Ok(None);
             }
@@ -246,22 +257,28 @@ fn deepseek_style(arch: Arch, raw: &ConfigFile, path: &Path, n: usize) -> Result
     })
 }
 
-/// Qwen3-MoE and Qwen2-MoE: softmax top-k (both configs default `norm_topk_prob` to false;
-/// Qwen3's released configs set it true); Qwen2-MoE adds a gated shared expert
-/// (`Qwen2MoeSparseMoeBlock`).
+/// Qwen3-MoE, Qwen2-MoE, Qwen3-VL-MoE's tower and Qwen3-Next: softmax top-k (Qwen2/3-MoE's
+/// configs default `norm_topk_prob` to false, Qwen3's released configs set it true;
+/// `Qwen3NextConfig` defaults it to true; `Qwen3VLMoeTextTopKRouter` renormalises whatever the
+/// config says). Qwen2-MoE and Qwen3-Next add a shared expert behind its sigmoid gate
+/// (`Qwen2MoeSparseMoeBlock`, `Qwen3NextSparseMoeBlock`).
 fn qwen_style(arch: Arch, raw: &ConfigFile, path: &Path, n: usize) -> Result<MoeConfig> {
-    let qwen2 = arch == Arch::Qwen2Moe;
-    let shared = if qwen2 {
-        raw.shared_expert_intermediate_size.unwrap_or(0)
-    } else {
-        0
+    let shared = match arch {
+        Arch::Qwen2Moe => raw.shared_expert_intermediate_size.unwrap_or(0),
+        Arch::Qwen3Next => raw.shared_expert_intermediate_size.unwrap_or(512),
+        _ => 0,
+    };
+    let norm_topk = match arch {
+        Arch::Qwen3VlMoe => true,
+        Arch::Qwen3Next => raw.norm_topk_prob.unwrap_or(true),
+        _ => raw.norm_topk_prob.unwrap_or(false),
     };
     Ok(MoeConfig {
         n_routed_experts: n,
         routing: Routing::top_k(
             Scoring::Softmax,
             need(raw.num_experts_per_tok, path, "num_experts_per_tok")?,
-            raw.norm_topk_prob.unwrap_or(false),
+            norm_topk,
         ),
         moe_intermediate_size: need(raw.moe_intermediate_size, path, "moe_intermediate_size")?,
         shared_intermediate: shared,

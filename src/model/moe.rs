@@ -36,10 +36,23 @@ pub(crate) struct MoeNames {
     /// and gpt-oss's (`F.linear(hidden_states, self.weight)` in the model dtype, the scores
     /// then taken in f32), so that a bf16 run picks the experts a bf16 HF run picks.
     pub router_f32: bool,
-    /// The fused experts' weights stored input by output (`gate_up_proj` [E, H, 2I],
-    /// `down_proj` [E, I, H]: Llama-4's `Llama4TextExperts` multiplies `hidden @ W`), not
-    /// transformers 5's usual output by input ([E, 2I, H], [E, H, I]).
-    pub experts_in_by_out: bool,
+    /// How the fused experts' weights (`gate_up_proj`, `down_proj`) are laid out.
+    pub fused: FusedLayout,
+}
+
+/// The layout of fused expert weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FusedLayout {
+    /// transformers 5's usual output by input: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I].
+    OutByIn,
+    /// Input by output, `gate_up_proj` [E, H, 2I], `down_proj` [E, I, H]: Llama-4's
+    /// `Llama4TextExperts` multiplies `hidden @ W`.
+    InByOut,
+    /// Each tensor as its shape says, output by input when it fits that: the published
+    /// Qwen3-VL-MoE checkpoints store [E, H, 2I] / [E, I, H], transformers 5's `save_pretrained`
+    /// [E, 2I, H] / [E, H, I], and conversion_mapping.py (`qwen3_vl_moe`: `Transpose(1, 2,
+    /// check_dims=True)`) transposes a tensor only when its shape is not the module's.
+    ByShape,
 }
 
 /// DeepSeek-V3, Kimi-K2, GLM-4.5, GLM-4.7-Flash (`DeepseekV3MoE`, `Glm4MoeMoE`).
@@ -48,7 +61,7 @@ pub(crate) const DEEPSEEK_NAMES: MoeNames = MoeNames {
     correction: &["gate.e_score_correction_bias"],
     shared: "shared_experts",
     router_f32: true,
-    experts_in_by_out: false,
+    fused: FusedLayout::OutByIn,
 };
 
 /// Qwen3-MoE, Qwen2-MoE (`Qwen2MoeSparseMoeBlock`: `shared_expert`, `shared_expert_gate`).
@@ -57,7 +70,14 @@ pub(crate) const QWEN_NAMES: MoeNames = MoeNames {
     correction: &[],
     shared: "shared_expert",
     router_f32: false,
-    experts_in_by_out: false,
+    fused: FusedLayout::OutByIn,
+};
+
+/// Qwen3-VL-MoE's tower (`Qwen3VLMoeTextSparseMoeBlock`): Qwen3-MoE's names, the fused experts
+/// in either layout ([`FusedLayout::ByShape`]).
+pub(crate) const QWEN_VL_NAMES: MoeNames = MoeNames {
+    fused: FusedLayout::ByShape,
+    ..QWEN_NAMES
 };
 
 /// MiniMax-M2: transformers keeps the bias on the block (`MiniMaxM2SparseMoeBlock`), its
@@ -67,7 +87,7 @@ pub(crate) const MINIMAX_NAMES: MoeNames = MoeNames {
     correction: &["e_score_correction_bias", "gate.e_score_correction_bias"],
     shared: "shared_experts",
     router_f32: false,
-    experts_in_by_out: false,
+    fused: FusedLayout::OutByIn,
 };
 
 /// gpt-oss (`GptOssMLP`: `router` with a bias, `experts`).
@@ -76,7 +96,7 @@ pub(crate) const GPT_OSS_NAMES: MoeNames = MoeNames {
     correction: &[],
     shared: "shared_experts",
     router_f32: false,
-    experts_in_by_out: false,
+    fused: FusedLayout::OutByIn,
 };
 
 /// Llama-4 (`Llama4TextMoe`: `router` without a bias, `shared_expert`, `experts` input by
@@ -86,7 +106,7 @@ pub(crate) const LLAMA4_NAMES: MoeNames = MoeNames {
     correction: &[],
     shared: "shared_expert",
     router_f32: false,
-    experts_in_by_out: true,
+    fused: FusedLayout::InByOut,
 };
 
 /// The router: its logits in f32 or in the compute dtype as transformers computes them
@@ -467,31 +487,13 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize, names: &MoeNames) -> Result<
     if let ExpertsAct::ClampedSwiglu { .. } = moe.act {
         return load_gpt_oss_experts(ex, moe, h);
     }
-    if names.experts_in_by_out {
-        // Llama-4: `gate_up_proj` [E, H, 2I] (gate the first I output columns, up the rest:
-        // `gate_up.chunk(2, dim=-1)`), `down_proj` [E, I, H]; transposed into the stacked
-        // output-by-input rows every expert path reads.
-        let what = ex.path("gate_up_proj");
-        let gate_up = ex.get("gate_up_proj", &[e, h, 2 * inter])?;
-        let down = ex.get("down_proj", &[e, inter, h])?;
-        let stack = || -> candle_core::Result<StackedExperts> {
-            Ok(StackedExperts::new(
-                e,
-                gate_up
-                    .transpose(1, 2)?
-                    .contiguous()?
-                    .reshape((e * 2 * inter, h))?,
-                down.transpose(1, 2)?
-                    .contiguous()?
-                    .reshape((e * h, inter))?,
-            ))
-        };
-        return stacked_experts(stack().ctx(|| what.clone())?, moe.act, &what);
-    }
     if ex.contains("gate_up_proj") {
+        // `gate_up_proj`: each expert's gate rows, then its up rows (`chunk(2)` over the
+        // outputs); input-by-output tensors are transposed into the stacked output-by-input
+        // rows every expert path reads.
         let what = ex.path("gate_up_proj");
-        let gate_up = ex.get("gate_up_proj", &[e, 2 * inter, h])?;
-        let down = ex.get("down_proj", &[e, h, inter])?;
+        let gate_up = fused_weight(ex, "gate_up_proj", [e, 2 * inter, h], names.fused)?;
+        let down = fused_weight(ex, "down_proj", [e, h, inter], names.fused)?;
         let stacked = StackedExperts::new(
             e,
             gate_up.reshape((e * 2 * inter, h)).ctx(|| what.clone())?,
@@ -533,6 +535,23 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize, names: &MoeNames) -> Result<
         act: moe.act,
         stacked: None,
     })
+}
+
+/// A fused expert weight `name` as `[E, out, in]` (`out_by_in`), from the layout `layout` says.
+fn fused_weight(ex: &Vb, name: &str, out_by_in: [usize; 3], layout: FusedLayout) -> Result<Tensor> {
+    let [e, out, inp] = out_by_in;
+    let stored_out_by_in = match layout {
+        FusedLayout::OutByIn => true,
+        FusedLayout::InByOut => false,
+        FusedLayout::ByShape => ex.shape_of(name).as_deref() == Some(&out_by_in[..]),
+    };
+    if stored_out_by_in {
+        return ex.get(name, &out_by_in);
+    }
+    ex.get(name, &[e, inp, out])?
+        .transpose(1, 2)
+        .and_then(|w| w.contiguous())
+        .ctx(|| ex.path(name))
 }
 
 /// Experts over `stacked`: each expert's [`Mlp`] views of its rows (and of its biases, where
