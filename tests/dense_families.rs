@@ -632,12 +632,12 @@ fn run_diff_and_probe_work_on_every_dense_family() {
 
 /// What the Gemma runner does not compute is refused when the config is read, in one line with
 /// exit 2: bidirectional attention, attention-logit softcapping, another activation; and
-/// Gemma-4's per-layer inputs (E2B/E4B), KV sharing, MoE block, fully bidirectional attention,
-/// per-layer overrides beyond the attention's shape, and modelopt-quantised weights.
+/// Gemma-4's per-layer inputs (E2B/E4B), KV sharing, fully bidirectional attention, per-layer
+/// overrides beyond the attention's shape, and modelopt-quantised weights.
 #[test]
 fn gemma_settings_the_runner_does_not_compute_are_refused() {
     let draft = fixture("models/qwen3-draft");
-    let gemma4: [(&str, &str, serde_json::Value, &str); 6] = [
+    let gemma4: [(&str, &str, serde_json::Value, &str); 5] = [
         (
             "ple",
             "hidden_size_per_layer_input",
@@ -649,12 +649,6 @@ fn gemma_settings_the_runner_does_not_compute_are_refused() {
             "num_kv_shared_layers",
             serde_json::json!(2),
             "num_kv_shared_layers 2",
-        ),
-        (
-            "moe",
-            "enable_moe_block",
-            serde_json::json!(true),
-            "enable_moe_block",
         ),
         (
             "bidir-all",

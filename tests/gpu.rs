@@ -74,7 +74,7 @@ fn worst(name: &str, cfg: &ModelConfig, cap: &Capture) -> f64 {
     worst
 }
 
-const TARGETS: [&str; 27] = [
+const TARGETS: [&str; 28] = [
     "llama",
     "llama_linear_bias",
     "mistral",
@@ -99,13 +99,14 @@ const TARGETS: [&str; 27] = [
     "qwen3_vl",
     "qwen3_5_moe",
     "gemma4_text",
+    "gemma4_moe",
     "gemma4",
     "qwen3_next",
     "qwen3_vl_moe",
 ];
 
 /// The MoE fixtures whose routing the GPU must reproduce.
-const MOE_TARGETS: [&str; 14] = [
+const MOE_TARGETS: [&str; 15] = [
     "deepseek_v3",
     "deepseek_v3_noq",
     "qwen3_moe",
@@ -120,6 +121,7 @@ const MOE_TARGETS: [&str; 14] = [
     "qwen3_5_moe",
     "qwen3_next",
     "qwen3_vl_moe",
+    "gemma4_moe",
 ];
 
 #[test]

@@ -22,7 +22,7 @@ use std::path::Path;
 const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
 
 /// (fixture, the HF modeling file its numbers come from)
-const FAMILIES: [(&str, &str); 12] = [
+const FAMILIES: [(&str, &str); 13] = [
     ("qwen3_moe", "models/qwen3_moe/modeling_qwen3_moe.py"),
     ("qwen2_moe", "models/qwen2_moe/modeling_qwen2_moe.py"),
     ("minimax_m2", "models/minimax_m2/modeling_minimax_m2.py"),
@@ -43,6 +43,10 @@ const FAMILIES: [(&str, &str); 12] = [
     (
         "qwen3_vl_moe",
         "models/qwen3_vl_moe/modeling_qwen3_vl_moe.py (Qwen3VLMoeTextModel)",
+    ),
+    (
+        "gemma4_moe",
+        "models/gemma4/modeling_gemma4.py (Gemma4ForCausalLM, enable_moe_block)",
     ),
 ];
 
@@ -159,6 +163,13 @@ fn moe_family_configs_resolve_as_transformers_reads_them() {
         (vl.rope.theta, &vl.rope.scaling),
         (5e6, &eagle_check::config::RopeScaling::None)
     );
+    // Gemma-4's MoE block: every layer, softmax top-k renormalised, GELU-tanh experts.
+    let g4 = cfg("gemma4_moe");
+    let m = g4.moe.as_ref().unwrap();
+    assert_eq!((g4.arch, m.n_routed_experts, m.k()), (Arch::Gemma4, 8, 2));
+    assert!(m.routing.norm_topk && m.shared_intermediate == 0);
+    assert_eq!(m.act, ExpertsAct::GeluTanhMul);
+    assert!((0..g4.num_layers).all(|l| m.is_moe_layer(l)));
 }
 
 fn worst_of(dir: &Path, name: &str) -> f64 {
@@ -333,6 +344,24 @@ fn planted_family_bugs_break_the_parity() {
     assert!(
         worst > 1e-2,
         "qwen3-vl-moe gate/up swapped must fail: {worst:.2e}"
+    );
+    // Gemma-4's MoE block (modeling_gemma4.py) without its `per_expert_scale`: every factor 1.
+    let unscaled = planted(
+        "gemma4_moe",
+        "expert-scale",
+        |_| {},
+        |w| {
+            for (k, v) in w.iter_mut() {
+                if k.ends_with("router.per_expert_scale") {
+                    *v = v.ones_like().unwrap();
+                }
+            }
+        },
+    );
+    let worst = worst_of(&unscaled, "gemma4_moe");
+    assert!(
+        worst > 1e-2,
+        "per_expert_scale ignored must fail: {worst:.2e}"
     );
 }
 

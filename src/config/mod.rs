@@ -131,6 +131,8 @@ pub struct ConfigFile {
     pub enable_moe_block: Option<bool>,
     pub use_double_wide_mlp: Option<bool>,
     pub top_k_experts: Option<usize>,
+    /// Gemma-4's published 5.5 configs spell `moe_intermediate_size` so.
+    pub expert_intermediate_size: Option<usize>,
 }
 
 /// An optional value that may be written as `null`.
@@ -569,6 +571,13 @@ impl ConfigFile {
             ("n_shared_experts", self.n_shared_experts),
             ("num_experts_per_tok", self.num_experts_per_tok),
             ("moe_intermediate_size", self.moe_intermediate_size),
+            ("expert_intermediate_size", self.expert_intermediate_size),
+            ("top_k_experts", self.top_k_experts),
+            ("global_head_dim", self.global_head_dim),
+            (
+                "num_global_key_value_heads",
+                self.num_global_key_value_heads,
+            ),
             ("first_k_dense_replace", self.first_k_dense_replace),
             ("moe_layer_freq", self.moe_layer_freq),
             ("n_group", self.n_group),
@@ -1246,8 +1255,8 @@ fn resolve_gemma(
 /// Gemma-4's layers as `Gemma4TextConfig.__post_init__` fills them in (transformers 5.24),
 /// refusing by name what the runner does not compute: the per-layer inputs of the small models
 /// (`hidden_size_per_layer_input`, default 256), KV sharing across layers
-/// (`num_kv_shared_layers`), the MoE block (`enable_moe_block`) and any `per_layer_config` key
-/// beyond the attention's shape. `sliding`: each layer's type.
+/// (`num_kv_shared_layers`) and any `per_layer_config` key beyond the attention's shape.
+/// `sliding`: each layer's type.
 fn resolve_gemma4(
     raw: &ConfigFile,
     (heads, kv_heads, head_dim): (usize, usize, usize),
@@ -1265,9 +1274,6 @@ fn resolve_gemma4(
         return refuse(format!(
             "num_kv_shared_layers {n} is not supported (Gemma-4's layers sharing keys and values)"
         ));
-    }
-    if raw.enable_moe_block == Some(true) {
-        return refuse("enable_moe_block true is not supported (Gemma-4's MoE block)".into());
     }
     let k_eq_v = raw.attention_k_eq_v.unwrap_or(false);
     let mut head_dims = vec![head_dim; sliding.len()];

@@ -28,6 +28,9 @@ pub enum MoeLayers {
 pub enum ExpertsAct {
     /// `down(silu(gate(x)) * up(x))`.
     SiluMul,
+    /// Gemma-4 (`Gemma4TextExperts`, `hidden_activation` `gelu_pytorch_tanh`):
+    /// `down(gelu_tanh(gate(x)) * up(x))`.
+    GeluTanhMul,
     /// gpt-oss (`GptOssExperts._apply_gate`): `gate = min(gate, limit)`,
     /// `up = clamp(up, -limit, limit)`, `(up + 1) * gate * sigmoid(alpha * gate)`, with biases
     /// on both projections.
@@ -111,15 +114,11 @@ fn checked(moe: MoeConfig, path: &Path) -> Result<MoeConfig> {
 /// The MoE settings of `arch`'s config, `None` for a dense one.
 pub(super) fn resolve(arch: Arch, raw: &ConfigFile, path: &Path) -> Result<Option<MoeConfig>> {
     let moe = match arch {
-        Arch::Llama
-        | Arch::Mistral
-        | Arch::Qwen2
-        | Arch::Qwen3
-        | Arch::Phi3
-        | Arch::Gemma3
-        | Arch::Gemma4 => {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 | Arch::Gemma3 => {
             return Ok(None);
         }
+        Arch::Gemma4 if raw.enable_moe_block != Some(true) => return Ok(None),
+        Arch::Gemma4 => gemma4(raw, path)?,
         Arch::Llama4 => llama4(raw, path)?,
         Arch::Qwen35Moe => qwen35(raw, path)?,
         Arch::DeepseekV3 | Arch::Glm4Moe | Arch::Glm4MoeLite => match raw.n_routed_experts {
@@ -343,6 +342,42 @@ fn qwen35(raw: &ConfigFile, path: &Path) -> Result<MoeConfig> {
         shared_gate: shared > 0,
         layers: MoeLayers::All,
         act: ExpertsAct::SiluMul,
+        weights_on_input: false,
+    })
+}
+
+/// Gemma-4's MoE block (`Gemma4TextConfig.enable_moe_block`, transformers 5.24
+/// `Gemma4TextRouter`, `Gemma4TextExperts`): in every layer beside the dense MLP,
+/// `num_experts` experts of `moe_intermediate_size` (the published 5.5 configs write
+/// `expert_intermediate_size`, which 5.24 does not read: taken when the other is absent), a
+/// softmax top-`top_k_experts` renormalised (each weight then times the expert's
+/// `per_expert_scale`, [`crate::model::moe`]), GELU-tanh experts; no shared expert.
+fn gemma4(raw: &ConfigFile, path: &Path) -> Result<MoeConfig> {
+    let act = raw
+        .hidden_activation
+        .as_deref()
+        .unwrap_or("gelu_pytorch_tanh");
+    if act != "gelu_pytorch_tanh" {
+        return Err(bad(
+            path,
+            format!(
+                "enable_moe_block with hidden_activation `{act}` is not supported (gelu_pytorch_tanh)"
+            ),
+        ));
+    }
+    let inter = raw.moe_intermediate_size.or(raw.expert_intermediate_size);
+    Ok(MoeConfig {
+        n_routed_experts: need(raw.num_experts, path, "num_experts")?,
+        routing: Routing::top_k(
+            Scoring::Softmax,
+            need(raw.top_k_experts, path, "top_k_experts")?,
+            true,
+        ),
+        moe_intermediate_size: need(inter, path, "moe_intermediate_size")?,
+        shared_intermediate: 0,
+        shared_gate: false,
+        layers: MoeLayers::All,
+        act: ExpertsAct::GeluTanhMul,
         weights_on_input: false,
     })
 }

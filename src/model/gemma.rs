@@ -81,6 +81,8 @@ pub(crate) struct Layer {
     mlp: GeluMlp,
     /// Gemma-4: the layer's output times this `[1]` (`layer_scalar`).
     scalar: Option<Tensor>,
+    /// Gemma-4's MoE block beside the dense MLP.
+    moe: Option<Box<gemma4::Gemma4Moe>>,
 }
 
 /// The Gemma text decoder ([`Decoder`]).
@@ -158,6 +160,7 @@ impl Decoder for GemmaDecoder {
             post_ff_norm: norm("post_feedforward_layernorm", h)?,
             mlp: GeluMlp::load(&l.pp("mlp"), h, cfg.intermediate_size, self.gemma.act)?,
             scalar: v4.map(|_| l.get("layer_scalar", &[1])).transpose()?,
+            moe: gemma4::Gemma4Moe::load(cfg, &l, self.dtype)?.map(Box::new),
         })
     }
 
@@ -213,7 +216,12 @@ impl Decoder for GemmaDecoder {
             let (xs, normed) = layer
                 .pre_ff_norm
                 .add_forward(xs, &layer.post_attn_norm.forward(&a)?)?;
-            let m = layer.post_ff_norm.forward(&layer.mlp.forward(&normed)?)?;
+            let mlp = layer.mlp.forward(&normed)?;
+            let (mlp, extras) = match &layer.moe {
+                Some(moe) => moe.forward(i, self.path, &xs, &mlp)?,
+                None => (mlp, Vec::new()),
+            };
+            let m = layer.post_ff_norm.forward(&mlp)?;
             let next = (xs + &m)?;
             let next = match &layer.scalar {
                 Some(s) => next.broadcast_mul(s)?,
@@ -222,7 +230,7 @@ impl Decoder for GemmaDecoder {
             Ok(LayerStep {
                 next,
                 ffn_out: m,
-                extras: Vec::new(),
+                extras,
             })
         };
         step().ctx(|| format!("decoder layer {i}"))

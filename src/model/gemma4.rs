@@ -21,12 +21,22 @@
 //!   `Gemma4ForCausalLM.forward` and `Gemma4ForConditionalGeneration.forward` (both softcap the
 //!   logits with `final_logit_softcapping`): `model::gemma`.
 //!
-//! What the runner does not compute (per-layer inputs, KV sharing, the MoE block) is refused
-//! when the config is read ([`crate::config::Gemma4Layers`]).
+//! - `Gemma4TextDecoderLayer.forward` with `enable_moe_block` ([`Gemma4Moe`]): the dense
+//!   MLP's output through `post_feedforward_layernorm_1`, plus the experts' through
+//!   `post_feedforward_layernorm_2`, both before `post_feedforward_layernorm`; the experts read
+//!   `pre_feedforward_layernorm_2(residual)`, the router (`Gemma4TextRouter`) its own input:
+//!   the residual RMS-normalised without a weight, times `router.scale`, times `H^-0.5`, then
+//!   `router.proj`, a softmax top-k renormalised and each weight times the expert's
+//!   `per_expert_scale` ([`crate::model::moe::GEMMA4_NAMES`]); GELU-tanh experts.
+//!
+//! What the runner does not compute (per-layer inputs, KV sharing) is refused when the config
+//! is read ([`crate::config::Gemma4Layers`]).
 
 use crate::config::{Gemma4Layers, ModelConfig};
 use crate::error::{CandleContext, Result};
+use crate::model::ComputePath;
 use crate::model::llama::{Attention, AttnShape};
+use crate::model::moe::{GEMMA4_NAMES, MoeBlock, routing_extras};
 use crate::model::nn::{Linear, RmsNorm};
 use crate::model::source::Vb;
 use candle_core::{DType, Tensor};
@@ -77,4 +87,63 @@ pub(crate) fn load_attention(
         scale: 1.0,
     };
     Ok(Attention::with_shape([q, k, v, o], norms, shape))
+}
+
+/// A weightless RMSNorm (`Gemma4RMSNorm(with_scale=False)`) over `size`.
+fn unweighted(vb: &Vb, size: usize, eps: f64, dtype: DType) -> Result<RmsNorm> {
+    let weight = Tensor::ones(size, dtype, &vb.device).ctx(|| vb.path("norm (no weight)"))?;
+    Ok(RmsNorm { weight, eps })
+}
+
+/// Gemma-4's MoE block beside a layer's dense MLP (`enable_moe_block`).
+pub(crate) struct Gemma4Moe {
+    block: MoeBlock,
+    /// The router's input: `norm(residual) * scale * H^-0.5`.
+    router_norm: RmsNorm,
+    /// `router.scale` [H].
+    router_scale: Tensor,
+    root: f64,
+    pre_experts: RmsNorm,
+    post_mlp: RmsNorm,
+    post_experts: RmsNorm,
+}
+
+impl Gemma4Moe {
+    /// Layer `l`'s block, `None` without `enable_moe_block`.
+    pub(crate) fn load(cfg: &ModelConfig, l: &Vb, dtype: DType) -> Result<Option<Gemma4Moe>> {
+        let Some(moe) = &cfg.moe else {
+            return Ok(None);
+        };
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let norm = |name: &str| RmsNorm::load(&l.pp(name), h, eps);
+        Ok(Some(Gemma4Moe {
+            block: MoeBlock::load(cfg, moe, l, &GEMMA4_NAMES)?,
+            router_norm: unweighted(l, h, eps, dtype)?,
+            router_scale: l.get("router.scale", &[h])?,
+            root: (h as f64).powf(-0.5),
+            pre_experts: norm("pre_feedforward_layernorm_2")?,
+            post_mlp: norm("post_feedforward_layernorm_1")?,
+            post_experts: norm("post_feedforward_layernorm_2")?,
+        }))
+    }
+
+    /// `residual` [T, H] (the stream after attention), `mlp` [T, H] (the dense MLP's output) ->
+    /// the sum `post_feedforward_layernorm` takes, and layer `i`'s routing extras.
+    pub(crate) fn forward(
+        &self,
+        i: usize,
+        path: ComputePath,
+        residual: &Tensor,
+        mlp: &Tensor,
+    ) -> candle_core::Result<(Tensor, Vec<(String, Tensor)>)> {
+        let router_in = (self
+            .router_norm
+            .forward(residual)?
+            .broadcast_mul(&self.router_scale)?
+            * self.root)?;
+        let experts_in = self.pre_experts.forward(residual)?;
+        let (experts, routing) = self.block.forward_on(path, &router_in, &experts_in)?;
+        let sum = (self.post_mlp.forward(mlp)? + self.post_experts.forward(&experts)?)?;
+        Ok((sum, routing_extras(i, Some(routing))))
+    }
 }

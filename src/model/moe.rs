@@ -38,6 +38,9 @@ pub(crate) struct MoeNames {
     pub router_f32: bool,
     /// How the fused experts' weights (`gate_up_proj`, `down_proj`) are laid out.
     pub fused: FusedLayout,
+    /// Gemma-4: `[E]` factors each pick's weight is multiplied by after the renormalisation
+    /// (`Gemma4TextRouter.forward`: `top_k_weights * per_expert_scale[top_k_index]`).
+    pub expert_scale: Option<&'static str>,
 }
 
 /// The layout of fused expert weights.
@@ -62,6 +65,7 @@ pub(crate) const DEEPSEEK_NAMES: MoeNames = MoeNames {
     shared: "shared_experts",
     router_f32: true,
     fused: FusedLayout::OutByIn,
+    expert_scale: None,
 };
 
 /// Qwen3-MoE, Qwen2-MoE (`Qwen2MoeSparseMoeBlock`: `shared_expert`, `shared_expert_gate`).
@@ -71,12 +75,22 @@ pub(crate) const QWEN_NAMES: MoeNames = MoeNames {
     shared: "shared_expert",
     router_f32: false,
     fused: FusedLayout::OutByIn,
+    expert_scale: None,
 };
 
 /// Qwen3-VL-MoE's tower (`Qwen3VLMoeTextSparseMoeBlock`): Qwen3-MoE's names, the fused experts
 /// in either layout ([`FusedLayout::ByShape`]).
 pub(crate) const QWEN_VL_NAMES: MoeNames = MoeNames {
     fused: FusedLayout::ByShape,
+    ..QWEN_NAMES
+};
+
+/// Gemma-4's MoE block, under the decoder layer itself (`Gemma4TextDecoderLayer`: `router.proj`
+/// without a bias, `router.per_expert_scale`, `experts` output by input); the router's input
+/// scaling is the layer's (`model::gemma4`).
+pub(crate) const GEMMA4_NAMES: MoeNames = MoeNames {
+    router: "router.proj",
+    expert_scale: Some("router.per_expert_scale"),
     ..QWEN_NAMES
 };
 
@@ -88,6 +102,7 @@ pub(crate) const MINIMAX_NAMES: MoeNames = MoeNames {
     shared: "shared_experts",
     router_f32: false,
     fused: FusedLayout::OutByIn,
+    expert_scale: None,
 };
 
 /// gpt-oss (`GptOssMLP`: `router` with a bias, `experts`).
@@ -97,6 +112,7 @@ pub(crate) const GPT_OSS_NAMES: MoeNames = MoeNames {
     shared: "shared_experts",
     router_f32: false,
     fused: FusedLayout::OutByIn,
+    expert_scale: None,
 };
 
 /// Llama-4 (`Llama4TextMoe`: `router` without a bias, `shared_expert`, `experts` input by
@@ -107,6 +123,7 @@ pub(crate) const LLAMA4_NAMES: MoeNames = MoeNames {
     shared: "shared_expert",
     router_f32: false,
     fused: FusedLayout::InByOut,
+    expert_scale: None,
 };
 
 /// The router: its logits in f32 or in the compute dtype as transformers computes them
@@ -120,6 +137,8 @@ struct Router {
     correction: Vec<f32>,
     /// The same as an f32 tensor on the model's device, for the routing kernel.
     correction_t: Tensor,
+    /// Gemma-4's `per_expert_scale` [E] (f32), on the host and on the model's device.
+    expert_scale: Option<(Vec<f32>, Tensor)>,
 }
 
 impl Router {
@@ -170,6 +189,11 @@ impl Experts {
         let mlp = &self.mlps[e];
         match self.act {
             ExpertsAct::SiluMul => mlp.forward(xs),
+            // `Gemma4TextExperts.forward`: `act_fn(gate) * up` (torch's tanh-approximate GELU).
+            ExpertsAct::GeluTanhMul => {
+                let act = (mlp.gate.forward(xs)?.gelu()? * mlp.up.forward(xs)?)?;
+                mlp.down.forward(&act)
+            }
             // `GptOssExperts._apply_gate`, with the kernels' rounding (each op in the dtype).
             ExpertsAct::ClampedSwiglu { alpha, limit } => {
                 let (gate, up) = (mlp.gate.forward(xs)?, mlp.up.forward(xs)?);
@@ -250,11 +274,19 @@ impl MoeBlock {
             true => Some(get(&r, "bias", &[e])?),
             false => None,
         };
+        let expert_scale = match names.expert_scale {
+            Some(name) => {
+                let t = get_f32(vb, name, &[e])?;
+                Some((t.to_vec1::<f32>().ctx(|| vb.path(name))?, t))
+            }
+            None => None,
+        };
         let router = Router {
             weight: get(&r, "weight", &[e, h])?,
             logit_bias,
             correction,
             correction_t,
+            expert_scale,
         };
         let experts = load_experts(&vb.pp("experts"), moe, h, names)?;
         let shared = if moe.shared_intermediate > 0 {
@@ -278,16 +310,28 @@ impl MoeBlock {
         })
     }
 
-    /// The candle path. `xs`: [T, H] -> ([T, H], the routing of every token).
-    pub(crate) fn forward(&self, xs: &Tensor) -> candle_core::Result<(Tensor, Vec<Routed>)> {
-        let logits = self.router.logits(xs)?;
+    /// The candle path. `xs`: [T, H] -> ([T, H], the routing of every token); the router
+    /// reads `router_in` [T, H] (Gemma-4's own input; `xs` for every other family).
+    pub(crate) fn forward(
+        &self,
+        router_in: &Tensor,
+        xs: &Tensor,
+    ) -> candle_core::Result<(Tensor, Vec<Routed>)> {
+        let logits = self.router.logits(router_in)?;
         let flat = logits.flatten_all()?.to_vec1::<f32>()?;
-        let routing = route_all(
+        let mut routing = route_all(
             &flat,
             &self.router.correction,
             self.cfg.n_routed_experts,
             &self.cfg.routing,
         );
+        if let Some((scale, _)) = &self.router.expert_scale {
+            for r in &mut routing {
+                for (w, &e) in r.weights.iter_mut().zip(&r.experts) {
+                    *w *= scale[e];
+                }
+            }
+        }
         let device = xs.device();
         // Per expert: the tokens routed to it and their weights; experts in ascending order.
         let mut per_expert: Vec<(Vec<u32>, Vec<f32>)> =
@@ -327,10 +371,18 @@ impl MoeBlock {
     /// topk_idx [T, K] u32, topk_w [T, K] f32).
     pub(crate) fn forward_kernels(
         &self,
+        router_in: &Tensor,
         xs: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        let logits = self.router.logits(xs)?;
-        let routing = kernels::moe_route(&logits, &self.router.correction_t, &self.cfg.routing)?;
+        let logits = self.router.logits(router_in)?;
+        let mut routing =
+            kernels::moe_route(&logits, &self.router.correction_t, &self.cfg.routing)?;
+        if let Some((_, scale)) = &self.router.expert_scale {
+            let picked = scale
+                .index_select(&routing.topk_idx.flatten_all()?, 0)?
+                .reshape(routing.topk_w.shape())?;
+            routing.topk_w = routing.topk_w.mul(&picked)?;
+        }
         let plan = kernels::moe_plan(&routing.topk_idx, self.cfg.n_routed_experts)?;
         let mut sorted = kernels::gather_rows(xs, &plan.perm_token)?; // [T*K, H]
         // Llama-4: each sorted row times its pick's weight before the experts, the outputs
@@ -361,6 +413,29 @@ impl MoeBlock {
     }
 }
 
+impl MoeBlock {
+    /// The block on compute `path`: `xs` [T, H] through the experts the router picks from
+    /// `router_in` [T, H] -> (the output [T, H], the routing as [T, K] expert ids i64 and
+    /// weights f32).
+    pub(crate) fn forward_on(
+        &self,
+        path: ComputePath,
+        router_in: &Tensor,
+        xs: &Tensor,
+    ) -> candle_core::Result<(Tensor, (Tensor, Tensor))> {
+        match path {
+            ComputePath::Candle => {
+                let (f, r) = self.forward(router_in, xs)?;
+                Ok((f, routing_tensors(&r, xs.device())?))
+            }
+            ComputePath::Kernels | ComputePath::Fused => {
+                let (f, idx, w) = self.forward_kernels(router_in, xs)?;
+                Ok((f, (idx.to_dtype(DType::I64)?, w)))
+            }
+        }
+    }
+}
+
 /// A decoder layer's feed-forward part: a dense MLP or the experts.
 pub(crate) enum Ffn {
     Dense(Mlp),
@@ -375,20 +450,15 @@ impl Ffn {
         normed: &Tensor,
         path: ComputePath,
     ) -> candle_core::Result<(Tensor, Option<(Tensor, Tensor)>)> {
-        let device = normed.device();
-        match (self, path) {
-            (Ffn::Dense(mlp), _) => {
+        match self {
+            Ffn::Dense(mlp) => {
                 let f = mlp.forward(normed)?;
-                phases::mark("dense mlp", device);
+                phases::mark("dense mlp", normed.device());
                 Ok((f, None))
             }
-            (Ffn::Moe(moe), ComputePath::Candle) => {
-                let (f, r) = moe.forward(normed)?;
-                Ok((f, Some(routing_tensors(&r, device)?)))
-            }
-            (Ffn::Moe(moe), ComputePath::Kernels | ComputePath::Fused) => {
-                let (f, idx, w) = moe.forward_kernels(normed)?;
-                Ok((f, Some((idx.to_dtype(DType::I64)?, w))))
+            Ffn::Moe(moe) => {
+                let (f, routing) = moe.forward_on(path, normed, normed)?;
+                Ok((f, Some(routing)))
             }
         }
     }
@@ -439,7 +509,10 @@ pub(crate) fn residual_step(
 
 /// Layer `layer`'s routing as `Capture.extras` entries (`router.{layer}.topk_idx`,
 /// `router.{layer}.topk_weight`).
-fn routing_extras(layer: usize, routing: Option<(Tensor, Tensor)>) -> Vec<(String, Tensor)> {
+pub(crate) fn routing_extras(
+    layer: usize,
+    routing: Option<(Tensor, Tensor)>,
+) -> Vec<(String, Tensor)> {
     match routing {
         Some((idx, w)) => vec![
             (format!("router.{layer}.topk_idx"), idx),
@@ -555,8 +628,10 @@ fn fused_weight(ex: &Vb, name: &str, out_by_in: [usize; 3], layout: FusedLayout)
 }
 
 /// Experts over `stacked`: each expert's [`Mlp`] views of its rows (and of its biases, where
-/// the stack has them), the stack itself kept on a GPU for [`kernels::moe_experts`].
-fn stacked_experts(stacked: StackedExperts, act: ExpertsAct, what: &str) -> Result<Experts> {
+/// the stack has them), the stack itself kept on a GPU for [`kernels::moe_experts`], with the
+/// experts' activation.
+fn stacked_experts(mut stacked: StackedExperts, act: ExpertsAct, what: &str) -> Result<Experts> {
+    stacked.act = act;
     let views = || -> candle_core::Result<Vec<Mlp>> {
         (0..stacked.experts)
             .map(|i| {
