@@ -173,20 +173,17 @@ impl Decoder for GemmaDecoder {
         };
         let global = RopeTables::new(&cfg.rope, global_dim, t, self.dtype, device)?;
         let local = RopeTables::new(&self.gemma.local_rope, local_dim, t, self.dtype, device)?;
+        // Heads wider than the GPU's flash kernel takes run as candle ops with a mask
+        // (Gemma-4's 512-dim full layers, [`GemmaDecoder::step`]).
         let wide = device.is_cuda() && global_dim.max(local_dim) > GENERIC_MAX_HEAD_DIM;
-        let (full, sliding) = match self.path {
-            _ if wide => (
+        let (full, sliding) = if self.path == ComputePath::Candle || wide {
+            (
                 causal_mask(t, None, self.dtype, device)?,
                 causal_mask(t, cfg.sliding_window, self.dtype, device)?,
-            ),
-            ComputePath::Candle => (
-                causal_mask(t, None, self.dtype, device)?,
-                causal_mask(t, cfg.sliding_window, self.dtype, device)?,
-            ),
-            ComputePath::Kernels | ComputePath::Fused => {
-                let none = Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?;
-                (none.clone(), none)
-            }
+            )
+        } else {
+            let none = Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?;
+            (none.clone(), none)
         };
         Ok(Ctx {
             global,
@@ -206,12 +203,10 @@ impl Decoder for GemmaDecoder {
         let wide = xs.device().is_cuda() && layer.attn.head_dim() > GENERIC_MAX_HEAD_DIM;
         let step = || -> candle_core::Result<LayerStep> {
             let normed = layer.input_norm.forward(xs)?;
-            let a = match self.path {
-                _ if wide => layer.attn.forward(&normed, rope, mask)?,
-                ComputePath::Candle => layer.attn.forward(&normed, rope, mask)?,
-                ComputePath::Kernels | ComputePath::Fused => {
-                    layer.attn.forward_kernels(&normed, rope)?
-                }
+            let a = if self.path == ComputePath::Candle || wide {
+                layer.attn.forward(&normed, rope, mask)?
+            } else {
+                layer.attn.forward_kernels(&normed, rope)?
             };
             let (xs, normed) = layer
                 .pre_ff_norm
