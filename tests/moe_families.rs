@@ -85,6 +85,7 @@ fn moe_families_match_transformers_on_both_paths() {
             let what = format!("{name} ({hf}, {path:?})");
             let (cfg, cap) = run(&dir, &r, path);
             let worst = worst_error(&what, &cfg, &cap, &r);
+            eprintln!("{what}: worst rel err {worst:.3e}");
             assert!(worst <= F32_TOL, "{what}: worst rel err {worst:.3e}");
             check_routing(&what, &cfg, &cap, &r);
         }
@@ -486,6 +487,7 @@ fn shrunk_real_moe_checkpoints_load_and_match_transformers() {
             let what = format!("shrunk {shrunk} ({path:?})");
             let (cfg, cap) = run(&dir, &r, path);
             let worst = worst_error(&what, &cfg, &cap, &r);
+            eprintln!("{what}: worst rel err {worst:.3e}");
             assert!(worst <= F32_TOL, "{what}: {worst:.3e}");
             check_routing(&what, &cfg, &cap, &r);
         }
