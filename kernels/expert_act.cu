@@ -17,7 +17,11 @@
 //      `GptOssExperts._apply_gate`), each torch op's result rounded to T as eager ops in T do:
 //      gc = min(g, limit), uc = clamp(u, -limit, limit) (exact; NaN stays NaN),
 //      a = T(gc * alpha), s = T(1 / (1 + exp(-a))), glu = T(gc * s), u1 = T(uc + 1),
-//      out = T(u1 * glu).
+//      out = T(u1 * glu);
+//   2, Gemma-4's GELU-tanh-mul (transformers 5.24 models/gemma4/modeling_gemma4.py
+//      `Gemma4TextExperts.forward`, `gelu_pytorch_tanh`): T(gelu_tanh(g) * u) in f32, rounded
+//      once, gelu_tanh(g) = 0.5 g (1 + tanh(0.7978846 (g + 0.044715 g^3))) (the CPU reference's
+//      `kernels::moe::gelu_tanh`).
 // expert_bias_add_*: y[r, c] = T(y[r, c] + bias[e * cols + c]) in place, y [rows, *] at row
 //   stride y_stride, bias [experts * cols] (gpt-oss's `down_proj_bias`, added after the down GEMM).
 //
@@ -54,6 +58,11 @@ __device__ __forceinline__ float clamped_swiglu(float g, float u, float alpha, f
     return __fmul_rn(u1, glu);
 }
 
+__device__ __forceinline__ float gelu_tanh_times(float g, float u) {
+    const float inner = __fmul_rn(0.7978846f, __fadd_rn(g, __fmul_rn(__fmul_rn(0.044715f, g), __fmul_rn(g, g))));
+    return __fmul_rn(__fmul_rn(0.5f, __fmul_rn(g, __fadd_rn(1.0f, tanhf(inner)))), u);
+}
+
 template <typename T>
 __device__ __forceinline__ void expert_act_row(const T *gu, long gu_stride, const T *bias,
                                                const unsigned *offsets, int experts, T *out,
@@ -72,7 +81,9 @@ __device__ __forceinline__ void expert_act_row(const T *gu, long gu_stride, cons
             g = round_to<T>(__fadd_rn(g, to_f32(bg[c])));
             u = round_to<T>(__fadd_rn(u, to_f32(bu[c])));
         }
-        o[c] = from_f32<T>(act == 1 ? clamped_swiglu<T>(g, u, alpha, limit) : silu_times(g, u));
+        o[c] = from_f32<T>(act == 1   ? clamped_swiglu<T>(g, u, alpha, limit)
+                           : act == 2 ? gelu_tanh_times(g, u)
+                                      : silu_times(g, u));
     }
 }
 

@@ -45,16 +45,21 @@ pub fn is_extra_layer(name: &str, num_layers: usize) -> bool {
 }
 
 /// The towers of a multimodal checkpoint that are not its text model (Gemma-3's SigLIP
-/// `vision_tower` and `multi_modal_projector`, Qwen2.5-VL's / Qwen3-VL's `visual`; under
+/// `vision_tower` and `multi_modal_projector`, Gemma-4's vision and audio towers and their
+/// embedders, Qwen2.5-VL's / Qwen3-VL's `visual`; under
 /// `model.` in transformers 5, at the top level in older exports): a text-only target never
 /// reads them.
 pub fn is_other_tower(name: &str) -> bool {
-    const TOWERS: [&str; 4] = [
+    const TOWERS: [&str; 7] = [
         "vision_tower.",
         "multi_modal_projector.",
         "visual.",
         // Llama-4's (`Llama4ForConditionalGeneration.vision_model`).
         "vision_model.",
+        // Gemma-4's (`Gemma4Model`: `embed_vision`, `audio_tower`, `embed_audio`).
+        "embed_vision.",
+        "audio_tower.",
+        "embed_audio.",
     ];
     let rest = name.strip_prefix("model.").unwrap_or(name);
     TOWERS.iter().any(|t| rest.starts_with(t))

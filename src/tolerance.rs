@@ -22,6 +22,15 @@ pub const PARITY_F32: f64 = 1e-4;
 /// against HF's own bf16 run. 5e-2 leaves 3x; wrong layers and missing residuals are O(1).
 pub const PARITY_BF16: f64 = 5e-2;
 
+/// [`PARITY_BF16`] for Gemma-4, whose attention takes softmax scale 1 over q and k already
+/// RMS-normalised per head (`Gemma4TextAttention`: `scaling = 1.0` after `q_norm` / `k_norm`):
+/// its scores grow with the head dim, so bf16's rounding of q and k moves them, and the
+/// attention weights, by several percent. transformers' own bf16 run of the gemma4_text
+/// fixture lands 1.22e-1 from its f32 states (gemma4: 4.5e-2); the runner on the CPU 1.04e-1
+/// (gemma4: 6.3e-2; its norms round once more than transformers' `Gemma4RMSNorm`). 2e-1 leaves
+/// 1.6x over transformers' own; wrong layers and missing residuals are O(1).
+pub const PARITY_BF16_GEMMA4: f64 = 2e-1;
+
 /// How exact a capture's match is, per capture dtype. These do not decide identification
 /// (see [`identification_angle`]); they decide `exact` in the report and the `scale` finding.
 #[derive(Debug, Clone, Copy, Serialize)]

@@ -22,7 +22,7 @@ use std::path::Path;
 const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
 
 /// (fixture, the HF modeling file its numbers come from)
-const FAMILIES: [(&str, &str); 6] = [
+const FAMILIES: [(&str, &str); 8] = [
     ("phi3", "models/phi3/modeling_phi3.py"),
     ("phi3_window", "models/phi3/modeling_phi3.py"),
     (
@@ -40,6 +40,14 @@ const FAMILIES: [(&str, &str); 6] = [
     (
         "qwen3_vl",
         "models/qwen3_vl/modeling_qwen3_vl.py (Qwen3VLTextModel)",
+    ),
+    (
+        "gemma4_text",
+        "models/gemma4/modeling_gemma4.py (Gemma4ForCausalLM)",
+    ),
+    (
+        "gemma4",
+        "models/gemma4/modeling_gemma4.py (Gemma4ForConditionalGeneration)",
     ),
 ];
 
@@ -59,8 +67,8 @@ fn dense_families_match_transformers_on_both_paths() {
 }
 
 /// In bf16 on the CPU (the candle path's head-major ops, which the GPU's candle path runs, and
-/// the kernels' references), every family lands within the bf16 bound of HF's f32 states,
-/// and not bit-exact.
+/// the kernels' references), every family lands within the bf16 bound of HF's f32 states
+/// (Gemma-4's own, `PARITY_BF16_GEMMA4`), and not bit-exact.
 #[test]
 fn dense_families_in_bf16_stay_within_the_bf16_bound() {
     for (name, _) in FAMILIES {
@@ -76,10 +84,11 @@ fn dense_families_in_bf16_stay_within_the_bf16_bound() {
             let what = format!("{name} bf16 {path:?}");
             let worst = worst_error(&what, &cfg, &cap, &r);
             eprintln!("{what}: worst rel err {worst:.3e}");
-            assert!(
-                worst < eagle_check::tolerance::PARITY_BF16 && worst > F32_TOL,
-                "{what}: {worst:.3e}"
-            );
+            let bound = match cfg.arch {
+                eagle_check::config::Arch::Gemma4 => eagle_check::tolerance::PARITY_BF16_GEMMA4,
+                _ => eagle_check::tolerance::PARITY_BF16,
+            };
+            assert!(worst < bound && worst > F32_TOL, "{what}: {worst:.3e}");
         }
     }
 }
@@ -155,12 +164,44 @@ fn dense_family_configs_resolve_as_transformers_reads_them() {
     assert_eq!(q3.arch, Arch::Qwen3);
     assert_eq!(q3.qk_norm, eagle_check::config::QkNorm::PerHead);
     assert_eq!((q3.rope.theta, &q3.rope.scaling), (5e6, &RopeScaling::None));
-    // The softcap is on the causal LM's logits; transformers 5.24's wrapper applies none.
+    // The softcap is on the causal LM's logits; transformers 5.24's Gemma-3 wrapper applies
+    // none, its Gemma-4 wrapper does.
     let softcap = |name: &str| cfg(name).gemma.unwrap().final_logit_softcapping;
     assert_eq!(
         (softcap("gemma3_text"), softcap("gemma3")),
         (Some(3.0), None)
     );
+    assert_eq!(
+        (softcap("gemma4_text"), softcap("gemma4")),
+        (Some(3.0), Some(3.0))
+    );
+    // Gemma-4 (`Gemma4TextConfig.__post_init__`): the full layers' head dim from
+    // `per_layer_config` (transformers 5.24 writes it there), with `attention_k_eq_v` their
+    // `num_global_key_value_heads`; the last layer forced full; proportional rope on a quarter.
+    let g4 = cfg("gemma4_text");
+    assert_eq!(g4.arch, Arch::Gemma4);
+    let windows: Vec<_> = (0..g4.num_layers).map(|l| g4.window_of(l)).collect();
+    assert_eq!(windows, [Some(8), Some(8), None, Some(8), None]);
+    let v4 = g4.gemma.as_ref().unwrap().v4.clone().unwrap();
+    assert_eq!(v4.head_dims, [16, 16, 32, 16, 32]);
+    assert_eq!(v4.kv_heads, [2, 2, 1, 2, 1]);
+    assert!(v4.k_eq_v && g4.tie_word_embeddings);
+    let proportional = RopeScaling::Proportional {
+        factor: 1.0,
+        partial_rotary_factor: 0.25,
+    };
+    assert_eq!((g4.rope.theta, &g4.rope.scaling), (1e6, &proportional));
+    let local = &g4.gemma.as_ref().unwrap().local_rope;
+    assert_eq!((local.theta, &local.scaling), (1e4, &RopeScaling::None));
+    let wrapped = cfg("gemma4");
+    let windows: Vec<_> = (0..5).map(|l| wrapped.window_of(l)).collect();
+    assert_eq!(
+        windows,
+        [Some(8), Some(8), Some(8), Some(8), None],
+        "last forced full"
+    );
+    let v4 = wrapped.gemma.unwrap().v4.unwrap();
+    assert_eq!((v4.head_dims[4], v4.kv_heads[4], v4.k_eq_v), (32, 2, false));
 }
 
 /// The vision-language checkpoints as transformers 4 wrote them and Qwen2.5-VL-7B is published
@@ -260,6 +301,13 @@ fn worst_of_on(dir: &Path, name: &str, path: ComputePath) -> f64 {
     worst_error(&format!("{name} planted"), &cfg, &cap, &r)
 }
 
+/// Every norm weight of `w` one less: Gemma-3's `1 + w` norms read as `w`, or the reverse.
+fn minus_one_norms(w: &mut HashMap<String, Tensor>) {
+    map_tensors(w, &["norm.weight", "layernorm.weight"], |t| {
+        (t - 1.0).unwrap()
+    });
+}
+
 /// Every tensor of `w` whose name ends with one of `ends`, through `f`.
 fn map_tensors(w: &mut HashMap<String, Tensor>, ends: &[&str], f: impl Fn(&Tensor) -> Tensor) {
     for (k, v) in w.iter_mut() {
@@ -313,16 +361,7 @@ fn planted_dense_family_bugs_break_the_parity() {
         "embedding scale missing must fail"
     );
     // Gemma-3's norms read as `w`, not `1 + w`: every norm weight one less.
-    let plain_norms = planted(
-        "gemma3_text",
-        "one-plus-w",
-        |_| {},
-        |w| {
-            map_tensors(w, &["norm.weight", "layernorm.weight"], |t| {
-                (t - 1.0).unwrap()
-            })
-        },
-    );
+    let plain_norms = planted("gemma3_text", "one-plus-w", |_| {}, minus_one_norms);
     assert!(
         worst_of(&plain_norms, "gemma3_text") > 1e-2,
         "1 + w norm as w must fail"
@@ -386,6 +425,34 @@ fn planted_dense_family_bugs_break_the_parity() {
     assert!(
         worst_of(&no_cap, "gemma3_text") > 1e-2,
         "softcap missing must fail"
+    );
+    // Gemma-4 (modeling_gemma4.py) without its `layer_scalar`s: every stored scalar 1.
+    let unscaled = planted(
+        "gemma4_text",
+        "layer-scalar",
+        |_| {},
+        |w| map_tensors(w, &["layer_scalar"], |t| t.ones_like().unwrap()),
+    );
+    assert!(
+        worst_of(&unscaled, "gemma4_text") > 1e-2,
+        "layer_scalar ignored must fail"
+    );
+    // Gemma-4's full layers on a plain rope over the whole head (proportional read as default).
+    let plain_rope = planted(
+        "gemma4_text",
+        "proportional",
+        |c| c["rope_parameters"]["full_attention"]["rope_type"] = serde_json::json!("default"),
+        |_| {},
+    );
+    assert!(
+        worst_of(&plain_rope, "gemma4_text") > 1e-2,
+        "proportional rope as default must fail"
+    );
+    // Gemma-4's norms read as Gemma-3's `1 + w`: every norm weight one less.
+    let offset = planted("gemma4", "offset-norms", |_| {}, minus_one_norms);
+    assert!(
+        worst_of(&offset, "gemma4") > 1e-2,
+        "Gemma-4's w norms as 1 + w must fail"
     );
 }
 
@@ -469,9 +536,10 @@ fn real_dense_configs_resolve_and_gate() {
 
 /// The engine a family's spec names: sglang, but for Gemma-3 the release whose layer still
 /// returns the residual sum (0.5.23's fused one feeds no residual stream, and vLLM serves no
-/// EAGLE-3 on it; the rule table's `missing-residual` and `unsupported-architecture`).
+/// EAGLE-3 on it; the rule table's `missing-residual` and `unsupported-architecture`; 0.5.23's
+/// Gemma-4 layer still returns the stream).
 fn engine_of(name: &str) -> &'static str {
-    if name.starts_with("gemma") {
+    if name.starts_with("gemma3") {
         "sglang@0.5.14"
     } else {
         "sglang"
@@ -480,11 +548,18 @@ fn engine_of(name: &str) -> &'static str {
 
 /// The shrunk copies of the published configs (every key kept, their checkpoints' tensor names
 /// and bf16 dtype: Phi-4's fused projections, Gemma-3-1B's `model.*`, Qwen2.5-VL-7B's
-/// `model.*` + `visual.*`) load and match transformers on both paths.
+/// `model.*` + `visual.*`, Gemma-4-31B-IT's `model.language_model.*` / `model.vision_tower.*` /
+/// `model.embed_vision.*` with its NVFP4 quantisation dropped) load and match transformers on
+/// both paths.
 #[test]
 fn shrunk_real_dense_checkpoints_load_and_match_transformers() {
-    for name in ["phi-4", "gemma-3-1b-it", "qwen2.5-vl-7b-instruct"] {
-        let dir = fixture(&format!("real-configs/shrunk-dense/{name}"));
+    for name in [
+        "shrunk-dense/phi-4",
+        "shrunk-dense/gemma-3-1b-it",
+        "shrunk-dense/qwen2.5-vl-7b-instruct",
+        "shrunk-families/gemma-4-31b-it",
+    ] {
+        let dir = fixture(&format!("real-configs/{name}"));
         let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)
             .unwrap();
         for path in [ComputePath::Candle, ComputePath::Kernels] {
@@ -556,11 +631,59 @@ fn run_diff_and_probe_work_on_every_dense_family() {
 }
 
 /// What the Gemma runner does not compute is refused when the config is read, in one line with
-/// exit 2: bidirectional attention, attention-logit softcapping, another activation, and
-/// Gemma-4 (not run yet).
+/// exit 2: bidirectional attention, attention-logit softcapping, another activation; and
+/// Gemma-4's per-layer inputs (E2B/E4B), KV sharing, fully bidirectional attention, per-layer
+/// overrides beyond the attention's shape, and modelopt-quantised weights.
 #[test]
 fn gemma_settings_the_runner_does_not_compute_are_refused() {
     let draft = fixture("models/qwen3-draft");
+    let gemma4: [(&str, &str, serde_json::Value, &str); 5] = [
+        (
+            "ple",
+            "hidden_size_per_layer_input",
+            serde_json::json!(256),
+            "hidden_size_per_layer_input 256",
+        ),
+        (
+            "kv-share",
+            "num_kv_shared_layers",
+            serde_json::json!(2),
+            "num_kv_shared_layers 2",
+        ),
+        (
+            "bidir-all",
+            "use_bidirectional_attention",
+            serde_json::json!("all"),
+            "use_bidirectional_attention \"all\"",
+        ),
+        (
+            "per-layer",
+            "per_layer_config",
+            serde_json::json!({"2": {"head_dim": 32, "intermediate_size": 8}}),
+            "per_layer_config.2.intermediate_size",
+        ),
+        (
+            "nvfp4",
+            "quantization_config",
+            serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4"}),
+            "modelopt NVFP4",
+        ),
+    ];
+    for (tag, key, value, needle) in gemma4 {
+        let dir = planted("gemma4_text", tag, |c| c[key] = value.clone(), |_| {});
+        let out = eagle_check([
+            "run",
+            "--target",
+            &p(&dir),
+            "--draft",
+            &p(&draft),
+            "--engine",
+            "sglang",
+            "--tokens",
+            "1,2,3",
+        ]);
+        out.assert_could_not_check(&[needle]);
+    }
     for (tag, key, value, needle) in [
         (
             "bidir",
@@ -580,12 +703,6 @@ fn gemma_settings_the_runner_does_not_compute_are_refused() {
             serde_json::json!("relu"),
             "`relu`",
         ),
-        (
-            "gemma4",
-            "model_type",
-            serde_json::json!("gemma4_text"),
-            "gemma4_text",
-        ),
     ] {
         let dir = planted("gemma3_text", tag, |c| c[key] = value.clone(), |_| {});
         let out = eagle_check([
@@ -600,5 +717,63 @@ fn gemma_settings_the_runner_does_not_compute_are_refused() {
             "1,2,3",
         ]);
         out.assert_could_not_check(&[needle]);
+    }
+}
+
+/// Gemma-4-31B-IT's published config (NVIDIA's NVFP4 export of it, `Gemma4ForConditionalGeneration`,
+/// the text model under `text_config`): the gate checks it on sglang and vLLM as the rule table
+/// says; the runner refuses its modelopt NVFP4 weights by name, and without them (the bf16
+/// checkpoint's config) it resolves as `Gemma4TextConfig.__post_init__` fills it in: 60 layers,
+/// every 6th full with `global_head_dim` 512 and 4 KV heads (`attention_k_eq_v`), the sliding
+/// ones 16 KV heads of 256 on a 1024 window, proportional rope on a quarter of the full heads.
+#[test]
+fn gemma4_31b_config_resolves_and_gates() {
+    use eagle_check::config::{Arch, RopeScaling};
+    let file = "target_gemma-4-31b-it-nvfp4__aiconfigurator_model_configs.json";
+    let dir = scratch("gemma4-31b");
+    let path = fixture(&format!("real-configs/targets/{file}"));
+    let err = ModelConfig::load(&path).unwrap_err().to_string();
+    assert!(err.contains("modelopt NVFP4"), "{err}");
+    let mut raw: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    raw.as_object_mut().unwrap().remove("quantization_config");
+    let bf16 = dir.join("config.json");
+    std::fs::write(&bf16, raw.to_string()).unwrap();
+    let cfg = ModelConfig::load(&bf16).unwrap();
+    assert_eq!(cfg.arch, Arch::Gemma4);
+    assert_eq!(
+        (
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_kv_heads
+        ),
+        (60, 5376, 256, 16)
+    );
+    let full: Vec<usize> = (0..60).filter(|&l| cfg.window_of(l).is_none()).collect();
+    assert_eq!(full, (5..60).step_by(6).collect::<Vec<_>>());
+    assert_eq!(cfg.window_of(0), Some(1024));
+    let g = cfg.gemma.as_ref().unwrap();
+    let v4 = g.v4.as_ref().unwrap();
+    assert!(v4.k_eq_v);
+    assert_eq!((v4.head_dims[5], v4.kv_heads[5]), (512, 4));
+    assert_eq!((v4.head_dims[0], v4.kv_heads[0]), (256, 16));
+    assert_eq!(
+        (cfg.rope.theta, &cfg.rope.scaling),
+        (
+            1e6,
+            &RopeScaling::Proportional {
+                factor: 1.0,
+                partial_rotary_factor: 0.25
+            }
+        )
+    );
+    assert_eq!(g.local_rope.theta, 1e4);
+    assert_eq!(g.final_logit_softcapping, Some(30.0));
+    assert!(cfg.tie_word_embeddings);
+    for target in [&path, &bf16] {
+        for (engine, out) in gate_on_both_engines(&dir, &cfg, target) {
+            assert_ne!(out.code, 2, "Gemma-4 31B on {engine}: {}", out.stdout);
+        }
     }
 }

@@ -22,7 +22,7 @@ use std::path::Path;
 const F32_TOL: f64 = eagle_check::tolerance::PARITY_F32;
 
 /// (fixture, the HF modeling file its numbers come from)
-const FAMILIES: [(&str, &str); 10] = [
+const FAMILIES: [(&str, &str); 13] = [
     ("qwen3_moe", "models/qwen3_moe/modeling_qwen3_moe.py"),
     ("qwen2_moe", "models/qwen2_moe/modeling_qwen2_moe.py"),
     ("minimax_m2", "models/minimax_m2/modeling_minimax_m2.py"),
@@ -39,6 +39,15 @@ const FAMILIES: [(&str, &str); 10] = [
     ),
     ("llama4", "models/llama4/modeling_llama4.py"),
     ("qwen3_5_moe", "models/qwen3_5_moe/modeling_qwen3_5_moe.py"),
+    ("qwen3_next", "models/qwen3_next/modeling_qwen3_next.py"),
+    (
+        "qwen3_vl_moe",
+        "models/qwen3_vl_moe/modeling_qwen3_vl_moe.py (Qwen3VLMoeTextModel)",
+    ),
+    (
+        "gemma4_moe",
+        "models/gemma4/modeling_gemma4.py (Gemma4ForCausalLM, enable_moe_block)",
+    ),
 ];
 
 /// Every MoE layer picks HF's experts for every token, with HF's weights.
@@ -76,6 +85,7 @@ fn moe_families_match_transformers_on_both_paths() {
             let what = format!("{name} ({hf}, {path:?})");
             let (cfg, cap) = run(&dir, &r, path);
             let worst = worst_error(&what, &cfg, &cap, &r);
+            eprintln!("{what}: worst rel err {worst:.3e}");
             assert!(worst <= F32_TOL, "{what}: worst rel err {worst:.3e}");
             check_routing(&what, &cfg, &cap, &r);
         }
@@ -123,6 +133,44 @@ fn moe_family_configs_resolve_as_transformers_reads_them() {
         "mlp_only_layers"
     );
     assert_eq!(cfg("glm4_moe_lite").arch, Arch::Glm4MoeLite);
+    // Qwen3-Next: the fused DeltaNet projections, layer 2 dense (`mlp_only_layers`),
+    // `norm_topk_prob` as written (false; the class defaults it to true), a gated shared expert,
+    // rope on a quarter of each head.
+    let next = cfg("qwen3_next");
+    assert_eq!(next.arch, Arch::Qwen3Next);
+    let net = next.delta_net.as_ref().unwrap();
+    assert!(net.grouped_projections);
+    assert_eq!(net.linear_layers, [true, false, true, false]);
+    let m = next.moe.as_ref().unwrap();
+    let sparse: Vec<bool> = (0..4).map(|l| m.is_moe_layer(l)).collect();
+    assert_eq!(sparse, [true, true, false, true]);
+    assert!(!m.routing.norm_topk && m.shared_gate && m.shared_intermediate == 24);
+    assert_eq!((next.rotary_dim, next.head_dim), (4, 16));
+    // Qwen3-VL-MoE's tower: Qwen3-MoE's decoder, always renormalised, layer 2 dense, M-RoPE
+    // as the default rope on text.
+    let vl = cfg("qwen3_vl_moe");
+    assert_eq!(
+        (vl.arch, vl.model_type.as_str()),
+        (Arch::Qwen3VlMoe, "qwen3_vl_moe_text")
+    );
+    assert_eq!(vl.qk_norm, QkNorm::PerHead);
+    let m = vl.moe.as_ref().unwrap();
+    assert!(m.routing.norm_topk && !m.shared_gate && m.shared_intermediate == 0);
+    assert_eq!(
+        (0..4).map(|l| m.is_moe_layer(l)).collect::<Vec<_>>(),
+        [true, true, false, true]
+    );
+    assert_eq!(
+        (vl.rope.theta, &vl.rope.scaling),
+        (5e6, &eagle_check::config::RopeScaling::None)
+    );
+    // Gemma-4's MoE block: every layer, softmax top-k renormalised, GELU-tanh experts.
+    let g4 = cfg("gemma4_moe");
+    let m = g4.moe.as_ref().unwrap();
+    assert_eq!((g4.arch, m.n_routed_experts, m.k()), (Arch::Gemma4, 8, 2));
+    assert!(m.routing.norm_topk && m.shared_intermediate == 0);
+    assert_eq!(m.act, ExpertsAct::GeluTanhMul);
+    assert!((0..g4.num_layers).all(|l| m.is_moe_layer(l)));
 }
 
 fn worst_of(dir: &Path, name: &str) -> f64 {
@@ -237,6 +285,113 @@ fn planted_family_bugs_break_the_parity() {
     );
     let worst = worst_of(&full_rope, "qwen3_5_moe");
     assert!(worst > 1e-2, "qwen3.5 full rotary must fail: {worst:.2e}");
+    // Qwen3-Next (modeling_qwen3_next.py) with its fused rows laid out as Qwen3.5's flat
+    // `[q | k | v | z]` and `[b | a]` over all heads: what a runner reading them flat would
+    // need. The runner reads them grouped by key head, so the copy must not match.
+    let flat = planted(
+        "qwen3_next",
+        "qkvz-flat",
+        |_| {},
+        |w| {
+            let (nk, dk, dv, per) = (2, 8, 12, 2);
+            let group = 2 * dk + 2 * per * dv;
+            for (k, v) in w.iter_mut() {
+                let (size, parts) = if k.ends_with("in_proj_qkvz.weight") {
+                    (
+                        group,
+                        vec![
+                            (0, dk),
+                            (dk, dk),
+                            (2 * dk, per * dv),
+                            (2 * dk + per * dv, per * dv),
+                        ],
+                    )
+                } else if k.ends_with("in_proj_ba.weight") {
+                    (2 * per, vec![(0, per), (per, per)])
+                } else {
+                    continue;
+                };
+                // grouped rows -> every group's part 0, then part 1, ...
+                let rows: Vec<Tensor> = parts
+                    .iter()
+                    .flat_map(|&(start, len)| (0..nk).map(move |g| (g * size + start, len)))
+                    .map(|(start, len)| v.narrow(0, start, len).unwrap())
+                    .collect();
+                *v = Tensor::cat(&rows, 0).unwrap();
+            }
+        },
+    );
+    let worst = worst_of(&flat, "qwen3_next");
+    assert!(
+        worst > 1e-2,
+        "qwen3-next qkvz read flat must fail: {worst:.2e}"
+    );
+    // Qwen3-VL-MoE (modeling_qwen3_vl_moe.py) with every expert's gate and up halves swapped.
+    let swapped = planted(
+        "qwen3_vl_moe",
+        "gate-up",
+        |_| {},
+        |w| {
+            for (k, v) in w.iter_mut() {
+                if k.ends_with("experts.gate_up_proj") {
+                    let i = v.dim(1).unwrap() / 2;
+                    *v = Tensor::cat(&[v.narrow(1, i, i).unwrap(), v.narrow(1, 0, i).unwrap()], 1)
+                        .unwrap();
+                }
+            }
+        },
+    );
+    let worst = worst_of(&swapped, "qwen3_vl_moe");
+    assert!(
+        worst > 1e-2,
+        "qwen3-vl-moe gate/up swapped must fail: {worst:.2e}"
+    );
+    // Gemma-4's MoE block (modeling_gemma4.py) without its `per_expert_scale`: every factor 1.
+    let unscaled = planted(
+        "gemma4_moe",
+        "expert-scale",
+        |_| {},
+        |w| {
+            for (k, v) in w.iter_mut() {
+                if k.ends_with("router.per_expert_scale") {
+                    *v = v.ones_like().unwrap();
+                }
+            }
+        },
+    );
+    let worst = worst_of(&unscaled, "gemma4_moe");
+    assert!(
+        worst > 1e-2,
+        "per_expert_scale ignored must fail: {worst:.2e}"
+    );
+}
+
+/// Qwen3-VL-MoE's experts as the published checkpoints store them (`gate_up_proj` [E, H, 2I],
+/// `down_proj` [E, I, H]: Qwen3-VL-30B-A3B-Instruct's model.safetensors; transformers 5's
+/// conversion_mapping.py transposes them on load) load as transformers 5's own layout does, on
+/// both paths.
+#[test]
+fn qwen3_vl_moe_experts_load_in_the_published_layout() {
+    let published = planted(
+        "qwen3_vl_moe",
+        "published-experts",
+        |_| {},
+        |w| {
+            for (k, v) in w.iter_mut() {
+                if k.ends_with("experts.gate_up_proj") || k.ends_with("experts.down_proj") {
+                    *v = v.transpose(1, 2).unwrap().contiguous().unwrap();
+                }
+            }
+        },
+    );
+    let r = reference("qwen3_vl_moe");
+    for path in [ComputePath::Candle, ComputePath::Kernels] {
+        let what = format!("qwen3_vl_moe published layout ({path:?})");
+        let (cfg, cap) = run(&published, &r, path);
+        let worst = worst_error(&what, &cfg, &cap, &r);
+        assert!(worst <= F32_TOL, "{what}: {worst:.3e}");
+        check_routing(&what, &cfg, &cap, &r);
+    }
 }
 
 /// (real target config under fixtures/real-configs/targets/, its shrunk copy under
@@ -314,17 +469,25 @@ fn real_moe_configs_resolve_and_gate() {
 }
 
 /// The shrunk copies of the published configs (their tensor names, dtypes and quantisation:
-/// bf16, gpt-oss's MXFP4 experts, MiniMax-M2.5's FP8 blocks) load and match transformers.
+/// bf16, gpt-oss's MXFP4 experts, MiniMax-M2.5's FP8 blocks, Qwen3-VL-30B-A3B's experts input
+/// by output, Qwen3-Next's one module per expert beside its fused DeltaNet projections) load
+/// and match transformers.
 #[test]
 fn shrunk_real_moe_checkpoints_load_and_match_transformers() {
-    for (_, shrunk) in REAL {
-        let dir = fixture(&format!("real-configs/shrunk/{shrunk}"));
+    let families = [
+        "shrunk-families/qwen3-vl-30b-a3b-instruct",
+        "shrunk-families/qwen3-next-80b-a3b-instruct",
+    ];
+    let shrunk = REAL.iter().map(|(_, s)| format!("shrunk/{s}"));
+    for shrunk in shrunk.chain(families.map(String::from)) {
+        let dir = fixture(&format!("real-configs/{shrunk}"));
         let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)
             .unwrap();
         for path in [ComputePath::Candle, ComputePath::Kernels] {
             let what = format!("shrunk {shrunk} ({path:?})");
             let (cfg, cap) = run(&dir, &r, path);
             let worst = worst_error(&what, &cfg, &cap, &r);
+            eprintln!("{what}: worst rel err {worst:.3e}");
             assert!(worst <= F32_TOL, "{what}: {worst:.3e}");
             check_routing(&what, &cfg, &cap, &r);
         }
@@ -453,5 +616,69 @@ fn qwen35_moe_config_resolves_and_gates() {
     assert!(moe.shared_gate && moe.shared_intermediate == 512 && moe.routing.norm_topk);
     for (engine, out) in gate_on_both_engines(&dir, &cfg, &cfg_path) {
         assert_ne!(out.code, 2, "Qwen3.5 on {engine}: {}", out.stdout);
+    }
+}
+
+/// Qwen3-VL-30B-A3B-Instruct's published config (`Qwen3VLMoeForConditionalGeneration`, a
+/// transformers 4 file: `rope_scaling` M-RoPE and `rope_theta` beside it) and a Qwen3-Next-80B-A3B
+/// config put together from cited sources (fixtures/real-configs/targets/README.md) resolve as
+/// `Qwen3VLMoeTextConfig` and `Qwen3NextConfig` read them, and gate on both engines.
+#[test]
+fn qwen3_vl_moe_and_qwen3_next_configs_resolve_and_gate() {
+    use eagle_check::config::Arch;
+    let dir = scratch("qwen3-vl-next-real");
+    for file in [
+        "target_qwen3-vl-30b-a3b-instruct__published_config.json",
+        "target_qwen3-next-80b-a3b-instruct__RECONSTRUCTED_from_cited_sources.json",
+    ] {
+        let path = fixture(&format!("real-configs/targets/{file}"));
+        let cfg = ModelConfig::load(&path).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let moe = cfg.moe.as_ref().unwrap();
+        match cfg.arch {
+            Arch::Qwen3VlMoe => {
+                assert_eq!(
+                    (
+                        cfg.num_layers,
+                        cfg.hidden_size,
+                        cfg.head_dim,
+                        cfg.num_kv_heads
+                    ),
+                    (48, 2048, 128, 4)
+                );
+                assert_eq!(
+                    (moe.n_routed_experts, moe.k(), moe.moe_intermediate_size),
+                    (128, 8, 768)
+                );
+                assert!(moe.routing.norm_topk && (0..48).all(|l| moe.is_moe_layer(l)));
+                assert_eq!(cfg.rope.theta, 5e6);
+                assert!(!cfg.tie_word_embeddings);
+            }
+            Arch::Qwen3Next => {
+                assert_eq!(
+                    (
+                        cfg.num_layers,
+                        cfg.hidden_size,
+                        cfg.head_dim,
+                        cfg.num_kv_heads
+                    ),
+                    (48, 2048, 256, 2)
+                );
+                assert_eq!(cfg.rotary_dim, 64, "partial_rotary_factor 0.25 by default");
+                let net = cfg.delta_net.as_ref().unwrap();
+                assert!(net.grouped_projections);
+                let full: Vec<usize> = (0..48).filter(|&l| !net.linear_layers[l]).collect();
+                assert_eq!(full, (3..48).step_by(4).collect::<Vec<_>>());
+                assert_eq!((net.key_heads, net.value_heads, net.key_dim), (16, 32, 128));
+                assert_eq!(
+                    (moe.n_routed_experts, moe.k(), moe.moe_intermediate_size),
+                    (512, 10, 512)
+                );
+                assert!(moe.shared_gate && moe.shared_intermediate == 512 && moe.routing.norm_topk);
+            }
+            other => panic!("{file}: {other:?}"),
+        }
+        for (engine, out) in gate_on_both_engines(&dir, &cfg, &path) {
+            assert_ne!(out.code, 2, "{file} on {engine}: {}", out.stdout);
+        }
     }
 }

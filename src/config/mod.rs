@@ -118,6 +118,21 @@ pub struct ConfigFile {
     pub linear_num_value_heads: Option<usize>,
     pub full_attention_interval: Option<usize>,
     pub attn_output_gate: Option<bool>,
+    // Gemma-4 (`Gemma4TextConfig`).
+    pub global_head_dim: Option<usize>,
+    pub num_global_key_value_heads: Option<usize>,
+    pub attention_k_eq_v: Option<bool>,
+    /// transformers 5.24 writes the full layers' shape here, by layer index (`"5": {"head_dim":
+    /// 512, ...}`), instead of `global_head_dim` / `num_global_key_value_heads`.
+    #[serde(default, deserialize_with = "null_as_none")]
+    pub per_layer_config: Option<std::collections::BTreeMap<String, serde_json::Value>>,
+    pub hidden_size_per_layer_input: Option<usize>,
+    pub num_kv_shared_layers: Option<usize>,
+    pub enable_moe_block: Option<bool>,
+    pub use_double_wide_mlp: Option<bool>,
+    pub top_k_experts: Option<usize>,
+    /// Gemma-4's published 5.5 configs spell `moe_intermediate_size` so.
+    pub expert_intermediate_size: Option<usize>,
 }
 
 /// An optional value that may be written as `null`.
@@ -177,6 +192,14 @@ pub enum Arch {
     /// layers between gated-attention layers, every layer MoE.
     #[serde(rename = "qwen3_5_moe")]
     Qwen35Moe,
+    /// Qwen3-Next (`qwen3_next`): Qwen3.5-MoE's hybrid decoder with head-grouped fused
+    /// DeltaNet projections, dense layers where `mlp_only_layers` / `decoder_sparse_step` say.
+    Qwen3Next,
+    /// Qwen3-VL-MoE's text tower (`qwen3_vl_moe`, `qwen3_vl_moe_text`): Qwen3-MoE's decoder.
+    #[serde(rename = "qwen3_vl_moe")]
+    Qwen3VlMoe,
+    /// Gemma-4's text model (`gemma4_text`, and the `gemma4` wrapper's).
+    Gemma4,
 }
 
 /// The `model_type`s the runner executes, in the order a refusal lists them.
@@ -203,6 +226,11 @@ pub const RUNNABLE_MODEL_TYPES: &[&str] = &[
     "qwen3_vl",
     "qwen3_5_moe",
     "qwen3_5_moe_text",
+    "qwen3_next",
+    "qwen3_vl_moe",
+    "qwen3_vl_moe_text",
+    "gemma4_text",
+    "gemma4",
 ];
 
 impl Arch {
@@ -230,6 +258,11 @@ impl Arch {
             "phi3" => Arch::Phi3,
             "gemma3_text" | "gemma3" => Arch::Gemma3,
             "qwen3_5_moe" | "qwen3_5_moe_text" => Arch::Qwen35Moe,
+            "qwen3_next" => Arch::Qwen3Next,
+            // Qwen3-VL-MoE's tower on text: Qwen3-MoE's decoder (`Qwen3VLMoeTextAttention`:
+            // per-head q/k norm, o_proj biased with `attention_bias`), M-RoPE the default rope.
+            "qwen3_vl_moe" | "qwen3_vl_moe_text" => Arch::Qwen3VlMoe,
+            "gemma4_text" | "gemma4" => Arch::Gemma4,
             _ => return None,
         })
     }
@@ -277,6 +310,15 @@ pub enum RopeScaling {
     /// LongRoPE (Phi-3/4, transformers `_compute_longrope_parameters`): each frequency divided
     /// by its factor, the short ones up to `original_max_position_embeddings` tokens and the
     /// long ones past it (`longrope_frequency_update`), cos/sin times `attention_factor`.
+    /// Gemma-4's full-attention layers (transformers `_compute_proportional_rope_parameters`):
+    /// the first `floor(partial_rotary_factor * dim / 2)` frequencies are the default ones over
+    /// the whole head (`theta ** (-2i / dim)`), the others 0 (their dims pass unrotated), each
+    /// divided by `factor`; rope then rotates halves of the whole head. Not partial rotary: the
+    /// rotated pairs are `(i, i + dim / 2)`, not `(i, i + rot / 2)`.
+    Proportional {
+        factor: f64,
+        partial_rotary_factor: f64,
+    },
     LongRope {
         short_factor: Vec<f64>,
         long_factor: Vec<f64>,
@@ -317,7 +359,8 @@ pub enum GeluKind {
     Erf,
 }
 
-/// What Gemma-3's text model adds to a Llama-shaped config (`Gemma3TextConfig`).
+/// What Gemma's text model adds to a Llama-shaped config (`Gemma3TextConfig`,
+/// `Gemma4TextConfig`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct GemmaConfig {
     /// The sliding layers' rope (`rope_parameters.sliding_attention`, or the legacy
@@ -326,10 +369,27 @@ pub struct GemmaConfig {
     /// The softmax scale is `query_pre_attn_scalar ** -0.5` (default 256), not `head_dim`'s.
     pub query_pre_attn_scalar: f64,
     /// `tanh(logits / cap) * cap` on the logits (only them): `Gemma3ForCausalLM` applies it,
-    /// transformers 5.24's `Gemma3ForConditionalGeneration.forward` does not, so a wrapper's
-    /// is `None`.
+    /// transformers 5.24's `Gemma3ForConditionalGeneration.forward` does not, so a Gemma-3
+    /// wrapper's is `None` (`Gemma4ForConditionalGeneration.forward` does apply it).
     pub final_logit_softcapping: Option<f64>,
     pub act: GeluKind,
+    /// Gemma-4's layers; `None` for Gemma-3.
+    pub v4: Option<Gemma4Layers>,
+}
+
+/// What Gemma-4 (`Gemma4TextConfig`, transformers 5.24) changes per layer. Its attention's
+/// softmax scale is 1 (`Gemma4TextAttention.scaling`), its norms are `w`, not `1 + w`, values
+/// are RMS-normalised without a weight (`v_norm`), and each layer's output is multiplied by its
+/// `layer_scalar`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemma4Layers {
+    /// Per layer: its head dim and KV heads (`per_layer_config`, by default the full layers'
+    /// `global_head_dim`, 512, and with `attention_k_eq_v` `num_global_key_value_heads`).
+    pub head_dims: Vec<usize>,
+    pub kv_heads: Vec<usize>,
+    /// `attention_k_eq_v`: the full layers have no `v_proj`; their values are the key
+    /// projection's output, before `k_norm` (`Gemma4TextAttention.use_alternative_attention`).
+    pub k_eq_v: bool,
 }
 
 /// A resolved model config: what the target forward (and the gate) reads.
@@ -511,6 +571,13 @@ impl ConfigFile {
             ("n_shared_experts", self.n_shared_experts),
             ("num_experts_per_tok", self.num_experts_per_tok),
             ("moe_intermediate_size", self.moe_intermediate_size),
+            ("expert_intermediate_size", self.expert_intermediate_size),
+            ("top_k_experts", self.top_k_experts),
+            ("global_head_dim", self.global_head_dim),
+            (
+                "num_global_key_value_heads",
+                self.num_global_key_value_heads,
+            ),
             ("first_k_dense_replace", self.first_k_dense_replace),
             ("moe_layer_freq", self.moe_layer_freq),
             ("n_group", self.n_group),
@@ -585,6 +652,7 @@ impl ModelConfig {
             Some(text) => merged_text_config(raw, text),
             None => raw.clone(),
         };
+        let mut raw = raw;
         let model_type = need(raw.model_type.clone(), path, "model_type")?;
         // `Family::of` reads the same `model_type` (the wrapper's first), so it found one.
         let family = family.unwrap_or_default();
@@ -597,6 +665,15 @@ impl ModelConfig {
                 ),
             )
         })?;
+        if arch == Arch::Gemma4 && raw.rope_parameters.is_none() {
+            // `Gemma4TextConfig.__post_init__`'s default: proportional rope with a quarter of
+            // each full layer's head rotated, the sliding layers' default rope.
+            raw.rope_parameters = Some(serde_json::json!({
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0},
+            }));
+        }
         let hidden_size = positive(
             need(raw.hidden_size, path, "hidden_size")?,
             path,
@@ -612,11 +689,15 @@ impl ModelConfig {
             path,
             "num_attention_heads",
         )?;
-        // Gemma3TextConfig's defaults differ from Llama's (4 KV heads, head_dim 256).
-        let gemma = arch == Arch::Gemma3;
+        // Gemma3TextConfig's and Gemma4TextConfig's defaults differ from Llama's (4 KV heads,
+        // head_dim 256); Qwen3NextConfig's are 2 KV heads of 256.
+        let gemma = matches!(arch, Arch::Gemma3 | Arch::Gemma4);
         let num_kv_heads = positive(
-            raw.num_key_value_heads
-                .unwrap_or(if gemma { 4 } else { num_heads }),
+            raw.num_key_value_heads.unwrap_or(match arch {
+                _ if gemma => 4,
+                Arch::Qwen3Next => 2,
+                _ => num_heads,
+            }),
             path,
             "num_key_value_heads",
         )?;
@@ -629,13 +710,25 @@ impl ModelConfig {
             ));
         }
         let head_dim = positive(
-            raw.head_dim
-                .unwrap_or(if gemma { 256 } else { hidden_size / num_heads }),
+            raw.head_dim.unwrap_or(if gemma || arch == Arch::Qwen3Next {
+                256
+            } else {
+                hidden_size / num_heads
+            }),
             path,
             "head_dim",
         )?;
+        let sliding_layers = resolve_sliding_layers(arch, &raw, num_layers, path)?;
         let gemma = if gemma {
-            Some(resolve_gemma(&raw, wrapped, path)?)
+            let shape = (num_heads, num_kv_heads, head_dim);
+            Some(resolve_gemma(
+                &raw,
+                arch,
+                wrapped,
+                shape,
+                &sliding_layers,
+                path,
+            )?)
         } else {
             let act = raw.hidden_act.as_deref().unwrap_or("silu");
             if act != "silu" {
@@ -647,7 +740,9 @@ impl ModelConfig {
             None
         };
         let rope = match arch {
-            Arch::Gemma3 => resolve_gemma_rope(&raw, "full_attention", 1_000_000.0, path)?,
+            Arch::Gemma3 | Arch::Gemma4 => {
+                resolve_gemma_rope(&raw, "full_attention", 1_000_000.0, path)?
+            }
             _ => resolve_rope(&raw, path)?,
         };
         let mla = if arch.is_mla() {
@@ -659,20 +754,21 @@ impl ModelConfig {
         let llama4 = (arch == Arch::Llama4)
             .then(|| resolve_llama4(&raw, num_layers, path))
             .transpose()?;
-        let delta_net = (arch == Arch::Qwen35Moe)
-            .then(|| resolve_delta_net(&raw, num_layers, path))
+        let delta_net = matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next)
+            .then(|| resolve_delta_net(&raw, arch, num_layers, path))
             .transpose()?;
         let fp8_block = resolve_fp8(&raw, path)?;
         let sliding_window = match (arch, raw.use_sliding_window) {
             (Arch::Mistral | Arch::GptOss | Arch::Phi3, _) => raw.sliding_window,
             // Gemma3TextConfig.sliding_window defaults to 4096.
             (Arch::Gemma3, _) => Some(raw.sliding_window.unwrap_or(4096)),
+            // Gemma4TextConfig.sliding_window defaults to 512.
+            (Arch::Gemma4, _) => Some(raw.sliding_window.unwrap_or(512)),
             (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe, Some(true)) => {
                 raw.sliding_window
             }
             _ => None,
         };
-        let sliding_layers = resolve_sliding_layers(arch, &raw, num_layers, path)?;
         let rotary_dim = resolve_rotary_dim(arch, &raw, head_dim, path)?;
         if let RopeScaling::LongRope {
             short_factor,
@@ -696,7 +792,10 @@ impl ModelConfig {
         }
         let qk_norm = match arch {
             // Gemma-3's q_norm/k_norm are `1 + w` norms (model::gemma adds the 1).
-            Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 => QkNorm::PerHead,
+            // Gemma-4's are plain `w` norms (model::gemma4 loads them).
+            Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen3VlMoe | Arch::Gemma3 | Arch::Gemma4 => {
+                QkNorm::PerHead
+            }
             // `Glm4MoeConfig.use_qk_norm` defaults to false.
             Arch::Glm4Moe if raw.use_qk_norm.unwrap_or(false) => QkNorm::PerHead,
             // `MiniMaxM2Attention` always norms the whole projection; the released configs
@@ -726,7 +825,13 @@ impl ModelConfig {
         // Qwen2(-MoE), Mistral, MiniMax-M2 and GLM-4.5 never.
         let o_bias = matches!(
             arch,
-            Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe | Arch::GptOss | Arch::Gemma3
+            Arch::Llama
+                | Arch::Qwen3
+                | Arch::Qwen3Moe
+                | Arch::Qwen3VlMoe
+                | Arch::GptOss
+                | Arch::Gemma3
+                | Arch::Gemma4
         ) && raw.attention_bias.unwrap_or(false);
         Ok(ModelConfig {
             path: path.to_path_buf(),
@@ -752,7 +857,9 @@ impl ModelConfig {
             rope,
             // LlamaConfig, Qwen2Config and DeepseekV3Config all default to untied, Gemma's
             // configs to tied.
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(arch == Arch::Gemma3),
+            tie_word_embeddings: raw
+                .tie_word_embeddings
+                .unwrap_or(matches!(arch, Arch::Gemma3 | Arch::Gemma4)),
             attention_bias,
             o_bias,
             mlp_bias: arch == Arch::Llama && raw.mlp_bias.unwrap_or(false),
@@ -791,8 +898,9 @@ pub struct Llama4Attention {
     pub temperature: Option<(f64, f64)>,
 }
 
-/// Qwen3.5's gated DeltaNet (`Qwen3_5MoeGatedDeltaNet`, transformers 5.24): which layers are
-/// linear attention, and their widths.
+/// Qwen3.5's and Qwen3-Next's gated DeltaNet (`Qwen3_5MoeGatedDeltaNet`,
+/// `Qwen3NextGatedDeltaNet`, transformers 5.24): which layers are linear attention, their
+/// widths, and how the input projections are laid out.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeltaNet {
     /// Per layer: `layer_types[i] == "linear_attention"` (by default all but every
@@ -803,9 +911,13 @@ pub struct DeltaNet {
     pub value_heads: usize,
     pub key_dim: usize,
     pub value_dim: usize,
+    /// Qwen3-Next: q, k, v and z in one `in_proj_qkvz` and b, a in one `in_proj_ba`, grouped by
+    /// key head (`fix_query_key_value_ordering`); Qwen3.5: `in_proj_qkv`, `in_proj_z`,
+    /// `in_proj_b`, `in_proj_a`, each laid out by head.
+    pub grouped_projections: bool,
 }
 
-fn resolve_delta_net(raw: &ConfigFile, layers: usize, path: &Path) -> Result<DeltaNet> {
+fn resolve_delta_net(raw: &ConfigFile, arch: Arch, layers: usize, path: &Path) -> Result<DeltaNet> {
     let linear_layers: Vec<bool> = match &raw.layer_types {
         Some(types) => types
             .iter()
@@ -850,6 +962,7 @@ fn resolve_delta_net(raw: &ConfigFile, layers: usize, path: &Path) -> Result<Del
         value_heads: raw.linear_num_value_heads.unwrap_or(32),
         key_dim: raw.linear_key_head_dim.unwrap_or(128),
         value_dim: raw.linear_value_head_dim.unwrap_or(128),
+        grouped_projections: arch == Arch::Qwen3Next,
     };
     if net.conv_kernel == 0
         || net.key_heads == 0
@@ -945,6 +1058,10 @@ fn merged_text_config(outer: &ConfigFile, inner: &ConfigFile) -> ConfigFile {
     if merged.vocab_size.is_none() {
         merged.vocab_size = outer.vocab_size;
     }
+    // A wrapper's checkpoint is quantised as a whole (Gemma-4-31B-IT-NVFP4 says so at the top).
+    if merged.quantization_config.is_none() {
+        merged.quantization_config = outer.quantization_config.clone();
+    }
     merged
 }
 
@@ -984,6 +1101,10 @@ pub(crate) fn resolve_rope(raw: &ConfigFile, path: &Path) -> Result<Rope> {
         // default rope over the same frequencies.
         "default" | "mrope" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor },
+        "proportional" => RopeScaling::Proportional {
+            factor,
+            partial_rotary_factor: json_f64(p, "partial_rotary_factor").unwrap_or(1.0),
+        },
         "llama3" => RopeScaling::Llama3 {
             factor,
             low_freq_factor: json_f64(p, "low_freq_factor").unwrap_or(1.0),
@@ -1050,7 +1171,8 @@ pub(crate) fn resolve_rope(raw: &ConfigFile, path: &Path) -> Result<Rope> {
             return Err(Error::config(
                 path,
                 format!(
-                    "rope type `{other}` is not supported (default, linear, llama3, yarn, longrope)"
+                    "rope type `{other}` is not supported (default, linear, llama3, yarn, longrope, \
+                     proportional)"
                 ),
             ));
         }
@@ -1058,17 +1180,36 @@ pub(crate) fn resolve_rope(raw: &ConfigFile, path: &Path) -> Result<Rope> {
     Ok(Rope { theta, scaling })
 }
 
-/// Gemma-3's settings beyond Llama's (`Gemma3TextConfig`), refusing what the runner does not
-/// compute: bidirectional attention (EmbeddingGemma) and attention-logit softcapping (null in
-/// every released Gemma-3).
-fn resolve_gemma(raw: &ConfigFile, wrapped: bool, path: &Path) -> Result<GemmaConfig> {
-    if raw.use_bidirectional_attention == Some(serde_json::Value::Bool(true)) {
-        return Err(Error::config(
-            path,
-            "use_bidirectional_attention is not supported (eagle-check runs causal targets)",
-        ));
+/// Gemma's settings beyond Llama's (`Gemma3TextConfig`, `Gemma4TextConfig`), refusing what the
+/// runner does not compute: bidirectional attention (EmbeddingGemma, Gemma-4's `"all"`),
+/// Gemma-3's attention-logit softcapping (null in every released Gemma-3), and Gemma-4's
+/// settings in [`resolve_gemma4`]. `shape`: (heads, KV heads, head dim) of the sliding layers.
+fn resolve_gemma(
+    raw: &ConfigFile,
+    arch: Arch,
+    wrapped: bool,
+    shape: (usize, usize, usize),
+    sliding: &Option<Vec<bool>>,
+    path: &Path,
+) -> Result<GemmaConfig> {
+    let v4 = arch == Arch::Gemma4;
+    match &raw.use_bidirectional_attention {
+        None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => {}
+        // Gemma-4's "vision": image tokens attend both ways, text causally
+        // (`Gemma4Model.forward`); a text-only prompt is causal.
+        Some(serde_json::Value::String(s)) if v4 && s == "vision" => {}
+        Some(other) => {
+            return Err(Error::config(
+                path,
+                format!(
+                    "use_bidirectional_attention {other} is not supported (eagle-check runs \
+                     causal targets)"
+                ),
+            ));
+        }
     }
-    if let Some(cap) = raw.attn_logit_softcapping {
+    // `Gemma4TextAttention` has no logit softcap (Gemma4TextConfig has no such key).
+    if let (false, Some(cap)) = (v4, raw.attn_logit_softcapping) {
         return Err(Error::config(
             path,
             format!("attn_logit_softcapping {cap} is not supported (Gemma-3 sets it null)"),
@@ -1096,11 +1237,108 @@ fn resolve_gemma(raw: &ConfigFile, wrapped: bool, path: &Path) -> Result<GemmaCo
             format!("query_pre_attn_scalar must be positive, found {scalar}"),
         ));
     }
+    let v4 = match (v4, sliding) {
+        (true, Some(sliding)) => Some(resolve_gemma4(raw, shape, sliding, path)?),
+        _ => None,
+    };
     Ok(GemmaConfig {
         local_rope: resolve_gemma_rope(raw, "sliding_attention", 10_000.0, path)?,
         query_pre_attn_scalar: scalar,
-        final_logit_softcapping: raw.final_logit_softcapping.filter(|_| !wrapped),
+        final_logit_softcapping: raw
+            .final_logit_softcapping
+            .filter(|_| !wrapped || v4.is_some()),
         act,
+        v4,
+    })
+}
+
+/// Gemma-4's layers as `Gemma4TextConfig.__post_init__` fills them in (transformers 5.24),
+/// refusing by name what the runner does not compute: the per-layer inputs of the small models
+/// (`hidden_size_per_layer_input`, default 256), KV sharing across layers
+/// (`num_kv_shared_layers`) and any `per_layer_config` key beyond the attention's shape.
+/// `sliding`: each layer's type.
+fn resolve_gemma4(
+    raw: &ConfigFile,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    sliding: &[bool],
+    path: &Path,
+) -> Result<Gemma4Layers> {
+    let refuse = |what: String| Err(Error::config(path, what));
+    if let Some(n) = Some(raw.hidden_size_per_layer_input.unwrap_or(256)).filter(|&n| n > 0) {
+        return refuse(format!(
+            "hidden_size_per_layer_input {n} is not supported (Gemma-4's per-layer inputs, \
+             E2B/E4B; set 0 in the 31B and 26B-A4B configs)"
+        ));
+    }
+    if let Some(n) = raw.num_kv_shared_layers.filter(|&n| n > 0) {
+        return refuse(format!(
+            "num_kv_shared_layers {n} is not supported (Gemma-4's layers sharing keys and values)"
+        ));
+    }
+    let k_eq_v = raw.attention_k_eq_v.unwrap_or(false);
+    let mut head_dims = vec![head_dim; sliding.len()];
+    let mut kvs = vec![kv_heads; sliding.len()];
+    match &raw.per_layer_config {
+        // `__post_init__`: the full layers take `global_head_dim` (512) and, with
+        // `attention_k_eq_v`, `num_global_key_value_heads`.
+        None => {
+            for (l, _) in sliding.iter().enumerate().filter(|(_, s)| !**s) {
+                head_dims[l] = raw.global_head_dim.unwrap_or(512);
+                kvs[l] = match (k_eq_v, raw.num_global_key_value_heads) {
+                    (true, Some(n)) => n,
+                    _ => kv_heads,
+                };
+            }
+        }
+        Some(layers) => {
+            for (key, overrides) in layers {
+                let layer = key.parse::<usize>().ok().filter(|&l| l < sliding.len());
+                let (Some(l), Some(map)) = (layer, overrides.as_object()) else {
+                    return refuse(format!(
+                        "per_layer_config: `{key}` is not a layer of {} with its overrides",
+                        sliding.len()
+                    ));
+                };
+                for (name, value) in map {
+                    let n = value.as_u64().filter(|&n| n > 0).map(|n| n as usize);
+                    match (name.as_str(), n) {
+                        ("head_dim", Some(n)) => head_dims[l] = within(n, path, "head_dim")?,
+                        ("num_key_value_heads", Some(n)) => kvs[l] = n,
+                        _ => {
+                            return refuse(format!(
+                                "per_layer_config.{key}.{name} {value} is not supported \
+                                 (head_dim, num_key_value_heads)"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // `Gemma4TextRotaryEmbedding` takes one head dim per layer type
+    // (`per_layer_config[layer_type]` refuses a type whose layers differ).
+    for kind in [true, false] {
+        let dims: Vec<usize> = (0..sliding.len())
+            .filter(|&l| sliding[l] == kind)
+            .map(|l| head_dims[l])
+            .collect();
+        if dims.windows(2).any(|w| w[0] != w[1]) {
+            return refuse(format!(
+                "per_layer_config: the {} layers have head dims {dims:?}, one rope needs one",
+                if kind { "sliding" } else { "full-attention" }
+            ));
+        }
+    }
+    if let Some(l) = (0..kvs.len()).find(|&l| !heads.is_multiple_of(kvs[l])) {
+        return refuse(format!(
+            "layer {l}: num_attention_heads {heads} is not a multiple of its {} KV heads",
+            kvs[l]
+        ));
+    }
+    Ok(Gemma4Layers {
+        head_dims,
+        kv_heads: kvs,
+        k_eq_v,
     })
 }
 
@@ -1156,8 +1394,28 @@ fn resolve_mla(raw: &ConfigFile, path: &Path) -> Result<MlaConfig> {
     })
 }
 
-/// FP8 block quantisation (`quantization_config.quant_method: fp8`): its block size.
+/// FP8 block quantisation (`quantization_config.quant_method: fp8`): its block size. NVIDIA
+/// Model-Optimizer's formats (`quant_method: modelopt`, e.g. Gemma-4-31B-IT-NVFP4's `NVFP4`) are
+/// refused by name: their packed weights and scales are not read.
 fn resolve_fp8(raw: &ConfigFile, path: &Path) -> Result<Option<[usize; 2]>> {
+    let method = |q: &serde_json::Value, key: &str| {
+        q.get(key)
+            .and_then(|m| m.as_str())
+            .map(str::to_string)
+            .unwrap_or_default()
+    };
+    if let Some(q) = &raw.quantization_config
+        && method(q, "quant_method") == "modelopt"
+    {
+        return Err(Error::config(
+            path,
+            format!(
+                "quantization_config: modelopt {} weights are not supported (run the \
+                 unquantised checkpoint)",
+                method(q, "quant_algo")
+            ),
+        ));
+    }
     match &raw.quantization_config {
         Some(q) if q.get("quant_method").and_then(|m| m.as_str()) == Some("fp8") => {
             let block = q.get("weight_block_size").and_then(|b| b.as_array());
@@ -1185,7 +1443,10 @@ fn resolve_sliding_layers(
     layers: usize,
     path: &Path,
 ) -> Result<Option<Vec<bool>>> {
-    if !matches!(arch, Arch::GptOss | Arch::Qwen2Moe | Arch::Gemma3) {
+    if !matches!(
+        arch,
+        Arch::GptOss | Arch::Qwen2Moe | Arch::Gemma3 | Arch::Gemma4
+    ) {
         return Ok(None);
     }
     let listed = match &raw.layer_types {
@@ -1207,6 +1468,8 @@ fn resolve_sliding_layers(
             let every = raw.sliding_window_pattern.unwrap_or(6).max(1);
             (0..layers).map(|i| (i + 1) % every != 0).collect()
         }
+        // Gemma4TextConfig.__post_init__: every 6th layer full.
+        None if arch == Arch::Gemma4 => (0..layers).map(|i| (i + 1) % 6 != 0).collect(),
         None => {
             let max = raw.max_window_layers.unwrap_or(28);
             let on = raw.use_sliding_window.unwrap_or(false);
@@ -1221,6 +1484,14 @@ fn resolve_sliding_layers(
                 listed.len()
             ),
         ));
+    }
+    let mut listed = listed;
+    if arch == Arch::Gemma4 {
+        // `Gemma4TextConfig.__post_init__` forces the last layer to full attention.
+        listed.truncate(layers);
+        if let Some(last) = listed.last_mut() {
+            *last = false;
+        }
     }
     Ok(Some(listed))
 }
@@ -1240,8 +1511,9 @@ fn resolve_rotary_dim(arch: Arch, raw: &ConfigFile, head_dim: usize, path: &Path
         (Some(f), _) => f,
         (None, Some(d)) if arch == Arch::MiniMaxM2 => d as f64 / head_dim as f64,
         (None, _) if arch == Arch::Glm4Moe => 0.5,
-        // `Qwen3_5MoeTextConfig.__post_init__`: `kwargs.setdefault("partial_rotary_factor", 0.25)`.
-        (None, _) if arch == Arch::Qwen35Moe => 0.25,
+        // `Qwen3_5MoeTextConfig.__post_init__` and `Qwen3NextConfig.__post_init__`:
+        // `kwargs.setdefault("partial_rotary_factor", 0.25)`.
+        (None, _) if matches!(arch, Arch::Qwen35Moe | Arch::Qwen3Next) => 0.25,
         _ => 1.0,
     };
     let dim = (head_dim as f64 * factor) as usize;

@@ -28,6 +28,9 @@ pub enum MoeLayers {
 pub enum ExpertsAct {
     /// `down(silu(gate(x)) * up(x))`.
     SiluMul,
+    /// Gemma-4 (`Gemma4TextExperts`, `hidden_activation` `gelu_pytorch_tanh`):
+    /// `down(gelu_tanh(gate(x)) * up(x))`.
+    GeluTanhMul,
     /// gpt-oss (`GptOssExperts._apply_gate`): `gate = min(gate, limit)`,
     /// `up = clamp(up, -limit, limit)`, `(up + 1) * gate * sigmoid(alpha * gate)`, with biases
     /// on both projections.
@@ -114,20 +117,27 @@ pub(super) fn resolve(arch: Arch, raw: &ConfigFile, path: &Path) -> Result<Optio
         Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 | Arch::Gemma3 => {
             return Ok(None);
         }
+        Arch::Gemma4 if raw.enable_moe_block != Some(true) => return Ok(None),
+        Arch::Gemma4 => gemma4(raw, path)?,
         Arch::Llama4 => llama4(raw, path)?,
         Arch::Qwen35Moe => qwen35(raw, path)?,
         Arch::DeepseekV3 | Arch::Glm4Moe | Arch::Glm4MoeLite => match raw.n_routed_experts {
             Some(n) if n > 0 => deepseek_style(arch, raw, path, n)?,
             _ => return Ok(None),
         },
-        Arch::Qwen3Moe | Arch::Qwen2Moe => {
-            // `Qwen3MoeConfig.num_experts` defaults to 128, `Qwen2MoeConfig`'s to 60; 0 is a
-            // dense model (`Qwen3MoeDecoderLayer.__init__`: `config.num_experts > 0`).
-            // transformers 5 writes it as `num_local_experts` (its `attribute_map`).
+        Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Qwen3VlMoe | Arch::Qwen3Next => {
+            // `Qwen3MoeConfig.num_experts` defaults to 128, `Qwen2MoeConfig`'s and
+            // `Qwen3VLMoeTextConfig`'s to 60, `Qwen3NextConfig`'s to 512; 0 is a dense model
+            // (`Qwen3MoeDecoderLayer.__init__`: `config.num_experts > 0`). transformers 5
+            // writes it as `num_local_experts` (its `attribute_map`).
             let n = raw
                 .num_experts
                 .or(raw.num_local_experts)
-                .unwrap_or(if arch == Arch::Qwen3Moe { 128 } else { 60 });
+                .unwrap_or(match arch {
+                    Arch::Qwen3Moe => 128,
+                    Arch::Qwen3Next => 512,
+                    _ => 60,
+                });
             if n == 0 {
                 return Ok(None);
             }
@@ -246,22 +256,28 @@ fn deepseek_style(arch: Arch, raw: &ConfigFile, path: &Path, n: usize) -> Result
     })
 }
 
-/// Qwen3-MoE and Qwen2-MoE: softmax top-k (both configs default `norm_topk_prob` to false;
-/// Qwen3's released configs set it true); Qwen2-MoE adds a gated shared expert
-/// (`Qwen2MoeSparseMoeBlock`).
+/// Qwen3-MoE, Qwen2-MoE, Qwen3-VL-MoE's tower and Qwen3-Next: softmax top-k (Qwen2/3-MoE's
+/// configs default `norm_topk_prob` to false, Qwen3's released configs set it true;
+/// `Qwen3NextConfig` defaults it to true; `Qwen3VLMoeTextTopKRouter` renormalises whatever the
+/// config says). Qwen2-MoE and Qwen3-Next add a shared expert behind its sigmoid gate
+/// (`Qwen2MoeSparseMoeBlock`, `Qwen3NextSparseMoeBlock`).
 fn qwen_style(arch: Arch, raw: &ConfigFile, path: &Path, n: usize) -> Result<MoeConfig> {
-    let qwen2 = arch == Arch::Qwen2Moe;
-    let shared = if qwen2 {
-        raw.shared_expert_intermediate_size.unwrap_or(0)
-    } else {
-        0
+    let shared = match arch {
+        Arch::Qwen2Moe => raw.shared_expert_intermediate_size.unwrap_or(0),
+        Arch::Qwen3Next => raw.shared_expert_intermediate_size.unwrap_or(512),
+        _ => 0,
+    };
+    let norm_topk = match arch {
+        Arch::Qwen3VlMoe => true,
+        Arch::Qwen3Next => raw.norm_topk_prob.unwrap_or(true),
+        _ => raw.norm_topk_prob.unwrap_or(false),
     };
     Ok(MoeConfig {
         n_routed_experts: n,
         routing: Routing::top_k(
             Scoring::Softmax,
             need(raw.num_experts_per_tok, path, "num_experts_per_tok")?,
-            raw.norm_topk_prob.unwrap_or(false),
+            norm_topk,
         ),
         moe_intermediate_size: need(raw.moe_intermediate_size, path, "moe_intermediate_size")?,
         shared_intermediate: shared,
@@ -326,6 +342,42 @@ fn qwen35(raw: &ConfigFile, path: &Path) -> Result<MoeConfig> {
         shared_gate: shared > 0,
         layers: MoeLayers::All,
         act: ExpertsAct::SiluMul,
+        weights_on_input: false,
+    })
+}
+
+/// Gemma-4's MoE block (`Gemma4TextConfig.enable_moe_block`, transformers 5.24
+/// `Gemma4TextRouter`, `Gemma4TextExperts`): in every layer beside the dense MLP,
+/// `num_experts` experts of `moe_intermediate_size` (the published 5.5 configs write
+/// `expert_intermediate_size`, which 5.24 does not read: taken when the other is absent), a
+/// softmax top-`top_k_experts` renormalised (each weight then times the expert's
+/// `per_expert_scale`, [`crate::model::moe`]), GELU-tanh experts; no shared expert.
+fn gemma4(raw: &ConfigFile, path: &Path) -> Result<MoeConfig> {
+    let act = raw
+        .hidden_activation
+        .as_deref()
+        .unwrap_or("gelu_pytorch_tanh");
+    if act != "gelu_pytorch_tanh" {
+        return Err(bad(
+            path,
+            format!(
+                "enable_moe_block with hidden_activation `{act}` is not supported (gelu_pytorch_tanh)"
+            ),
+        ));
+    }
+    let inter = raw.moe_intermediate_size.or(raw.expert_intermediate_size);
+    Ok(MoeConfig {
+        n_routed_experts: need(raw.num_experts, path, "num_experts")?,
+        routing: Routing::top_k(
+            Scoring::Softmax,
+            need(raw.top_k_experts, path, "top_k_experts")?,
+            true,
+        ),
+        moe_intermediate_size: need(inter, path, "moe_intermediate_size")?,
+        shared_intermediate: 0,
+        shared_gate: false,
+        layers: MoeLayers::All,
+        act: ExpertsAct::GeluTanhMul,
         weights_on_input: false,
     })
 }

@@ -7,6 +7,10 @@ use super::{Elem, Matrix, with_float_type};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
+/// The largest head dim (dk and dv) the GPU's generic flash kernel takes
+/// (kernels/attention.cu `GEN_MAX_D`); the CPU reference takes any.
+pub const GENERIC_MAX_HEAD_DIM: usize = 256;
+
 /// Heads and scaling of one attention call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnParams {
@@ -522,8 +526,7 @@ pub mod launch {
         },
     ];
 
-    /// The generic path's limit on dk and dv (kernels/attention.cu `GEN_MAX_D`).
-    pub const GENERIC_MAX_HEAD_DIM: usize = 256;
+    pub use super::GENERIC_MAX_HEAD_DIM;
     const GENERIC_WARPS: usize = 4;
 
     /// The path [`flash_attn`] takes: the Hopper kernel on an sm_90 device, else the mma.sync

@@ -1,6 +1,9 @@
-//! Gemma-3's text model: `gemma3_text` (`Gemma3ForCausalLM`) and the text model of the
-//! `gemma3` wrapper (`Gemma3ForConditionalGeneration`, its weights under
-//! `model.language_model.*`), run on text.
+//! Gemma's text models, run on text: Gemma-3's, `gemma3_text` (`Gemma3ForCausalLM`) and the text
+//! model of the `gemma3` wrapper (`Gemma3ForConditionalGeneration`, its weights under
+//! `model.language_model.*`), and Gemma-4's (`gemma4_text`, `gemma4`), whose layers differ in
+//! what [`crate::model::gemma4`] loads: the decoder layer, the embedding scale and the softcap
+//! below are the same in both (`modeling_gemma4.py` `Gemma4TextDecoderLayer.forward` adds only
+//! the `layer_scalar`).
 //!
 //! Reference: transformers 5.24 `models/gemma3/modeling_gemma3.py`.
 //! - `Gemma3TextScaledWordEmbedding.forward`: the rows times `embed_scale` = sqrt(H) cast to the
@@ -23,6 +26,8 @@
 
 use crate::config::{GeluKind, GemmaConfig, ModelConfig};
 use crate::error::{CandleContext, Error, Result};
+use crate::kernels::attention::GENERIC_MAX_HEAD_DIM;
+use crate::model::gemma4;
 use crate::model::llama::Attention;
 use crate::model::moe::get_f32;
 use crate::model::nn::{Linear, RmsNorm, RopeTables, causal_mask};
@@ -74,9 +79,13 @@ pub(crate) struct Layer {
     pre_ff_norm: RmsNorm,
     post_ff_norm: RmsNorm,
     mlp: GeluMlp,
+    /// Gemma-4: the layer's output times this `[1]` (`layer_scalar`).
+    scalar: Option<Tensor>,
+    /// Gemma-4's MoE block beside the dense MLP.
+    moe: Option<Box<gemma4::Gemma4Moe>>,
 }
 
-/// The Gemma-3 text decoder ([`Decoder`]).
+/// The Gemma text decoder ([`Decoder`]).
 pub(crate) struct GemmaDecoder {
     cfg: ModelConfig,
     gemma: GemmaConfig,
@@ -127,11 +136,22 @@ impl Decoder for GemmaDecoder {
         let cfg = &self.cfg;
         let (h, eps, hd) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim);
         let l = m.pp(format!("layers.{i}"));
-        let norm = |name: &str, size: usize| offset_norm(&l.pp(name), size, eps, self.dtype);
-        let mut attn = Attention::load(cfg, &l.pp("self_attn"), false, i)?;
+        let v4 = self.gemma.v4.as_ref();
+        // Gemma-3's norms are `1 + w`, Gemma-4's `w` (`Gemma4RMSNorm`).
+        let norm = |name: &str, size: usize| match v4 {
+            Some(_) => RmsNorm::load(&l.pp(name), size, eps),
+            None => offset_norm(&l.pp(name), size, eps, self.dtype),
+        };
         let a = l.pp("self_attn");
-        attn.q_norm = Some(offset_norm(&a.pp("q_norm"), hd, eps, self.dtype)?);
-        attn.k_norm = Some(offset_norm(&a.pp("k_norm"), hd, eps, self.dtype)?);
+        let attn = match v4 {
+            Some(v4) => gemma4::load_attention(cfg, v4, &a, i, self.dtype)?,
+            None => {
+                let mut attn = Attention::load(cfg, &a, false, i)?;
+                attn.q_norm = Some(norm("self_attn.q_norm", hd)?);
+                attn.k_norm = Some(norm("self_attn.k_norm", hd)?);
+                attn
+            }
+        };
         Ok(Layer {
             input_norm: norm("input_layernorm", h)?,
             attn,
@@ -139,28 +159,31 @@ impl Decoder for GemmaDecoder {
             pre_ff_norm: norm("pre_feedforward_layernorm", h)?,
             post_ff_norm: norm("post_feedforward_layernorm", h)?,
             mlp: GeluMlp::load(&l.pp("mlp"), h, cfg.intermediate_size, self.gemma.act)?,
+            scalar: v4.map(|_| l.get("layer_scalar", &[1])).transpose()?,
+            moe: gemma4::Gemma4Moe::load(cfg, &l, self.dtype)?.map(Box::new),
         })
     }
 
     fn context(&self, t: usize, device: &Device) -> Result<Ctx> {
         let cfg = &self.cfg;
-        let global = RopeTables::new(&cfg.rope, cfg.rotary_dim, t, self.dtype, device)?;
-        let local = RopeTables::new(
-            &self.gemma.local_rope,
-            cfg.rotary_dim,
-            t,
-            self.dtype,
-            device,
-        )?;
-        let (full, sliding) = match self.path {
-            ComputePath::Candle => (
+        // Gemma-4's ropes span each layer type's own head dim.
+        let (global_dim, local_dim) = match &self.gemma.v4 {
+            Some(v4) => gemma4::rope_dims(cfg, v4),
+            None => (cfg.rotary_dim, cfg.rotary_dim),
+        };
+        let global = RopeTables::new(&cfg.rope, global_dim, t, self.dtype, device)?;
+        let local = RopeTables::new(&self.gemma.local_rope, local_dim, t, self.dtype, device)?;
+        // Heads wider than the GPU's flash kernel takes run as candle ops with a mask
+        // (Gemma-4's 512-dim full layers, [`GemmaDecoder::step`]).
+        let wide = device.is_cuda() && global_dim.max(local_dim) > GENERIC_MAX_HEAD_DIM;
+        let (full, sliding) = if self.path == ComputePath::Candle || wide {
+            (
                 causal_mask(t, None, self.dtype, device)?,
                 causal_mask(t, cfg.sliding_window, self.dtype, device)?,
-            ),
-            ComputePath::Kernels | ComputePath::Fused => {
-                let none = Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?;
-                (none.clone(), none)
-            }
+            )
+        } else {
+            let none = Tensor::zeros(1, self.dtype, device).ctx(|| "mask".into())?;
+            (none.clone(), none)
         };
         Ok(Ctx {
             global,
@@ -175,22 +198,34 @@ impl Decoder for GemmaDecoder {
             Some(_) => (&ctx.local, &ctx.sliding),
             None => (&ctx.global, &ctx.full),
         };
+        // A head wider than the GPU's flash kernel takes (Gemma-4's 512-dim full layers) runs
+        // as candle ops with its mask.
+        let wide = xs.device().is_cuda() && layer.attn.head_dim() > GENERIC_MAX_HEAD_DIM;
         let step = || -> candle_core::Result<LayerStep> {
             let normed = layer.input_norm.forward(xs)?;
-            let a = match self.path {
-                ComputePath::Candle => layer.attn.forward(&normed, rope, mask)?,
-                ComputePath::Kernels | ComputePath::Fused => {
-                    layer.attn.forward_kernels(&normed, rope)?
-                }
+            let a = if self.path == ComputePath::Candle || wide {
+                layer.attn.forward(&normed, rope, mask)?
+            } else {
+                layer.attn.forward_kernels(&normed, rope)?
             };
             let (xs, normed) = layer
                 .pre_ff_norm
                 .add_forward(xs, &layer.post_attn_norm.forward(&a)?)?;
-            let m = layer.post_ff_norm.forward(&layer.mlp.forward(&normed)?)?;
+            let mlp = layer.mlp.forward(&normed)?;
+            let (mlp, extras) = match &layer.moe {
+                Some(moe) => moe.forward(i, self.path, &xs, &mlp)?,
+                None => (mlp, Vec::new()),
+            };
+            let m = layer.post_ff_norm.forward(&mlp)?;
+            let next = (xs + &m)?;
+            let next = match &layer.scalar {
+                Some(s) => next.broadcast_mul(s)?,
+                None => next,
+            };
             Ok(LayerStep {
-                next: (xs + &m)?,
+                next,
                 ffn_out: m,
-                extras: Vec::new(),
+                extras,
             })
         };
         step().ctx(|| format!("decoder layer {i}"))
@@ -208,7 +243,11 @@ impl Decoder for GemmaDecoder {
 
     fn final_norm(&self, m: &Vb) -> Result<RmsNorm> {
         let cfg = &self.cfg;
-        offset_norm(&m.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps, self.dtype)
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        match self.gemma.v4 {
+            Some(_) => RmsNorm::load(&m.pp("norm"), h, eps),
+            None => offset_norm(&m.pp("norm"), h, eps, self.dtype),
+        }
     }
 
     fn logits(&self, logits: Tensor) -> Result<Tensor> {

@@ -34,6 +34,8 @@ pub(crate) struct Attention {
     pub(crate) o: Linear,
     pub(crate) q_norm: Option<RmsNorm>,
     pub(crate) k_norm: Option<RmsNorm>,
+    /// Gemma-4: the values RMS-normalised per head (no weight: ones), before attention.
+    pub(crate) v_norm: Option<RmsNorm>,
     /// Whether q_norm/k_norm span the whole projection ([`QkNorm::Full`]) or one head.
     full_qk_norm: bool,
     heads: usize,
@@ -100,6 +102,7 @@ impl Attention {
             o: Linear::load(&vb.pp("o_proj"), h, nh * hd, cfg.o_bias)?,
             q_norm,
             k_norm,
+            v_norm: None,
             full_qk_norm: cfg.qk_norm == QkNorm::Full,
             heads: nh,
             kv_heads: nkv,
@@ -114,8 +117,40 @@ impl Attention {
         })
     }
 
+    /// Attention from its projections and per-head norms, with this layer's own shape (Gemma-4,
+    /// whose full-attention layers have other head dims and KV heads than its sliding ones):
+    /// rope rotates whole heads, no sinks, q/k/v not fused.
+    pub(crate) fn with_shape(
+        [q, k, v, o]: [Linear; 4],
+        [q_norm, k_norm, v_norm]: [Option<RmsNorm>; 3],
+        shape: AttnShape,
+    ) -> Attention {
+        Attention {
+            q,
+            k,
+            v,
+            o,
+            q_norm,
+            k_norm,
+            v_norm,
+            full_qk_norm: false,
+            heads: shape.heads,
+            kv_heads: shape.kv_heads,
+            head_dim: shape.head_dim,
+            rot_dim: shape.head_dim,
+            window: shape.window,
+            sinks: None,
+            scale: shape.scale,
+            qkv: None,
+        }
+    }
+
     pub(crate) fn window(&self) -> Option<usize> {
         self.window
+    }
+
+    pub(crate) fn head_dim(&self) -> usize {
+        self.head_dim
     }
 
     /// The kernel path: token-major `[T, heads * d]` throughout, rope in place, flash
@@ -140,7 +175,12 @@ impl Attention {
         let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let mut q = self.q.forward(xs)?.contiguous()?;
         let mut k = self.k.forward(xs)?.contiguous()?;
-        let v = self.v.forward(xs)?;
+        let mut v = self.v.forward(xs)?;
+        if let Some(vn) = &self.v_norm {
+            v = vn
+                .forward(&v.reshape((t * nkv, hd))?)?
+                .reshape((t, nkv * hd))?;
+        }
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             if self.full_qk_norm {
                 q = qn.forward(&q)?;
@@ -212,7 +252,10 @@ impl Attention {
         }
         let mut q = split(q, self.heads)?;
         let mut k = split(k, self.kv_heads)?;
-        let v = split(self.v.forward(xs)?, self.kv_heads)?;
+        let mut v = split(self.v.forward(xs)?, self.kv_heads)?;
+        if let Some(vn) = &self.v_norm {
+            v = vn.forward(&v)?;
+        }
         if !self.full_qk_norm
             && let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm)
         {
@@ -312,6 +355,16 @@ pub(crate) fn packed_rope(
         cos32: cat(|r| &r.cos32)?,
         sin32: cat(|r| &r.sin32)?,
     })
+}
+
+/// One layer's attention shape, for [`Attention::with_shape`].
+pub(crate) struct AttnShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub window: Option<usize>,
+    /// The softmax scale.
+    pub scale: f64,
 }
 
 /// q, k and v from their own projections; with `fuse`, stacked into one whose row views they

@@ -8,6 +8,7 @@ pub mod draft;
 pub mod fast;
 pub mod fp8;
 pub(crate) mod gemma;
+pub(crate) mod gemma4;
 pub mod gguf;
 pub mod llama;
 pub(crate) mod llama4;
@@ -430,14 +431,22 @@ pub fn load_target_on(
             DeepseekDecoder::new(cfg, dtype, path)?,
             &vb,
         )?),
-        (Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::MiniMaxM2 | Arch::Glm4Moe | Arch::GptOss, _) => {
-            Box::new(Resident::load(SparseDecoder::new(cfg, dtype, path)?, &vb)?)
-        }
+        (
+            Arch::Qwen3Moe
+            | Arch::Qwen2Moe
+            | Arch::Qwen3VlMoe
+            | Arch::MiniMaxM2
+            | Arch::Glm4Moe
+            | Arch::GptOss,
+            _,
+        ) => Box::new(Resident::load(SparseDecoder::new(cfg, dtype, path)?, &vb)?),
         (Arch::Llama4, _) => Box::new(Resident::load(Llama4Decoder::new(cfg, dtype, path)?, &vb)?),
-        (Arch::Qwen35Moe, _) => {
+        (Arch::Qwen35Moe | Arch::Qwen3Next, _) => {
             Box::new(Resident::load(Qwen35Decoder::new(cfg, dtype, path)?, &vb)?)
         }
-        (Arch::Gemma3, _) => Box::new(Resident::load(GemmaDecoder::new(cfg, dtype, path)?, &vb)?),
+        (Arch::Gemma3 | Arch::Gemma4, _) => {
+            Box::new(Resident::load(GemmaDecoder::new(cfg, dtype, path)?, &vb)?)
+        }
     };
     refuse_unread(cfg, src, vb.unread())?;
     Ok(model)
@@ -467,27 +476,30 @@ pub fn load_streamed(
             device,
             opts,
         )?),
-        Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::MiniMaxM2 | Arch::Glm4Moe | Arch::GptOss => {
-            Box::new(stream::Streamed::open(
-                SparseDecoder::new(cfg, dtype, path)?,
-                src,
-                device,
-                opts,
-            )?)
-        }
+        Arch::Qwen3Moe
+        | Arch::Qwen2Moe
+        | Arch::Qwen3VlMoe
+        | Arch::MiniMaxM2
+        | Arch::Glm4Moe
+        | Arch::GptOss => Box::new(stream::Streamed::open(
+            SparseDecoder::new(cfg, dtype, path)?,
+            src,
+            device,
+            opts,
+        )?),
         Arch::Llama4 => Box::new(stream::Streamed::open(
             Llama4Decoder::new(cfg, dtype, path)?,
             src,
             device,
             opts,
         )?),
-        Arch::Qwen35Moe => Box::new(stream::Streamed::open(
+        Arch::Qwen35Moe | Arch::Qwen3Next => Box::new(stream::Streamed::open(
             Qwen35Decoder::new(cfg, dtype, path)?,
             src,
             device,
             opts,
         )?),
-        Arch::Gemma3 => Box::new(stream::Streamed::open(
+        Arch::Gemma3 | Arch::Gemma4 => Box::new(stream::Streamed::open(
             GemmaDecoder::new(cfg, dtype, path)?,
             src,
             device,

@@ -36,10 +36,26 @@ pub(crate) struct MoeNames {
     /// and gpt-oss's (`F.linear(hidden_states, self.weight)` in the model dtype, the scores
     /// then taken in f32), so that a bf16 run picks the experts a bf16 HF run picks.
     pub router_f32: bool,
-    /// The fused experts' weights stored input by output (`gate_up_proj` [E, H, 2I],
-    /// `down_proj` [E, I, H]: Llama-4's `Llama4TextExperts` multiplies `hidden @ W`), not
-    /// transformers 5's usual output by input ([E, 2I, H], [E, H, I]).
-    pub experts_in_by_out: bool,
+    /// How the fused experts' weights (`gate_up_proj`, `down_proj`) are laid out.
+    pub fused: FusedLayout,
+    /// Gemma-4: `[E]` factors each pick's weight is multiplied by after the renormalisation
+    /// (`Gemma4TextRouter.forward`: `top_k_weights * per_expert_scale[top_k_index]`).
+    pub expert_scale: Option<&'static str>,
+}
+
+/// The layout of fused expert weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FusedLayout {
+    /// transformers 5's usual output by input: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I].
+    OutByIn,
+    /// Input by output, `gate_up_proj` [E, H, 2I], `down_proj` [E, I, H]: Llama-4's
+    /// `Llama4TextExperts` multiplies `hidden @ W`.
+    InByOut,
+    /// Each tensor as its shape says, output by input when it fits that: the published
+    /// Qwen3-VL-MoE checkpoints store [E, H, 2I] / [E, I, H], transformers 5's `save_pretrained`
+    /// [E, 2I, H] / [E, H, I], and conversion_mapping.py (`qwen3_vl_moe`: `Transpose(1, 2,
+    /// check_dims=True)`) transposes a tensor only when its shape is not the module's.
+    ByShape,
 }
 
 /// DeepSeek-V3, Kimi-K2, GLM-4.5, GLM-4.7-Flash (`DeepseekV3MoE`, `Glm4MoeMoE`).
@@ -48,7 +64,8 @@ pub(crate) const DEEPSEEK_NAMES: MoeNames = MoeNames {
     correction: &["gate.e_score_correction_bias"],
     shared: "shared_experts",
     router_f32: true,
-    experts_in_by_out: false,
+    fused: FusedLayout::OutByIn,
+    expert_scale: None,
 };
 
 /// Qwen3-MoE, Qwen2-MoE (`Qwen2MoeSparseMoeBlock`: `shared_expert`, `shared_expert_gate`).
@@ -57,7 +74,24 @@ pub(crate) const QWEN_NAMES: MoeNames = MoeNames {
     correction: &[],
     shared: "shared_expert",
     router_f32: false,
-    experts_in_by_out: false,
+    fused: FusedLayout::OutByIn,
+    expert_scale: None,
+};
+
+/// Qwen3-VL-MoE's tower (`Qwen3VLMoeTextSparseMoeBlock`): Qwen3-MoE's names, the fused experts
+/// in either layout ([`FusedLayout::ByShape`]).
+pub(crate) const QWEN_VL_NAMES: MoeNames = MoeNames {
+    fused: FusedLayout::ByShape,
+    ..QWEN_NAMES
+};
+
+/// Gemma-4's MoE block, under the decoder layer itself (`Gemma4TextDecoderLayer`: `router.proj`
+/// without a bias, `router.per_expert_scale`, `experts` output by input); the router's input
+/// scaling is the layer's (`model::gemma4`).
+pub(crate) const GEMMA4_NAMES: MoeNames = MoeNames {
+    router: "router.proj",
+    expert_scale: Some("router.per_expert_scale"),
+    ..QWEN_NAMES
 };
 
 /// MiniMax-M2: transformers keeps the bias on the block (`MiniMaxM2SparseMoeBlock`), its
@@ -67,7 +101,8 @@ pub(crate) const MINIMAX_NAMES: MoeNames = MoeNames {
     correction: &["e_score_correction_bias", "gate.e_score_correction_bias"],
     shared: "shared_experts",
     router_f32: false,
-    experts_in_by_out: false,
+    fused: FusedLayout::OutByIn,
+    expert_scale: None,
 };
 
 /// gpt-oss (`GptOssMLP`: `router` with a bias, `experts`).
@@ -76,7 +111,8 @@ pub(crate) const GPT_OSS_NAMES: MoeNames = MoeNames {
     correction: &[],
     shared: "shared_experts",
     router_f32: false,
-    experts_in_by_out: false,
+    fused: FusedLayout::OutByIn,
+    expert_scale: None,
 };
 
 /// Llama-4 (`Llama4TextMoe`: `router` without a bias, `shared_expert`, `experts` input by
@@ -86,7 +122,8 @@ pub(crate) const LLAMA4_NAMES: MoeNames = MoeNames {
     correction: &[],
     shared: "shared_expert",
     router_f32: false,
-    experts_in_by_out: true,
+    fused: FusedLayout::InByOut,
+    expert_scale: None,
 };
 
 /// The router: its logits in f32 or in the compute dtype as transformers computes them
@@ -100,6 +137,8 @@ struct Router {
     correction: Vec<f32>,
     /// The same as an f32 tensor on the model's device, for the routing kernel.
     correction_t: Tensor,
+    /// Gemma-4's `per_expert_scale` [E] (f32), on the host and on the model's device.
+    expert_scale: Option<(Vec<f32>, Tensor)>,
 }
 
 impl Router {
@@ -150,6 +189,11 @@ impl Experts {
         let mlp = &self.mlps[e];
         match self.act {
             ExpertsAct::SiluMul => mlp.forward(xs),
+            // `Gemma4TextExperts.forward`: `act_fn(gate) * up` (torch's tanh-approximate GELU).
+            ExpertsAct::GeluTanhMul => {
+                let act = (mlp.gate.forward(xs)?.gelu()? * mlp.up.forward(xs)?)?;
+                mlp.down.forward(&act)
+            }
             // `GptOssExperts._apply_gate`, with the kernels' rounding (each op in the dtype).
             ExpertsAct::ClampedSwiglu { alpha, limit } => {
                 let (gate, up) = (mlp.gate.forward(xs)?, mlp.up.forward(xs)?);
@@ -230,11 +274,19 @@ impl MoeBlock {
             true => Some(get(&r, "bias", &[e])?),
             false => None,
         };
+        let expert_scale = match names.expert_scale {
+            Some(name) => {
+                let t = get_f32(vb, name, &[e])?;
+                Some((t.to_vec1::<f32>().ctx(|| vb.path(name))?, t))
+            }
+            None => None,
+        };
         let router = Router {
             weight: get(&r, "weight", &[e, h])?,
             logit_bias,
             correction,
             correction_t,
+            expert_scale,
         };
         let experts = load_experts(&vb.pp("experts"), moe, h, names)?;
         let shared = if moe.shared_intermediate > 0 {
@@ -258,16 +310,28 @@ impl MoeBlock {
         })
     }
 
-    /// The candle path. `xs`: [T, H] -> ([T, H], the routing of every token).
-    pub(crate) fn forward(&self, xs: &Tensor) -> candle_core::Result<(Tensor, Vec<Routed>)> {
-        let logits = self.router.logits(xs)?;
+    /// The candle path. `xs`: [T, H] -> ([T, H], the routing of every token); the router
+    /// reads `router_in` [T, H] (Gemma-4's own input; `xs` for every other family).
+    pub(crate) fn forward(
+        &self,
+        router_in: &Tensor,
+        xs: &Tensor,
+    ) -> candle_core::Result<(Tensor, Vec<Routed>)> {
+        let logits = self.router.logits(router_in)?;
         let flat = logits.flatten_all()?.to_vec1::<f32>()?;
-        let routing = route_all(
+        let mut routing = route_all(
             &flat,
             &self.router.correction,
             self.cfg.n_routed_experts,
             &self.cfg.routing,
         );
+        if let Some((scale, _)) = &self.router.expert_scale {
+            for r in &mut routing {
+                for (w, &e) in r.weights.iter_mut().zip(&r.experts) {
+                    *w *= scale[e];
+                }
+            }
+        }
         let device = xs.device();
         // Per expert: the tokens routed to it and their weights; experts in ascending order.
         let mut per_expert: Vec<(Vec<u32>, Vec<f32>)> =
@@ -307,10 +371,18 @@ impl MoeBlock {
     /// topk_idx [T, K] u32, topk_w [T, K] f32).
     pub(crate) fn forward_kernels(
         &self,
+        router_in: &Tensor,
         xs: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        let logits = self.router.logits(xs)?;
-        let routing = kernels::moe_route(&logits, &self.router.correction_t, &self.cfg.routing)?;
+        let logits = self.router.logits(router_in)?;
+        let mut routing =
+            kernels::moe_route(&logits, &self.router.correction_t, &self.cfg.routing)?;
+        if let Some((_, scale)) = &self.router.expert_scale {
+            let picked = scale
+                .index_select(&routing.topk_idx.flatten_all()?, 0)?
+                .reshape(routing.topk_w.shape())?;
+            routing.topk_w = routing.topk_w.mul(&picked)?;
+        }
         let plan = kernels::moe_plan(&routing.topk_idx, self.cfg.n_routed_experts)?;
         let mut sorted = kernels::gather_rows(xs, &plan.perm_token)?; // [T*K, H]
         // Llama-4: each sorted row times its pick's weight before the experts, the outputs
@@ -341,6 +413,29 @@ impl MoeBlock {
     }
 }
 
+impl MoeBlock {
+    /// The block on compute `path`: `xs` [T, H] through the experts the router picks from
+    /// `router_in` [T, H] -> (the output [T, H], the routing as [T, K] expert ids i64 and
+    /// weights f32).
+    pub(crate) fn forward_on(
+        &self,
+        path: ComputePath,
+        router_in: &Tensor,
+        xs: &Tensor,
+    ) -> candle_core::Result<(Tensor, (Tensor, Tensor))> {
+        match path {
+            ComputePath::Candle => {
+                let (f, r) = self.forward(router_in, xs)?;
+                Ok((f, routing_tensors(&r, xs.device())?))
+            }
+            ComputePath::Kernels | ComputePath::Fused => {
+                let (f, idx, w) = self.forward_kernels(router_in, xs)?;
+                Ok((f, (idx.to_dtype(DType::I64)?, w)))
+            }
+        }
+    }
+}
+
 /// A decoder layer's feed-forward part: a dense MLP or the experts.
 pub(crate) enum Ffn {
     Dense(Mlp),
@@ -355,20 +450,15 @@ impl Ffn {
         normed: &Tensor,
         path: ComputePath,
     ) -> candle_core::Result<(Tensor, Option<(Tensor, Tensor)>)> {
-        let device = normed.device();
-        match (self, path) {
-            (Ffn::Dense(mlp), _) => {
+        match self {
+            Ffn::Dense(mlp) => {
                 let f = mlp.forward(normed)?;
-                phases::mark("dense mlp", device);
+                phases::mark("dense mlp", normed.device());
                 Ok((f, None))
             }
-            (Ffn::Moe(moe), ComputePath::Candle) => {
-                let (f, r) = moe.forward(normed)?;
-                Ok((f, Some(routing_tensors(&r, device)?)))
-            }
-            (Ffn::Moe(moe), ComputePath::Kernels | ComputePath::Fused) => {
-                let (f, idx, w) = moe.forward_kernels(normed)?;
-                Ok((f, Some((idx.to_dtype(DType::I64)?, w))))
+            Ffn::Moe(moe) => {
+                let (f, routing) = moe.forward_on(path, normed, normed)?;
+                Ok((f, Some(routing)))
             }
         }
     }
@@ -419,7 +509,10 @@ pub(crate) fn residual_step(
 
 /// Layer `layer`'s routing as `Capture.extras` entries (`router.{layer}.topk_idx`,
 /// `router.{layer}.topk_weight`).
-fn routing_extras(layer: usize, routing: Option<(Tensor, Tensor)>) -> Vec<(String, Tensor)> {
+pub(crate) fn routing_extras(
+    layer: usize,
+    routing: Option<(Tensor, Tensor)>,
+) -> Vec<(String, Tensor)> {
     match routing {
         Some((idx, w)) => vec![
             (format!("router.{layer}.topk_idx"), idx),
@@ -484,31 +577,13 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize, names: &MoeNames) -> Result<
         };
         return stacked_experts(stack().ctx(|| what.clone())?, moe.act, &what);
     }
-    if names.experts_in_by_out {
-        // Llama-4: `gate_up_proj` [E, H, 2I] (gate the first I output columns, up the rest:
-        // `gate_up.chunk(2, dim=-1)`), `down_proj` [E, I, H]; transposed into the stacked
-        // output-by-input rows every expert path reads.
-        let what = ex.path("gate_up_proj");
-        let gate_up = ex.get("gate_up_proj", &[e, h, 2 * inter])?;
-        let down = ex.get("down_proj", &[e, inter, h])?;
-        let stack = || -> candle_core::Result<StackedExperts> {
-            Ok(StackedExperts::new(
-                e,
-                gate_up
-                    .transpose(1, 2)?
-                    .contiguous()?
-                    .reshape((e * 2 * inter, h))?,
-                down.transpose(1, 2)?
-                    .contiguous()?
-                    .reshape((e * h, inter))?,
-            ))
-        };
-        return stacked_experts(stack().ctx(|| what.clone())?, moe.act, &what);
-    }
     if ex.contains("gate_up_proj") {
+        // `gate_up_proj`: each expert's gate rows, then its up rows (`chunk(2)` over the
+        // outputs); input-by-output tensors are transposed into the stacked output-by-input
+        // rows every expert path reads.
         let what = ex.path("gate_up_proj");
-        let gate_up = ex.get("gate_up_proj", &[e, 2 * inter, h])?;
-        let down = ex.get("down_proj", &[e, h, inter])?;
+        let gate_up = fused_weight(ex, "gate_up_proj", [e, 2 * inter, h], names.fused)?;
+        let down = fused_weight(ex, "down_proj", [e, h, inter], names.fused)?;
         let stacked = StackedExperts::new(
             e,
             gate_up.reshape((e * 2 * inter, h)).ctx(|| what.clone())?,
@@ -536,9 +611,28 @@ fn load_experts(ex: &Vb, moe: &MoeConfig, h: usize, names: &MoeNames) -> Result<
     })
 }
 
+/// A fused expert weight `name` as `[E, out, in]` (`out_by_in`), from the layout `layout` says.
+fn fused_weight(ex: &Vb, name: &str, out_by_in: [usize; 3], layout: FusedLayout) -> Result<Tensor> {
+    let [e, out, inp] = out_by_in;
+    let stored_out_by_in = match layout {
+        FusedLayout::OutByIn => true,
+        FusedLayout::InByOut => false,
+        FusedLayout::ByShape => ex.shape_of(name).as_deref() == Some(&out_by_in[..]),
+    };
+    if stored_out_by_in {
+        return ex.get(name, &out_by_in);
+    }
+    ex.get(name, &[e, inp, out])?
+        .transpose(1, 2)
+        .and_then(|w| w.contiguous())
+        .ctx(|| ex.path(name))
+}
+
 /// Experts over `stacked`: each expert's [`Mlp`] views of its rows (and of its biases, where
-/// the stack has them), the stack itself kept on a GPU for [`kernels::moe_experts`].
-fn stacked_experts(stacked: StackedExperts, act: ExpertsAct, what: &str) -> Result<Experts> {
+/// the stack has them), the stack itself kept on a GPU for [`kernels::moe_experts`], with the
+/// experts' activation.
+fn stacked_experts(mut stacked: StackedExperts, act: ExpertsAct, what: &str) -> Result<Experts> {
+    stacked.act = act;
     let views = || -> candle_core::Result<Vec<Mlp>> {
         (0..stacked.experts)
             .map(|i| {

@@ -1,5 +1,6 @@
 //! The building blocks every supported model shares, on candle-core tensors of any device:
-//! RMSNorm, linear layers, rotary tables (default, linear, llama3, YaRN), causal attention.
+//! RMSNorm, linear layers, rotary tables (default, linear, llama3, YaRN, LongRoPE, proportional),
+//! causal attention.
 
 use crate::config::{Rope, RopeScaling};
 use crate::error::{CandleContext, Result};
@@ -147,6 +148,19 @@ pub fn inv_freq_for(rope: &Rope, dim: usize, seq_len: usize) -> (Vec<f64>, f64) 
     match rope.scaling {
         RopeScaling::None => (base, 1.0),
         RopeScaling::Linear { factor } => (base.iter().map(|f| f / factor).collect(), 1.0),
+        RopeScaling::Proportional {
+            factor,
+            partial_rotary_factor,
+        } => {
+            // `int(rope_proportion * head_dim // 2)` rotated frequencies, the rest 0.
+            let rotated = (partial_rotary_factor * dim as f64 / 2.0).floor() as usize;
+            let freqs = base
+                .iter()
+                .enumerate()
+                .map(|(i, f)| if i < rotated { f / factor } else { 0.0 })
+                .collect();
+            (freqs, 1.0)
+        }
         RopeScaling::LongRope {
             ref short_factor,
             ref long_factor,

@@ -22,12 +22,27 @@
 //!   f32), `Qwen3_5MoeRMSNormGated` (`w * norm(x)` rounded to the dtype, times `silu(z)`), then
 //!   `out_proj`. transformers' prefill takes `torch_chunk_gated_delta_rule`, the same
 //!   recurrence evaluated chunk by chunk in f32; we run the recurrence token by token.
+//!
+//! Qwen3-Next (`qwen3_next`, transformers 5.24 `models/qwen3_next/modeling_qwen3_next.py`) is
+//! this decoder with its data laid out otherwise, which the config resolves
+//! ([`DeltaNet::grouped_projections`], its MoE layers):
+//! - `Qwen3NextGatedDeltaNet` holds q, k, v and z in one `in_proj_qkvz` and b, a in one
+//!   `in_proj_ba`, grouped by key head (`fix_query_key_value_ordering`: per key head `[q (dk),
+//!   k (dk), v (per dv), z (per dv)]` and `[b (per), a (per)]`, `per` = value heads per key
+//!   head); its rows are regrouped on load into Qwen3.5's four projections, whose forward is
+//!   the same (`torch.cat((query, key, value))` into the conv, `Qwen3NextRMSNormGated`,
+//!   `Qwen3NextRMSNorm`'s `1 + w`, `Qwen3NextAttention`'s output gate, the default rope on
+//!   `partial_rotary_factor` (0.25) of each head).
+//! - `Qwen3NextDecoderLayer`: `Qwen3NextSparseMoeBlock` (softmax top-k, renormalised with
+//!   `norm_topk_prob`, a shared expert behind its sigmoid gate) unless the layer is in
+//!   `mlp_only_layers` or off the `decoder_sparse_step`, then `Qwen3NextMLP` of
+//!   `intermediate_size`.
 
 use crate::config::{DeltaNet, ModelConfig};
 use crate::error::{CandleContext, Error, Result};
 use crate::model::gemma::offset_norm;
 use crate::model::moe::{Ffn, MoeBlock, QWEN_NAMES, get_f32, residual_step};
-use crate::model::nn::{Linear, RmsNorm, RopeTables, attention, causal_mask, sigmoid};
+use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask, sigmoid};
 use crate::model::source::Vb;
 use crate::model::{ComputePath, Decoder, LayerStep};
 use candle_core::{D, DType, Device, Tensor};
@@ -135,11 +150,21 @@ impl DeltaNetMixer {
             .squeeze(1)
             .ctx(|| vb.path("conv1d.weight"))?;
         let a_log = get_f32(vb, "A_log", &[net.value_heads])?;
+        let [in_qkv, in_z, in_b, in_a] = if net.grouped_projections {
+            Self::ungroup(net, vb, h)?
+        } else {
+            [
+                Linear::load(&vb.pp("in_proj_qkv"), channels, h, false)?,
+                Linear::load(&vb.pp("in_proj_z"), vd, h, false)?,
+                Linear::load(&vb.pp("in_proj_b"), net.value_heads, h, false)?,
+                Linear::load(&vb.pp("in_proj_a"), net.value_heads, h, false)?,
+            ]
+        };
         Ok(DeltaNetMixer {
-            in_qkv: Linear::load(&vb.pp("in_proj_qkv"), channels, h, false)?,
-            in_z: Linear::load(&vb.pp("in_proj_z"), vd, h, false)?,
-            in_b: Linear::load(&vb.pp("in_proj_b"), net.value_heads, h, false)?,
-            in_a: Linear::load(&vb.pp("in_proj_a"), net.value_heads, h, false)?,
+            in_qkv,
+            in_z,
+            in_b,
+            in_a,
             conv,
             dt_bias: vb
                 .get("dt_bias", &[net.value_heads])?
@@ -150,6 +175,43 @@ impl DeltaNetMixer {
             out: Linear::load(&vb.pp("out_proj"), h, vd, false)?,
             net: net.clone(),
         })
+    }
+
+    /// Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`, grouped by key head, as Qwen3.5's
+    /// `[in_proj_qkv, in_proj_z, in_proj_b, in_proj_a]`: the rows regrouped so that q, k and v
+    /// are each head-major over all heads, as `fix_query_key_value_ordering` and
+    /// `torch.cat((query, key, value))` leave them for the conv.
+    fn ungroup(net: &DeltaNet, vb: &Vb, h: usize) -> Result<[Linear; 4]> {
+        let (nk, nv, dk, dv) = (net.key_heads, net.value_heads, net.key_dim, net.value_dim);
+        let per = nv / nk;
+        let group = 2 * dk + 2 * per * dv;
+        let qkvz = Linear::load(&vb.pp("in_proj_qkvz"), nk * group, h, false)?;
+        let ba = Linear::load(&vb.pp("in_proj_ba"), 2 * nv, h, false)?;
+        // Rows `start..start + len` of every group of `size` rows.
+        let rows = |size: usize, start: usize, len: usize| -> Vec<u32> {
+            (0..nk)
+                .flat_map(|g| (g * size + start..g * size + start + len).map(|r| r as u32))
+                .collect()
+        };
+        let pick = |l: &Linear, idx: Vec<u32>| -> candle_core::Result<Linear> {
+            let idx = Tensor::new(idx.as_slice(), l.weight.device())?;
+            Ok(Linear {
+                weight: l.weight.index_select(&idx, 0)?,
+                bias: None,
+            })
+        };
+        let split = || -> candle_core::Result<[Linear; 4]> {
+            let mut qkv = rows(group, 0, dk);
+            qkv.extend(rows(group, dk, dk));
+            qkv.extend(rows(group, 2 * dk, per * dv));
+            Ok([
+                pick(&qkvz, qkv)?,
+                pick(&qkvz, rows(group, 2 * dk + per * dv, per * dv))?,
+                pick(&ba, rows(2 * per, 0, per))?,
+                pick(&ba, rows(2 * per, per, per))?,
+            ])
+        };
+        split().ctx(|| vb.path("in_proj_qkvz|in_proj_ba"))
     }
 
     /// The depthwise causal convolution and SiLU (`causal_conv1d_fn`): `xs` [T, C] ->
@@ -231,7 +293,7 @@ pub(crate) struct Layer {
     ffn: Ffn,
 }
 
-/// The Qwen3.5-MoE decoder ([`Decoder`]).
+/// The Qwen3.5-MoE and Qwen3-Next decoder ([`Decoder`]).
 pub(crate) struct Qwen35Decoder {
     cfg: ModelConfig,
     net: DeltaNet,
@@ -290,18 +352,26 @@ impl Decoder for Qwen35Decoder {
             Mixer::Full(GatedAttention::load(cfg, &l.pp("self_attn"), self.dtype)?)
         };
         let moe = cfg.moe.as_ref().ok_or_else(|| {
-            Error::config(&cfg.path, "Qwen3.5-MoE without MoE settings".to_string())
+            Error::config(
+                &cfg.path,
+                format!("{} without MoE settings", cfg.model_type),
+            )
         })?;
-        Ok(Layer {
-            input_norm: offset_norm(&l.pp("input_layernorm"), h, eps, self.dtype)?,
-            mixer,
-            post_norm: offset_norm(&l.pp("post_attention_layernorm"), h, eps, self.dtype)?,
-            ffn: Ffn::Moe(Box::new(MoeBlock::load(
+        let ffn = if moe.is_moe_layer(i) {
+            Ffn::Moe(Box::new(MoeBlock::load(
                 cfg,
                 moe,
                 &l.pp("mlp"),
                 &QWEN_NAMES,
-            )?)),
+            )?))
+        } else {
+            Ffn::Dense(Mlp::load(&l.pp("mlp"), h, cfg.intermediate_size)?)
+        };
+        Ok(Layer {
+            input_norm: offset_norm(&l.pp("input_layernorm"), h, eps, self.dtype)?,
+            mixer,
+            post_norm: offset_norm(&l.pp("post_attention_layernorm"), h, eps, self.dtype)?,
+            ffn,
         })
     }
 

@@ -1,5 +1,5 @@
-//! The grouped-query-attention MoE families: Qwen3-MoE, Qwen2-MoE, MiniMax-M2, GLM-4.5 and
-//! gpt-oss. Each layer is `x + attn(norm(x))`, then `+ ffn(norm(.))` with the FFN dense or
+//! The grouped-query-attention MoE families: Qwen3-MoE, Qwen2-MoE, MiniMax-M2, GLM-4.5,
+//! gpt-oss and Qwen3-VL-MoE's text tower. Each layer is `x + attn(norm(x))`, then `+ ffn(norm(.))` with the FFN dense or
 //! sparse ([`MoeBlock`]) as the config says; what differs between the families is data the
 //! config resolves (q/k norm, partial rotary, biases, windows, sinks, the routing, the experts'
 //! activation) and where each family keeps its MoE tensors ([`MoeNames`]).
@@ -8,6 +8,10 @@
 //! - Qwen3-MoE `Qwen3MoeAttention` (per-head q/k RMSNorm before rope, o_proj biased with
 //!   `attention_bias`), `Qwen3MoeDecoderLayer` (sparse unless in `mlp_only_layers`, every
 //!   `decoder_sparse_step`-th layer), `Qwen3MoeTopKRouter` (softmax top-k).
+//! - Qwen3-VL-MoE `Qwen3VLMoeTextDecoderLayer` (Qwen3-MoE's layer; on text the M-RoPE sections
+//!   coincide, [`crate::config::resolve_rope`]), `Qwen3VLMoeTextTopKRouter` (softmax top-k,
+//!   always renormalised), `Qwen3VLMoeTextExperts` (fused experts, stored either way:
+//!   [`crate::model::moe::QWEN_VL_NAMES`]).
 //! - Qwen2-MoE `Qwen2MoeAttention` (q/k/v biased with `qkv_bias`, a window on the
 //!   `layer_types` sliding layers), `Qwen2MoeSparseMoeBlock` (the shared expert times
 //!   `sigmoid(shared_expert_gate(x))`, added to the routed sum).
@@ -30,7 +34,7 @@ use crate::error::{CandleContext, Error, Result};
 use crate::model::llama::{Attention, Packed, packed_rope};
 use crate::model::moe::{
     DEEPSEEK_NAMES, Ffn, GPT_OSS_NAMES, MINIMAX_NAMES, MoeBlock, MoeNames, QWEN_NAMES,
-    residual_step,
+    QWEN_VL_NAMES, residual_step,
 };
 use crate::model::nn::{Mlp, RmsNorm, RopeTables, causal_mask};
 use crate::model::source::Vb;
@@ -48,6 +52,7 @@ pub(crate) struct Layer {
 fn names(arch: Arch) -> &'static MoeNames {
     match arch {
         Arch::Qwen3Moe | Arch::Qwen2Moe => &QWEN_NAMES,
+        Arch::Qwen3VlMoe => &QWEN_VL_NAMES,
         Arch::MiniMaxM2 => &MINIMAX_NAMES,
         Arch::GptOss => &GPT_OSS_NAMES,
         _ => &DEEPSEEK_NAMES,
@@ -96,7 +101,12 @@ impl SparseDecoder {
     pub(crate) fn new(cfg: &ModelConfig, dtype: DType, path: ComputePath) -> Result<Self> {
         if !matches!(
             cfg.arch,
-            Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::MiniMaxM2 | Arch::Glm4Moe | Arch::GptOss
+            Arch::Qwen3Moe
+                | Arch::Qwen2Moe
+                | Arch::Qwen3VlMoe
+                | Arch::MiniMaxM2
+                | Arch::Glm4Moe
+                | Arch::GptOss
         ) {
             return Err(Error::config(
                 &cfg.path,

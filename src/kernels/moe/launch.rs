@@ -363,6 +363,7 @@ pub fn moe_gemm_wg(dev: &CudaDevice, dtype: KernelDType, a: &MoeGemmArgs) -> Res
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ExpertActKind {
     SiluMul,
+    GeluTanhMul,
     ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
@@ -403,6 +404,7 @@ pub fn expert_act(dev: &CudaDevice, dtype: KernelDType, a: &ExpertActArgs) -> Re
     let (act, alpha, limit) = match a.act {
         ExpertActKind::SiluMul => (0i32, 0f32, 0f32),
         ExpertActKind::ClampedSwiglu { alpha, limit } => (1, alpha, limit),
+        ExpertActKind::GeluTanhMul => (2, 0f32, 0f32),
     };
     launch!(
         dev,

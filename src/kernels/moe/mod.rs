@@ -348,7 +348,8 @@ pub enum ExpertsPath {
 }
 
 /// The activation between an expert's gate/up and down projections: the config's
-/// ([`crate::config::ExpertsAct`]: `SiluMul`, `T(silu(g) * u)` in f32 rounded once; or gpt-oss's
+/// ([`crate::config::ExpertsAct`]: `SiluMul`, `T(silu(g) * u)` in f32 rounded once; Gemma-4's
+/// `GeluTanhMul`, `T(gelu_tanh(g) * u)` likewise ([`gelu_tanh`]); or gpt-oss's
 /// `ClampedSwiglu`, each op rounded to the dtype as transformers' eager ops are,
 /// [`clamped_swiglu`]).
 pub use crate::config::ExpertsAct as ExpertAct;
@@ -518,15 +519,27 @@ pub fn clamped_swiglu<T: Elem>(g: f32, u: f32, alpha: f32, limit: f32) -> T {
     T::from_f32(u1 * glu)
 }
 
+/// torch's `gelu(approximate="tanh")` of one value in f32: `0.5 g (1 + tanh(sqrt(2 / pi)
+/// (g + 0.044715 g^3)))`. kernels/expert_act.cu computes the same.
+pub fn gelu_tanh(g: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let inner = SQRT_2_OVER_PI * (g + (0.044715 * g) * (g * g));
+    0.5 * (g * (1.0 + inner.tanh()))
+}
+
 /// [`clamped_swiglu`] over two `[rows, cols]` tensors of one dtype (computed on the host; the
 /// result on `g`'s device).
 pub fn clamped_swiglu_rows(g: &Tensor, u: &Tensor, alpha: f32, limit: f32) -> Result<Tensor> {
-    let out = clamped_swiglu_cpu(g, u, alpha, limit)?;
+    let out = expert_act_cpu(g, u, ExpertAct::ClampedSwiglu { alpha, limit })?;
     out.to_device(g.device())
 }
 
-/// [`clamped_swiglu`] over two `[rows, cols]` tensors of one dtype, on the CPU.
-fn clamped_swiglu_cpu(g: &Tensor, u: &Tensor, alpha: f32, limit: f32) -> Result<Tensor> {
+/// `act` over two `[rows, cols]` tensors of one dtype, element by element on the CPU:
+/// [`clamped_swiglu`], `T(gelu_tanh(g) * u)` ([`gelu_tanh`]), `T(silu(g) * u)`.
+fn expert_act_cpu(g: &Tensor, u: &Tensor, act: ExpertAct) -> Result<Tensor> {
+    if act == ExpertAct::SiluMul {
+        return super::silu_mul(g, u);
+    }
     let dims = g.dims().to_vec();
     with_float_type!(g.dtype(), T => {
         let gv = g.flatten_all()?.to_vec1::<T>()?;
@@ -534,7 +547,15 @@ fn clamped_swiglu_cpu(g: &Tensor, u: &Tensor, alpha: f32, limit: f32) -> Result<
         let out: Vec<T> = gv
             .iter()
             .zip(&uv)
-            .map(|(g, u)| clamped_swiglu::<T>(g.to_f32(), u.to_f32(), alpha, limit))
+            .map(|(g, u)| {
+                let (g, u) = (g.to_f32(), u.to_f32());
+                match act {
+                    ExpertAct::ClampedSwiglu { alpha, limit } => {
+                        clamped_swiglu::<T>(g, u, alpha, limit)
+                    }
+                    _ => T::from_f32(gelu_tanh(g) * u),
+                }
+            })
             .collect();
         Tensor::from_vec(out, dims, &Device::Cpu)
     })
@@ -572,10 +593,7 @@ pub fn moe_experts_ref(sorted: &Tensor, offsets: &[u32], w: &StackedExperts) -> 
         let proj = |x: &Tensor, w: &Tensor| x.matmul(&f32s(w)?.t()?)?.to_dtype(dtype);
         let g = plus(proj(&x, &g)?, &gu_bias, e * 2 * inter, inter)?;
         let u = plus(proj(&x, &u)?, &gu_bias, e * 2 * inter + inter, inter)?;
-        let act = match w.act {
-            ExpertAct::SiluMul => super::silu_mul(&g, &u)?,
-            ExpertAct::ClampedSwiglu { alpha, limit } => clamped_swiglu_cpu(&g, &u, alpha, limit)?,
-        };
+        let act = expert_act_cpu(&g, &u, w.act)?;
         parts.push(plus(proj(&f32s(&act)?, &d)?, &d_bias, e * h, h)?);
     }
     if parts.is_empty() {
@@ -705,6 +723,7 @@ fn expert_act_on_device(
     let (rows, inter) = act.dims2()?;
     let kind = match w.act {
         ExpertAct::SiluMul => launch::ExpertActKind::SiluMul,
+        ExpertAct::GeluTanhMul => launch::ExpertActKind::GeluTanhMul,
         ExpertAct::ClampedSwiglu { alpha, limit } => {
             launch::ExpertActKind::ClampedSwiglu { alpha, limit }
         }
@@ -1301,6 +1320,51 @@ mod tests {
     /// own layout ([`hf_expert_forward`]), in f32 (every rounding to T is then a no-op): empty
     /// experts, ragged counts, gate and up values past the limit on both sides. Planted bugs
     /// (no clamp, no biases, gate/up read as halves instead of interleaved) each fail by far.
+    /// Gemma-4's expert activation (`gelu_pytorch_tanh`): the reference's scalar GELU is candle's
+    /// tanh-approximate `gelu` (the candle path's) to f32 rounding, over the range where it
+    /// bends, and the reference experts with it are `down(gelu(gate x) * up x)` per expert;
+    /// SiLU in its place (the planted bug) is far off.
+    #[test]
+    fn gelu_tanh_reference_is_the_gemma4_expert() {
+        let xs: Vec<f32> = (-800..=800).map(|i| i as f32 / 100.0).collect();
+        let t = Tensor::new(xs.as_slice(), &Device::Cpu).unwrap();
+        let candle: Vec<f32> = t.gelu().unwrap().to_vec1().unwrap();
+        for (x, want) in xs.iter().zip(&candle) {
+            let got = gelu_tanh(*x);
+            assert!(
+                (got - want).abs() <= 2e-6 * want.abs().max(1.0),
+                "{x}: {got} vs {want}"
+            );
+        }
+        let (e, h, inter) = (3, 16, 8);
+        let gate_up = random(&[e * 2 * inter, h], DType::F32, 5, &Device::Cpu);
+        let down = random(&[e * h, inter], DType::F32, 6, &Device::Cpu);
+        let mut w = StackedExperts::new(e, gate_up, down);
+        w.act = ExpertAct::GeluTanhMul;
+        let offsets = [0u32, 4, 4, 9];
+        let x = random(&[9, h], DType::F32, 7, &Device::Cpu);
+        let got = values(&moe_experts_ref(&x, &offsets, &w).unwrap());
+        let mut want = Vec::new();
+        for ex in 0..e {
+            let (lo, hi) = (offsets[ex] as usize, offsets[ex + 1] as usize);
+            let rows = x.narrow(0, lo, hi - lo).unwrap();
+            let [g, u, d] = w.expert(ex).unwrap();
+            let act = (rows.matmul(&g.t().unwrap()).unwrap().gelu().unwrap()
+                * rows.matmul(&u.t().unwrap()).unwrap())
+            .unwrap();
+            want.extend(values(&act.matmul(&d.t().unwrap()).unwrap()));
+        }
+        assert_close(&got, &want, 1e-5, 1e-5, "gelu-tanh experts");
+        w.act = ExpertAct::SiluMul;
+        let silu = values(&moe_experts_ref(&x, &offsets, &w).unwrap());
+        let off = silu
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(off > 1e-2, "SiLU for GELU must be far off: {off}");
+    }
+
     #[test]
     fn gpt_oss_reference_is_the_hf_expert() {
         let (h, inter, counts) = (24, 16, [3u32, 0, 5, 2]);
@@ -1406,7 +1470,11 @@ mod tests {
                     .unwrap();
                 let mut silu = w.clone();
                 silu.act = ExpertAct::SiluMul;
-                for (name, w) in [("gpt-oss", w), ("silu+bias", silu)] {
+                // Gemma-4's experts: GELU-tanh, no biases (the non-fused path all the same).
+                let mut gelu = w.clone();
+                gelu.act = ExpertAct::GeluTanhMul;
+                (gelu.gate_up_bias, gelu.down_bias) = (None, None);
+                for (name, w) in [("gpt-oss", w), ("silu+bias", silu), ("gelu-tanh", gelu)] {
                     let x = random(&[rows, h], dtype, 76, &Device::Cpu);
                     let want = moe_experts_ref(&x, &offsets, &w).unwrap();
                     let gw = w.to_device(&gpu).unwrap();
