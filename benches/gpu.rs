@@ -518,6 +518,148 @@ mod gpu {
         }
     }
 
+    /// `gpu diff MODEL_DIR CAPTURES T,T,...` (issue 30): `diff` over the SpecForge captures the
+    /// peer wrote under `CAPTURES/t{T}` (its own states, so every slot is identified), on the
+    /// target resident in bf16, three ways at each T: batched (the default: samples packed into
+    /// forwards of `GPU_PACK_TOKENS`, scored on the device as each state is made), one forward
+    /// per sample (`Batching::per_sample`), and the forwards alone (`forward_many` with a sink
+    /// that drops every state, the same packing). Against the capture forward of one sample
+    /// timed as the capture bench times it (median of 5 after 2 warm-ups): tokens per second
+    /// each way. Prints one JSON object per T.
+    fn diff_bench(dir: &Path, captures: &Path, ts: &[usize]) {
+        use eagle_check::diff::reference::RunnerReference;
+        use eagle_check::diff::{Batching, DiffInput, diff};
+        use eagle_check::model::{ManyOptions, Produced};
+        use eagle_check::readers::read_capture_path;
+        use eagle_check::spec::Spec;
+        let dev = cuda::open_device(0).unwrap();
+        let device = Device::Cuda(dev.clone());
+        let start = Instant::now();
+        let target = open_target(dir, DType::BF16, &device).unwrap();
+        device.synchronize().unwrap();
+        let load_s = start.elapsed().as_secs_f64();
+        let mut reference = RunnerReference {
+            target,
+            path: dir.to_path_buf(),
+            forward_seconds: 0.0,
+        };
+        for &t in ts {
+            let root = captures.join(format!("t{t}"));
+            let spec = Spec::load(&root.join("spec.yaml")).unwrap();
+            let files: Vec<std::path::PathBuf> = {
+                let rows = std::fs::read_dir(&root)
+                    .unwrap()
+                    .filter_map(|e| e.ok().map(|e| e.path()))
+                    .find(|p| p.is_dir())
+                    .unwrap();
+                let mut f: Vec<_> = std::fs::read_dir(rows)
+                    .unwrap()
+                    .filter_map(|e| e.ok().map(|e| e.path()))
+                    .collect();
+                f.sort();
+                f
+            };
+            let samples = files.len();
+            let tokens: Vec<Vec<u32>> = files
+                .iter()
+                .map(|f| {
+                    read_capture_path(f).unwrap()[0]
+                        .token_ids
+                        .as_ref()
+                        .unwrap()
+                        .iter()
+                        .map(|&x| x as u32)
+                        .collect()
+                })
+                .collect();
+            let model = &reference.target.model;
+            // One sample's capture forward, as the capture bench times it.
+            let want = CaptureRequest::all();
+            for _ in 0..2 {
+                model
+                    .forward(&tokens[0], &want, &mut Progress::hidden())
+                    .unwrap();
+            }
+            let mut ms: Vec<f64> = (0..5)
+                .map(|_| {
+                    device.synchronize().unwrap();
+                    let s = Instant::now();
+                    drop(
+                        model
+                            .forward(&tokens[0], &want, &mut Progress::hidden())
+                            .unwrap(),
+                    );
+                    device.synchronize().unwrap();
+                    s.elapsed().as_secs_f64() * 1e3
+                })
+                .collect();
+            ms.sort_by(f64::total_cmp);
+            let forward_ms = ms[2];
+            // The forwards diff runs, packed, every state dropped as it comes.
+            let ids: Vec<&[u32]> = tokens.iter().map(Vec::as_slice).collect();
+            let reference_want = CaptureRequest {
+                boundaries: None,
+                final_pre_norm: true,
+                logits: false,
+                layer_outputs: true,
+            };
+            let packed = ManyOptions::for_device(&device);
+            device.synchronize().unwrap();
+            let s = Instant::now();
+            model
+                .forward_many(&ids, &reference_want, &packed, &mut |_, _: Produced, _| {
+                    Ok(())
+                })
+                .unwrap();
+            device.synchronize().unwrap();
+            let forwards_s = s.elapsed().as_secs_f64();
+            let mut time_diff = |per_sample: bool| {
+                device.synchronize().unwrap();
+                let s = Instant::now();
+                let (report, stats) = diff(
+                    &DiffInput {
+                        spec: &spec,
+                        captures: std::slice::from_ref(&root),
+                        feed: None,
+                        arch: None,
+                        batching: Batching {
+                            per_sample,
+                            budget: None,
+                        },
+                    },
+                    &mut reference,
+                )
+                .unwrap();
+                device.synchronize().unwrap();
+                let wall = s.elapsed().as_secs_f64();
+                assert_eq!(stats.samples, samples);
+                (wall, report.exit_code(), stats)
+            };
+            let (batched_s, batched_exit, b) = time_diff(false);
+            let (alone_s, alone_exit, a) = time_diff(true);
+            let tok = (samples * t) as f64;
+            println!(
+                "{}",
+                serde_json::json!({
+                    "diff": "SpecForge captures", "T": t, "samples": samples,
+                    "load_s": load_s,
+                    "forward_ms": forward_ms, "forward_tok_s": t as f64 / forward_ms * 1e3,
+                    "packed_forwards_s": forwards_s, "packed_forwards_tok_s": tok / forwards_s,
+                    "batched_s": batched_s, "batched_tok_s": tok / batched_s,
+                    "batched_exit": batched_exit, "batched_passes": b.passes, "batched_rerun": b.rerun,
+                    "batched_read_s": b.read_seconds, "batched_reference_s": b.reference_seconds,
+                    "batched_scoring_s": b.scoring_seconds,
+                    "per_sample_s": alone_s, "per_sample_tok_s": tok / alone_s,
+                    "per_sample_exit": alone_exit, "per_sample_read_s": a.read_seconds,
+                    "per_sample_reference_s": a.reference_seconds,
+                    "per_sample_scoring_s": a.scoring_seconds,
+                    "batched_vs_forward": (tok / batched_s) / (t as f64 / forward_ms * 1e3),
+                    "batched_speedup": alone_s / batched_s,
+                })
+            );
+        }
+    }
+
     pub fn main() {
         let args: Vec<String> = std::env::args().collect();
         if args.get(1).map(String::as_str) == Some("score") && args.len() >= 3 {
@@ -533,6 +675,11 @@ mod gpu {
             let ts: Vec<usize> = args[2].split(',').map(|t| t.parse().unwrap()).collect();
             let experts = args.get(4).map_or(256, |e| e.parse().unwrap());
             moe_gemm(&ts, args[3].parse().unwrap(), experts);
+            return;
+        }
+        if args.get(1).map(String::as_str) == Some("diff") && args.len() >= 5 {
+            let ts: Vec<usize> = args[4].split(',').map(|t| t.parse().unwrap()).collect();
+            diff_bench(Path::new(&args[2]), Path::new(&args[3]), &ts);
             return;
         }
         if args.len() < 5 {

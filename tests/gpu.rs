@@ -440,3 +440,129 @@ fn gpu_cli_on_every_dense_family_gives_the_cpu_verdicts() {
     ]);
     assert_eq!(gpu, cpu);
 }
+
+/// Issue 30: samples packed into one forward on the GPU (FastLlama for the Llama family, the
+/// kernel path for the MoE and MLA families) give each sample its own forward's boundaries,
+/// within the device's parity tolerances (cuBLAS picks its algorithm by the row count, so the
+/// packed GEMMs may sum in another order).
+#[test]
+fn gpu_packed_forwards_equal_each_samples_own() {
+    use eagle_check::model::{ManyOptions, Produced};
+    let dev = gpu();
+    let packed = ManyOptions {
+        pack_tokens: 1 << 20,
+    };
+    for (name, path) in [
+        ("llama", ComputePath::Fused),
+        ("mistral", ComputePath::Fused),
+        ("qwen3", ComputePath::Fused),
+        ("qwen2", ComputePath::Kernels),
+        ("deepseek_v3", ComputePath::Kernels),
+        ("qwen3_moe", ComputePath::Kernels),
+        ("gpt_oss", ComputePath::Kernels),
+    ] {
+        let dir = fixture(&format!("models/{name}"));
+        let cfg = ModelConfig::load(&dir).unwrap();
+        let r = reference(&format!("models/{name}/reference.safetensors"));
+        let all = ids(&r, "input_ids");
+        let sets: Vec<Vec<u32>> = vec![
+            all.clone(),
+            all[..all.len().div_ceil(2)].to_vec(),
+            all.iter().rev().copied().collect(),
+        ];
+        let sets: Vec<&[u32]> = sets.iter().map(Vec::as_slice).collect();
+        for (dtype, tol) in [(DType::F32, F32_TOL), (DType::BF16, BF16_TOL)] {
+            let src = SafetensorsSource::open(&dir).unwrap();
+            let model = load_target_on(&cfg, &src, dtype, &dev, path).unwrap();
+            let want = CaptureRequest {
+                layer_outputs: true,
+                ..CaptureRequest::all()
+            };
+            let mut got: Vec<HashMap<String, Tensor>> = vec![HashMap::new(); sets.len()];
+            model
+                .forward_many(&sets, &want, &packed, &mut |s, what, t| {
+                    let key = match what {
+                        Produced::Boundary(b) => format!("b{b}"),
+                        Produced::LayerOutput(i) => format!("mlp_out.{i}"),
+                        Produced::FinalPreNorm => "pre".into(),
+                        Produced::Logits => "logits".into(),
+                    };
+                    got[s].insert(key, t.clone());
+                    Ok(())
+                })
+                .unwrap();
+            for (k, set) in sets.iter().enumerate() {
+                let single = model.forward(set, &want, &mut Progress::hidden()).unwrap();
+                let mut check = |key: &str, t: &Tensor| {
+                    let c = closeness(&got[k][key], t).unwrap();
+                    assert!(
+                        c.max_rel <= tol,
+                        "{name} {dtype:?} sample {k} {key}: {:.3e}",
+                        c.max_rel
+                    );
+                };
+                for (b, t) in &single.hidden {
+                    check(&format!("b{b}"), t);
+                }
+                check("pre", single.final_pre_norm.as_ref().unwrap());
+                for i in 0..cfg.num_layers {
+                    check(
+                        &format!("mlp_out.{i}"),
+                        &single.extras[&format!("mlp_out.{i}")],
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Issue 30: `diff` on the GPU, batched (one pass, samples packed, scored on the device as
+/// the states are made) and one forward per sample, finds the same faults in the same slots
+/// on every corpus entry.
+#[test]
+fn gpu_batched_diff_equals_the_per_sample_diff() {
+    use eagle_check::diff::reference::RunnerReference;
+    use eagle_check::diff::{Batching, DiffInput, diff};
+    use eagle_check::model::TargetOptions;
+    use eagle_check::spec::Spec;
+    let dev = gpu();
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("captures/corpus/manifest.json")).unwrap())
+            .unwrap();
+    for entry in manifest.as_array().unwrap() {
+        let target = fixture(&format!("models/{}", entry["arch"].as_str().unwrap()));
+        let spec =
+            Spec::load(&crate::support::root().join(entry["spec"].as_str().unwrap())).unwrap();
+        let captures = vec![crate::support::root().join(entry["path"].as_str().unwrap())];
+        let run = |per_sample: bool| {
+            let mut reference =
+                RunnerReference::open(&target, &TargetOptions::new(DType::F32, &dev)).unwrap();
+            let (report, _) = diff(
+                &DiffInput {
+                    spec: &spec,
+                    captures: &captures,
+                    feed: None,
+                    arch: None,
+                    batching: Batching {
+                        per_sample,
+                        budget: None,
+                    },
+                },
+                &mut reference,
+            )
+            .unwrap();
+            let findings: Vec<(String, Option<usize>)> = report
+                .findings
+                .iter()
+                .map(|f| (f.name.as_str().to_string(), f.slot))
+                .collect();
+            let found: Vec<Vec<Option<usize>>> = report
+                .captures
+                .iter()
+                .map(|c| c.slots.iter().map(|s| s.found_boundary).collect())
+                .collect();
+            (findings, found)
+        };
+        assert_eq!(run(false), run(true), "{}", entry["path"]);
+    }
+}

@@ -26,6 +26,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import (
     DeepseekV3Config,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     DeepseekV3ForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
@@ -142,12 +146,65 @@ SHAPES = {
         ),
         tie_word_embeddings=False,
     ),
+    # Gemma-3-27B's text model at full width (62 layers in the real one; --layers N for fewer).
+    "gemma3-27b": dict(
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_hidden_layers=62,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        head_dim=128,
+        query_pre_attn_scalar=168,
+        sliding_window=1024,
+        layer_types=None,
+        vocab_size=262208,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(
+            full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        tie_word_embeddings=True,
+    ),
+    # Llama-4-Scout's text model at full width (48 layers, 16 experts top-1 and a shared expert
+    # on every layer, chunked attention with NoPE every 4th layer; --layers N for fewer).
+    "llama4-scout": dict(
+        hidden_size=5120,
+        intermediate_size=8192,
+        intermediate_size_mlp=16384,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_local_experts=16,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        attention_chunk_size=8192,
+        use_qk_norm=True,
+        no_rope_layers=None,
+        vocab_size=202048,
+        max_position_embeddings=10485760,
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=16.0,
+            low_freq_factor=1.0,
+            high_freq_factor=1.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=False,
+    ),
 }
 CLASSES = {
     "llama3.1-8b": (LlamaConfig, LlamaForCausalLM),
     "deepseek-v3-3l": (DeepseekV3Config, DeepseekV3ForCausalLM),
     "qwen3-30b-a3b": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "gpt-oss-20b": (GptOssConfig, GptOssForCausalLM),
+    "gemma3-27b": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "llama4-scout": (Llama4TextConfig, Llama4ForCausalLM),
 }
 # gpt-oss has no sdpa path in transformers (`GptOssPreTrainedModel._supports_sdpa = False`).
 ATTENTION = {"gpt-oss-20b": "eager"}
@@ -155,6 +212,68 @@ ATTENTION = {"gpt-oss-20b": "eager"}
 
 def token_ids(t: int, vocab: int) -> list[int]:
     return [((1103515245 * i + 12345) % (1 << 31)) % vocab for i in range(t)]
+
+
+def compiled_times(model, ids, warmup: int, reps: int) -> dict:
+    """The capture forward under torch.compile (inductor, static shapes: one graph per T), the
+    first call's compile time apart, then the median of `reps` timed calls."""
+    compiled = torch.compile(model, dynamic=False)
+    run = lambda: compiled(input_ids=ids, output_hidden_states=True, use_cache=False)  # noqa: E731
+    with torch.no_grad():
+        t0 = time.time()
+        run()
+        torch.cuda.synchronize()
+        compile_s = time.time() - t0
+        for _ in range(warmup):
+            run()
+        ms = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            ms.append(start.elapsed_time(end))
+    print(f"hf_peer: T = {ids.shape[1]}: compiled {statistics.median(ms):.2f} ms (compile {compile_s:.1f} s)", flush=True)
+    return {"compiled_ms": statistics.median(ms), "compile_s": compile_s}
+
+
+def write_captures(model, cfg, root: Path, args) -> None:
+    """SpecForge's offline files (`rows_0-N/data_i.ckpt`: `input_ids`, `loss_mask`,
+    `aux_hidden_state` [1, S, 3H] at b = [2, L//2, L-3], SpecForge's default
+    `[1, L//2-1, L-4]` read OUT, and `hidden_state` [1, S, H] after the final norm, bf16) of the
+    model's own states for `--capture-distinct` random sequences per length, hard-linked up to
+    `--capture-samples` files, and the spec they follow."""
+    L, vocab = cfg.num_hidden_layers, cfg.vocab_size
+    bs = [2, L // 2, L - 3]
+    gen = torch.Generator().manual_seed(1234)
+    for t in [int(x) for x in args.capture_tokens.split(",")]:
+        d = root / f"t{t}"
+        rows = d / f"rows_0-{args.capture_samples}"
+        rows.mkdir(parents=True, exist_ok=True)
+        for i in range(args.capture_distinct):
+            ids = torch.randint(0, vocab, (1, t), generator=gen).cuda()
+            with torch.no_grad():
+                o = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            aux = torch.cat([o.hidden_states[b] for b in bs], dim=-1).to(torch.bfloat16).cpu()
+            torch.save(
+                {
+                    "input_ids": ids[0].cpu(),
+                    "loss_mask": torch.ones(t, dtype=torch.int64),
+                    "aux_hidden_state": aux,
+                    "hidden_state": o.hidden_states[L].to(torch.bfloat16).cpu(),
+                },
+                rows / f"data_{i}.ckpt",
+            )
+            del o
+        for i in range(args.capture_distinct, args.capture_samples):
+            (rows / f"data_{i}.ckpt").hardlink_to(rows / f"data_{i % args.capture_distinct}.ckpt")
+        (d / "spec.yaml").write_text(
+            f"name: bench-t{t}\ntarget: {{ num_hidden_layers: {L}, hidden_size: {cfg.hidden_size} }}\n"
+            f"capture: {{ boundaries: {bs} }}\n"
+        )
+        print(f"hf_peer: T = {t}: {args.capture_samples} SpecForge captures in {rows}", flush=True)
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -172,6 +291,21 @@ def main() -> None:
         help="after timing, run the same weights in f32 and keep those states too (f32.t{T}.b{b}): "
         "which bf16 forward is nearer the f32 one",
     )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the same forward under torch.compile (inductor; compile time excluded, "
+        "reported apart): the strongest peer plain Python gives",
+    )
+    ap.add_argument(
+        "--captures",
+        default="",
+        help="write SpecForge-format training captures (rows_0-N/data_i.ckpt) of the model's own "
+        "states under DIR/t{T}/ for each --capture-tokens length, and a spec.yaml beside them",
+    )
+    ap.add_argument("--capture-tokens", default="128,512,2048")
+    ap.add_argument("--capture-samples", type=int, default=256)
+    ap.add_argument("--capture-distinct", type=int, default=8)
     args = ap.parse_args()
     out = Path(args.out)
     (out / "model").mkdir(parents=True, exist_ok=True)
@@ -223,6 +357,8 @@ def main() -> None:
                 torch.cuda.synchronize()
                 ms.append(start.elapsed_time(end))
         times[str(t)] = {"median_ms": statistics.median(ms), "all_ms": ms}
+        if args.compile:
+            times[str(t)].update(compiled_times(model, ids, args.warmup, args.reps))
         for b in keep:
             states[f"t{t}.b{b}"] = o.hidden_states[b][0].contiguous()
         states[f"t{t}.logits_argmax"] = o.logits[0].argmax(-1).to(torch.int64).contiguous()
@@ -251,6 +387,8 @@ def main() -> None:
             del o
             torch.cuda.empty_cache()
     save_file(states, str(out / "hf_states.safetensors"))
+    if args.captures:
+        write_captures(model, cfg, Path(args.captures), args)
     meta = {
         "shape": args.shape,
         "params": params,

@@ -29,6 +29,7 @@ def grouped(o):
 
 for o in ours:
     h = hf["times"][str(o["T"])]["median_ms"]
+    c = hf["times"][str(o["T"])].get("compiled_ms")
     print(
         f"| {o['T']} | {h:.2f} | {o['ms']:.2f} | {o['ms'] / h:.2f} | {o['floor_ms']:.2f} | "
         f"{o['ratio_to_floor']:.2f} | {h / o['floor_ms']:.2f} | {o.get('ms_mma_attention', float('nan')):.2f} | "
@@ -37,6 +38,18 @@ for o in ours:
         f"{o['worst_normwise_err']:.2e} | "
         f"{o['greedy_agreement']:.3f} |"
     )
+# With the peer's --compile: HF under torch.compile (inductor), compile time apart.
+if any("compiled_ms" in v for v in hf["times"].values()):
+    print()
+    print("| T | HF eager ms | HF torch.compile ms (compile s) | eagle-check ms | eagle-check / HF eager | eagle-check / HF compiled |")
+    print("|---|---|---|---|---|---|")
+    for o in ours:
+        t = hf["times"][str(o["T"])]
+        if "compiled_ms" in t:
+            print(
+                f"| {o['T']} | {t['median_ms']:.2f} | {t['compiled_ms']:.2f} ({t['compile_s']:.0f}) | {o['ms']:.2f} | "
+                f"{o['ms'] / t['median_ms']:.2f} | {o['ms'] / t['compiled_ms']:.2f} |"
+            )
 # Where the time goes, when the bench ran with EAGLE_CHECK_PHASES=1 (one extra forward, each
 # phase closed by a device synchronisation, so the sum exceeds the timed median a little).
 for o in ours:

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 30's GPU benches, on the GPU machine from the repository root with the binaries of
+# scripts/cuda-build.sh in bins/:
+#  1. the HF peer builds the Llama-3.1-8B-shape random bf16 model, times its capture forward
+#     eager and under torch.compile, and writes 256 SpecForge-format captures of its own states
+#     (8 distinct sequences, hard-linked) at each T;
+#  2. the capture bench (eagle-check against both HF peers);
+#  3. `gpu diff`: diff over the 256 captures at each T, batched and one sample at a time,
+#     against the forward-only rate;
+#  4. the streamed diff of 64 samples at T = 512 under --max-memory 4GiB through the CLI,
+#     against the disk's rate (dd of the checkpoint in the same run) and the resident diff of
+#     the same samples.
+#   bash benches/gpu/diff.sh [OUT_DIR]     (TOKENS=128,512,2048 by default)
+set -euo pipefail
+out=${1:-${TMPDIR:-/tmp}/eagle-check-gpu-diff}
+tokens=${TOKENS:-128,512,2048}
+mkdir -p "$out"
+python3 benches/gpu/hf_peer.py --shape llama3.1-8b --out "$out" --tokens "$tokens" --reps 5 \
+    --compile --captures "$out/captures" --capture-tokens "$tokens" --capture-samples 256
+bins/gpu-bench "$out/model" "$out/hf_states.safetensors" "$tokens" 5 | tee "$out/ours.jsonl"
+python3 benches/gpu/table.py "$out"
+bins/gpu-bench diff "$out/model" "$out/captures" "$tokens" | tee "$out/diff.jsonl"
+
+# 64 samples at T = 512, streamed under 4 GiB and resident, through the binary.
+s64=$out/s64/rows_0-64
+mkdir -p "$s64"
+src=$(ls -d "$out"/captures/t512/rows_*)
+for i in $(seq 0 63); do ln "$src/data_$i.ckpt" "$s64/data_$i.ckpt"; done
+cp "$out/captures/t512/spec.yaml" "$out/s64/spec.yaml"
+now() { date +%s.%N; }
+start=$(now)
+dd if="$out/model/model.safetensors" of=/dev/null bs=64M 2>/dev/null
+disk_s=$(python3 -c "print($(now) - $start)")
+bytes=$(stat -c %s "$out/model/model.safetensors")
+for mode in resident streamed; do
+    extra=()
+    [ "$mode" = streamed ] && extra=(--stream-layers --max-memory 4GiB)
+    start=$(now)
+    rc=0
+    bins/eagle-check diff --spec "$out/s64/spec.yaml" --target "$out/model" --captures "$out/s64" \
+        --device cuda --format json "${extra[@]}" >"$out/diff-$mode.json" || rc=$?
+    echo "$mode $rc $(python3 -c "print($(now) - $start)")" >>"$out/diff-cli.txt"
+done
+python3 - "$out" "$disk_s" "$bytes" <<'PY'
+import json, sys
+out, disk_s, size = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+runs = {}
+for line in open(f"{out}/diff-cli.txt"):
+    mode, rc, wall = line.split()
+    runs[mode] = (int(rc), float(wall))
+print(f"disk: {size / 1e9:.2f} GB checkpoint read by dd in {disk_s:.2f} s ({size / disk_s / 1e9:.2f} GB/s, page cache as left by the peer's save)")
+for mode, (rc, wall) in runs.items():
+    j = json.load(open(f"{out}/diff-{mode}.json"))
+    s = j["subject"]
+    print(f"{mode}: exit {rc}, {wall:.2f} s wall; samples {s.get('samples')}; passes: {s.get('passes')}; weights: {s.get('weights')}; streaming: {s.get('streaming', '-')}; peak: {s.get('peak_memory')}")
+if "streamed" in runs and "resident" in runs:
+    floor = max(size / (size / disk_s), runs["resident"][1])
+    print(f"streamed wall / max(checkpoint at the disk's rate, resident wall) = {runs['streamed'][1]:.2f} / {floor:.2f} = {runs['streamed'][1] / floor:.2f}")
+PY
+rm -rf "$out/model" "$out/hf_states.safetensors"
