@@ -197,52 +197,43 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
         crate::memory::Budget::resolve(None, &reference.device())
             .map_or(DEFAULT_PASS_BYTES, |b| b.bytes / 2)
     });
-    let mut pending = Pass::default();
-
-    for path in input.captures {
-        let files = list_captures(path)?;
-        // sglang's dumper writes a file per tensor: its junction dumps are regrouped into one
-        // sample per pass and junction; the rest of its files hold no capture.
-        let (sglang, files): (Vec<PathBuf>, Vec<PathBuf>) = files
-            .into_iter()
-            .partition(|f| crate::readers::sglang::is_sglang_dump(f));
-        let mut units: Vec<Unit> = Vec::new();
-        if !sglang.is_empty() {
-            let start = Instant::now();
-            let junctions = sglang_ref::junction_samples(&sglang)?;
-            judge.stats.read_seconds += start.elapsed().as_secs_f64();
-            judge.stats.files += sglang.len();
-            if junctions.is_empty() {
-                judge.stats.skipped += sglang.len();
-            }
-            for j in junctions {
-                junction_labels.push(j.label.clone());
-                units.push((j.label, vec![j.sample]));
-            }
-        }
-        for file in files {
-            let start = Instant::now();
-            let samples = read_capture_path(&file)?;
-            judge.stats.read_seconds += start.elapsed().as_secs_f64();
-            judge.stats.files += 1;
-            units.push((file.display().to_string(), samples));
-        }
-        for unit in units {
+    // A resident target costs nothing more per pass: smaller passes let the next one's files
+    // be read while this one runs. A streamed one reads its layers again each pass.
+    let budget = if reference.streams() {
+        budget
+    } else {
+        budget.min(RESIDENT_PASS_BYTES)
+    };
+    let ahead = ReadAhead::new(budget);
+    let _ = ahead.shape.set((hidden, l));
+    let read = std::thread::scope(|scope| -> Result<ReadStats> {
+        let reader = scope.spawn(|| read_units(input.captures, &ahead));
+        let _closed = ahead.closer();
+        let mut pending = Pass::default();
+        while let Some(unit) = ahead.pop() {
+            let (unit, bytes) = unit?;
             if !batched {
                 let results = judge.per_sample(&unit.1, reference)?;
                 judge.record(unit, results);
                 continue;
             }
-            pending.bytes += unit_bytes(&unit.1, hidden, l);
+            pending.bytes += bytes;
             pending.units.push(unit);
             if pending.bytes > budget {
                 judge.pass(std::mem::take(&mut pending), reference)?;
             }
         }
-    }
-    if !pending.units.is_empty() {
-        judge.pass(pending, reference)?;
-    }
+        if !pending.units.is_empty() {
+            judge.pass(pending, reference)?;
+        }
+        reader
+            .join()
+            .map_err(|_| Error::Device("the capture reader thread panicked".into()))
+    })?;
+    judge.stats.files += read.files;
+    judge.stats.skipped += read.skipped;
+    judge.stats.read_seconds += read.seconds;
+    junction_labels.extend(read.junctions);
     let Judge {
         stats,
         collector,
@@ -370,6 +361,159 @@ type Judged = (SlotId, Option<FindingName>);
 struct Pass {
     units: Vec<Unit>,
     bytes: u64,
+}
+
+/// A pass's samples on a resident target hold at most this much: each pass costs a resident
+/// target nothing more, and the reader fills the next pass while this one runs.
+const RESIDENT_PASS_BYTES: u64 = 2 << 30;
+
+/// What reading the captures cost, and the sglang junctions it found.
+#[derive(Default)]
+struct ReadStats {
+    files: usize,
+    skipped: usize,
+    seconds: f64,
+    junctions: Vec<String>,
+}
+
+/// Reads every capture path's units in order into `ahead` (on the reader thread), until they
+/// are all read or the diff stops taking them.
+fn read_units(captures: &[PathBuf], ahead: &ReadAhead) -> ReadStats {
+    let mut stats = ReadStats::default();
+    let mut read = || -> Result<()> {
+        for path in captures {
+            let files = list_captures(path)?;
+            // sglang's dumper writes a file per tensor: its junction dumps are regrouped into
+            // one sample per pass and junction; the rest of its files hold no capture.
+            let (sglang, files): (Vec<PathBuf>, Vec<PathBuf>) = files
+                .into_iter()
+                .partition(|f| crate::readers::sglang::is_sglang_dump(f));
+            let mut units: Vec<Unit> = Vec::new();
+            if !sglang.is_empty() {
+                let start = Instant::now();
+                let junctions = sglang_ref::junction_samples(&sglang)?;
+                stats.seconds += start.elapsed().as_secs_f64();
+                stats.files += sglang.len();
+                if junctions.is_empty() {
+                    stats.skipped += sglang.len();
+                }
+                for j in junctions {
+                    stats.junctions.push(j.label.clone());
+                    units.push((j.label, vec![j.sample]));
+                }
+            }
+            for unit in units {
+                if !ahead.push(Ok(unit)) {
+                    return Ok(());
+                }
+            }
+            for file in files {
+                let start = Instant::now();
+                let samples = read_capture_path(&file)?;
+                stats.seconds += start.elapsed().as_secs_f64();
+                stats.files += 1;
+                if !ahead.push(Ok((file.display().to_string(), samples))) {
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    };
+    if let Err(e) = read() {
+        ahead.push(Err(e));
+    }
+    ahead.finish();
+    stats
+}
+
+/// The units read ahead of the diff, held up to a byte budget ([`unit_bytes`]): the reader
+/// waits while they exceed it (one unit always fits), the diff while none is there.
+struct ReadAhead {
+    state: std::sync::Mutex<AheadState>,
+    changed: std::sync::Condvar,
+    budget: u64,
+    /// The hidden size and layer count [`unit_bytes`] sizes a unit by.
+    shape: std::sync::OnceLock<(usize, usize)>,
+}
+
+#[derive(Default)]
+struct AheadState {
+    queue: std::collections::VecDeque<(Result<Unit>, u64)>,
+    bytes: u64,
+    /// The reader has read everything.
+    done: bool,
+    /// The diff stopped taking units.
+    closed: bool,
+}
+
+impl ReadAhead {
+    fn new(budget: u64) -> ReadAhead {
+        ReadAhead {
+            state: Default::default(),
+            changed: Default::default(),
+            budget,
+            shape: Default::default(),
+        }
+    }
+
+    /// Queues a unit; false once the diff has stopped taking them.
+    fn push(&self, unit: Result<Unit>) -> bool {
+        let (hidden, l) = self.shape.get().copied().unwrap_or((0, 0));
+        let bytes = unit.as_ref().map_or(0, |u| unit_bytes(&u.1, hidden, l));
+        let Ok(mut s) = self.state.lock() else {
+            return false;
+        };
+        while !s.closed && s.bytes > 0 && s.bytes + bytes > self.budget {
+            s = match self.changed.wait(s) {
+                Ok(s) => s,
+                Err(_) => return false,
+            };
+        }
+        if s.closed {
+            return false;
+        }
+        s.bytes += bytes;
+        s.queue.push_back((unit, bytes));
+        self.changed.notify_all();
+        true
+    }
+
+    /// The next unit and its bytes, waiting for the reader; `None` once all were taken.
+    fn pop(&self) -> Option<Result<(Unit, u64)>> {
+        let mut s = self.state.lock().ok()?;
+        loop {
+            if let Some((unit, bytes)) = s.queue.pop_front() {
+                s.bytes -= bytes;
+                self.changed.notify_all();
+                return Some(unit.map(|u| (u, bytes)));
+            }
+            if s.done {
+                return None;
+            }
+            s = self.changed.wait(s).ok()?;
+        }
+    }
+
+    fn finish(&self) {
+        if let Ok(mut s) = self.state.lock() {
+            s.done = true;
+        }
+        self.changed.notify_all();
+    }
+
+    /// Stops the reader when dropped (the diff returned, or failed).
+    fn closer(&self) -> impl Drop + '_ {
+        struct Closer<'a>(&'a ReadAhead);
+        impl Drop for Closer<'_> {
+            fn drop(&mut self) {
+                if let Ok(mut s) = self.0.state.lock() {
+                    s.closed = true;
+                }
+                self.0.changed.notify_all();
+            }
+        }
+        Closer(self)
+    }
 }
 
 /// When the memory available cannot be read: a pass's samples may hold this much.

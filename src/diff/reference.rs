@@ -56,6 +56,12 @@ pub trait ReferenceSource {
         Ok(())
     }
 
+    /// Whether the source reads its weights again at each pass over the samples (a streamed
+    /// target).
+    fn streams(&self) -> bool {
+        false
+    }
+
     /// Whether [`ReferenceSource::run_many`] runs: the runner does, a dump does not.
     fn runs_many(&self) -> bool {
         false
@@ -126,6 +132,10 @@ impl ReferenceSource for RunnerReference {
 
     fn runs_many(&self) -> bool {
         true
+    }
+
+    fn streams(&self) -> bool {
+        self.target.model.stream_stats().is_some()
     }
 
     fn check_tokens(&self, tokens: &[i64]) -> Result<()> {
@@ -281,6 +291,10 @@ impl ReferenceSource for Counted<'_> {
 
     fn runs_many(&self) -> bool {
         self.inner.runs_many()
+    }
+
+    fn streams(&self) -> bool {
+        self.inner.streams()
     }
 
     fn check_tokens(&self, tokens: &[i64]) -> Result<()> {
