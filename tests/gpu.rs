@@ -493,7 +493,7 @@ fn gpu_packed_forwards_equal_each_samples_own() {
                 .unwrap();
             for (k, set) in sets.iter().enumerate() {
                 let single = model.forward(set, &want, &mut Progress::hidden()).unwrap();
-                let mut check = |key: &str, t: &Tensor| {
+                let check = |key: &str, t: &Tensor| {
                     let c = closeness(&got[k][key], t).unwrap();
                     assert!(
                         c.max_rel <= tol,

@@ -538,7 +538,7 @@ fn unit_bytes(samples: &[Sample], hidden: usize, l: usize) -> u64 {
             } else {
                 0
             };
-            let kept = (slots + 1 + online::RING as u64 + 1) * rows * h;
+            let kept = (slots + 1 + online::RING as u64 + online::DEVICE_BATCH as u64) * rows * h;
             let edges = 2 * online::EDGE as u64 * h * (2 * l + 2);
             // Stored and widened, then what the identification keeps.
             4 * (2 * captured + kept + edges)
@@ -716,7 +716,7 @@ impl Judge<'_> {
     fn finish(
         &mut self,
         sample: &Sample,
-        ready: Prepared,
+        mut ready: Prepared,
         reference: &mut dyn ReferenceSource,
     ) -> Result<Vec<Judged>> {
         let start = Instant::now();

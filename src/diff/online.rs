@@ -40,6 +40,9 @@ const MIN_ROWS: usize = 2 * EDGE;
 /// States made before a new best candidate that are still kept when it arrives: its
 /// boundary's neighbours (the layer before, what that layer added, the one before that).
 pub(crate) const RING: usize = 4;
+/// States scored together on a GPU: one launch and one read-back for all of them, where one
+/// each would wait on the device per state.
+pub(crate) const DEVICE_BATCH: usize = 8;
 /// Radians of rounding allowed in the angles the bound is built from (sums of f32 products).
 const ANGLE_SLACK: f64 = 1e-5;
 /// Cosine a bounded candidate must stay below the nearest exact one by.
@@ -177,6 +180,10 @@ pub struct OnlineSample {
     near: BTreeMap<(usize, usize), Vec<Option<f64>>>,
     /// Which states arrived (a reference missing one lists its candidates otherwise).
     seen: Vec<bool>,
+    /// States taken and not scored yet, in the order they were made.
+    pending: Vec<(usize, Data)>,
+    /// How many states are scored together: 1 on the CPU, [`DEVICE_BATCH`] on a GPU.
+    batch: usize,
     /// Something the batched identification does not decide exactly (non-finite values, rows
     /// that do not pair one to one): the sample goes back to a forward of its own.
     undecided: bool,
@@ -206,8 +213,17 @@ impl OnlineSample {
             edges: vec![None; layout.states()],
             near: BTreeMap::new(),
             seen: vec![false; layout.states()],
+            pending: Vec::new(),
+            batch: if device.is_cpu() { 1 } else { DEVICE_BATCH },
             undecided: false,
         }
+    }
+
+    /// Scores `batch` states together (the GPU's way, here on any device: the tests check
+    /// that the decisions do not depend on it).
+    pub fn scored_in_batches_of(mut self, batch: usize) -> OnlineSample {
+        self.batch = batch.max(1);
+        self
     }
 
     /// Adds `k` slots of `width` columns, `[x_rows, stride]` row-major, identified together
@@ -284,7 +300,9 @@ impl OnlineSample {
             .ctx(|| "uploading the captured slots".to_string())
     }
 
-    /// Takes one reference state of this sample as the forward makes it.
+    /// Takes one reference state of this sample as the forward makes it. On a GPU the states
+    /// are scored [`DEVICE_BATCH`] at a time (one launch and one read-back for all of them),
+    /// on the CPU one at a time; the decisions are the same either way.
     pub fn take(&mut self, what: Produced, xs: &Tensor) -> Result<()> {
         let Some(q) = self.layout.state_of(what) else {
             return Ok(());
@@ -309,13 +327,31 @@ impl OnlineSample {
         } else {
             Data::Device(f32s.contiguous().ctx(what_s)?)
         };
-        if !self.keep_all {
-            self.edges[q] = Some(self.edge_rows(&data)?);
+        self.pending.push((q, data));
+        if self.pending.len() >= self.batch {
+            self.flush()?;
         }
-        self.score_state(q, &data)?;
-        self.kept.insert(q, data);
-        self.follow_bests(q)?;
-        self.ring.push_back(q);
+        Ok(())
+    }
+
+    /// Scores the states waiting, in the order they were made: their edge rows, every slot's
+    /// sums and best candidate, the best candidates' separations; then drops what no decision
+    /// needs any more.
+    fn flush(&mut self) -> Result<()> {
+        let pending = std::mem::take(&mut self.pending);
+        if pending.is_empty() {
+            return Ok(());
+        }
+        if !self.keep_all {
+            for (q, edges) in self.edge_rows(&pending)? {
+                self.edges[q] = Some(edges);
+            }
+        }
+        self.score_states(&pending)?;
+        let made: Vec<usize> = pending.iter().map(|(q, _)| *q).collect();
+        self.kept.extend(pending);
+        self.follow_bests(&made)?;
+        self.ring.extend(made);
         if !self.keep_all {
             while self.ring.len() > RING {
                 self.ring.pop_front();
@@ -325,49 +361,74 @@ impl OnlineSample {
         Ok(())
     }
 
-    /// Rows `0..EDGE` and `rows - EDGE..rows` of a state, on the host.
-    fn edge_rows(&self, data: &Data) -> Result<Vec<f32>> {
+    /// Rows `0..EDGE` and `rows - EDGE..rows` of each state, on the host (`[2 * EDGE, H]`).
+    fn edge_rows(&self, states: &[(usize, Data)]) -> Result<Vec<(usize, Vec<f32>)>> {
         let (h, t) = (self.hidden, self.rows);
-        match data {
-            Data::Host(v) => {
-                let mut out = v[..EDGE * h].to_vec();
-                out.extend_from_slice(&v[(t - EDGE) * h..t * h]);
-                Ok(out)
-            }
-            Data::Device(d) => {
-                let what = || "the edge rows of a reference state".to_string();
-                let head = d.narrow(0, 0, EDGE).ctx(what)?;
-                let tail = d.narrow(0, t - EDGE, EDGE).ctx(what)?;
-                Tensor::cat(&[&head, &tail], 0)
-                    .and_then(|e| e.flatten_all())
-                    .and_then(|e| e.to_vec1::<f32>())
-                    .ctx(what)
+        let what = || "the edge rows of a reference state".to_string();
+        let mut out = Vec::with_capacity(states.len());
+        let mut on_device = Vec::new();
+        for (q, data) in states {
+            match data {
+                Data::Host(v) => {
+                    let mut e = v[..EDGE * h].to_vec();
+                    e.extend_from_slice(&v[(t - EDGE) * h..t * h]);
+                    out.push((*q, e));
+                }
+                Data::Device(d) => {
+                    on_device.push(d.narrow(0, 0, EDGE).ctx(what)?);
+                    on_device.push(d.narrow(0, t - EDGE, EDGE).ctx(what)?);
+                }
             }
         }
+        if !on_device.is_empty() {
+            // One read-back for every state's edges.
+            let all = Tensor::cat(&on_device, 0)
+                .and_then(|e| e.flatten_all())
+                .and_then(|e| e.to_vec1::<f32>())
+                .ctx(what)?;
+            for ((q, _), e) in states.iter().zip(all.chunks(2 * EDGE * h)) {
+                out.push((*q, e.to_vec()));
+            }
+        }
+        Ok(out)
     }
 
-    /// Every group's slots against the candidates on state `q`: the sums over all rows and
-    /// over the interior, and the best candidate of each slot so far.
-    fn score_state(&mut self, q: usize, data: &Data) -> Result<()> {
-        let cands = self.layout.on_state(q);
-        let shifts: Vec<isize> = cands.iter().map(|&j| self.layout.candidate(j).2).collect();
-        let n = self.layout.candidates();
+    /// Every group's slots against the candidates on `states`: the sums over all rows and
+    /// over the interior, then each slot's best candidate, state by state as they were made.
+    fn score_states(&mut self, states: &[(usize, Data)]) -> Result<()> {
+        let layout = self.layout;
+        // (state's place in `states`, candidate, shift)
+        let cands: Vec<(usize, usize, isize)> = states
+            .iter()
+            .enumerate()
+            .flat_map(|(p, (q, _))| {
+                layout
+                    .on_state(*q)
+                    .into_iter()
+                    .map(move |j| (p, j, layout.candidate(j).2))
+            })
+            .collect();
+        let pairs: Vec<(usize, isize)> = cands.iter().map(|&(p, _, d)| (p, d)).collect();
+        let datas: Vec<&Data> = states.iter().map(|(_, d)| d).collect();
+        let n = layout.candidates();
         let (rows, h, keep_all) = (self.rows, self.hidden, self.keep_all);
         for g in &mut self.groups {
-            let full = sums_against(g, data, rows, h, &shifts, false)?;
+            let full = sums_against(g, &datas, rows, h, &pairs, false)?;
             let inner = if keep_all {
                 Vec::new()
             } else {
-                sums_against(g, data, rows, h, &shifts, true)?
+                sums_against(g, &datas, rows, h, &pairs, true)?
             };
+            let m = cands.len();
             for i in 0..g.k {
-                for (c, &j) in cands.iter().enumerate() {
-                    g.sums[i * n + j] = full[i * shifts.len() + c];
+                for (c, &(_, j, _)) in cands.iter().enumerate() {
+                    g.sums[i * n + j] = full[i * m + c];
                     if !keep_all {
-                        g.inner[i * n + j] = inner[i * shifts.len() + c];
+                        g.inner[i * n + j] = inner[i * m + c];
                     }
                 }
-                for &j in &cands {
+                // In the order the states were made (the candidates of each in list order).
+                for &(_, j, _) in &cands {
                     let better = match g.best[i] {
                         None => true,
                         Some(b) => {
@@ -389,9 +450,9 @@ impl OnlineSample {
         Ok(())
     }
 
-    /// The best candidates' exact cosines with what just arrived on state `q`, and a new best
-    /// candidate's with every state still kept.
-    fn follow_bests(&mut self, q: usize) -> Result<()> {
+    /// The best candidates' exact cosines with the candidates on the states just `made`, and
+    /// a new best candidate's with every state still kept.
+    fn follow_bests(&mut self, made: &[usize]) -> Result<()> {
         let wanted: Vec<(usize, usize)> = self
             .groups
             .iter()
@@ -400,42 +461,48 @@ impl OnlineSample {
         self.near.retain(|key, _| wanted.contains(key));
         for key in wanted {
             let states: Vec<usize> = if self.near.contains_key(&key) {
-                vec![q]
+                made.to_vec()
             } else {
                 self.near.insert(key, vec![None; self.layout.candidates()]);
                 self.kept.keys().copied().collect()
             };
-            for p in states {
-                self.nearest_on(key, p)?;
-            }
+            self.nearest_on(key, &states)?;
         }
         Ok(())
     }
 
     /// The exact cosines of best candidate `j` (over `cols` columns) with the candidates on
-    /// state `p`, as the diff computes them: j's state as the slot, every other candidate at
+    /// `states`, as the diff computes them: j's state as the slot, every other candidate at
     /// its shift relative to j's.
-    fn nearest_on(&mut self, (j, cols): (usize, usize), p: usize) -> Result<()> {
-        let (best, qj, sj) = self.layout.candidate(j);
-        let (Some(dj), Some(dp)) = (self.kept.get(&qj), self.kept.get(&p)) else {
+    fn nearest_on(&mut self, (j, cols): (usize, usize), states: &[usize]) -> Result<()> {
+        let layout = self.layout;
+        let (best, qj, sj) = layout.candidate(j);
+        let Some(dj) = self.kept.get(&qj) else {
             return Ok(());
         };
-        let others: Vec<usize> = self
-            .layout
-            .on_state(p)
-            .into_iter()
-            .filter(|&i| i != j && self.layout.candidate(i).0 != best)
-            .collect();
+        let mut datas: Vec<&Data> = Vec::new();
+        let mut others: Vec<(usize, usize, isize)> = Vec::new();
+        for &p in states {
+            let Some(dp) = self.kept.get(&p) else {
+                continue;
+            };
+            let at = datas.len();
+            datas.push(dp);
+            others.extend(
+                layout
+                    .on_state(p)
+                    .into_iter()
+                    .filter(|&i| i != j && layout.candidate(i).0 != best)
+                    .map(|i| (at, i, layout.candidate(i).2 - sj)),
+            );
+        }
         if others.is_empty() {
             return Ok(());
         }
-        let shifts: Vec<isize> = others
-            .iter()
-            .map(|&i| self.layout.candidate(i).2 - sj)
-            .collect();
-        let sums = state_sums(dj, dp, self.rows, self.hidden, cols, &shifts)?;
+        let pairs: Vec<(usize, isize)> = others.iter().map(|&(p, _, d)| (p, d)).collect();
+        let sums = state_sums(dj, &datas, self.rows, self.hidden, cols, &pairs)?;
         let near = self.near.entry((j, cols)).or_default();
-        for (&i, s) in others.iter().zip(sums) {
+        for (&(_, i, _), s) in others.iter().zip(sums) {
             near[i] = Some(if s.rows > 0 {
                 s.score().cosine
             } else {
@@ -460,7 +527,10 @@ impl OnlineSample {
 
     /// The identifications of group `g`'s slots (numbered from `first_slot`), or `None` when
     /// the sample needs a forward of its own to decide exactly.
-    pub fn finish(&self, g: usize, first_slot: usize) -> Result<Option<Vec<SlotId>>> {
+    pub fn finish(&mut self, g: usize, first_slot: usize) -> Result<Option<Vec<SlotId>>> {
+        if !self.undecided {
+            self.flush()?;
+        }
         if self.undecided || self.seen.iter().any(|s| !s) {
             return Ok(None);
         }
@@ -504,8 +574,17 @@ impl OnlineSample {
             // decision: let the sample's own forward decide.
             return Ok(None);
         };
-        let x = group.view(i, self.rows);
-        let score = rescore(x, state, self.rows, self.hidden, group.cols, sj)?;
+        let score = match (state, &group.device) {
+            (Data::Device(c), Some(x)) => {
+                let what = || "rescoring the best candidate".to_string();
+                let x = x.narrow(1, i * group.cols, group.cols).ctx(what)?;
+                rescore_on_device(&x, c, group.cols, sj).ctx(what)?
+            }
+            _ => {
+                let x = group.view(i, self.rows);
+                rescore(x, state, self.rows, self.hidden, group.cols, sj)?
+            }
+        };
         let runner = order
             .iter()
             .copied()
@@ -652,82 +731,104 @@ struct Separation {
     upper: f64,
 }
 
-/// Group `g`'s slots against `data` at `shifts`, slot-major `[k, shifts]`: over every row
-/// (`interior` false, the diff's sums) or over the interior rows only.
+/// Group `g`'s slots against `pairs` (`(state, shift)`, the state indexing `datas`),
+/// slot-major `[k, pairs]`: over every row (`interior` false, the diff's sums) or over the
+/// interior rows only.
 fn sums_against(
     g: &Group,
-    data: &Data,
+    datas: &[&Data],
     rows: usize,
     h: usize,
-    shifts: &[isize],
+    pairs: &[(usize, isize)],
     interior: bool,
 ) -> Result<Vec<PairSums>> {
     let what = || "scoring a reference state".to_string();
-    // The interior: captured rows INNER.., the state from row INNER - 1 on, so that shift s
-    // becomes s + 1 and every pairing stays inside it.
+    // The interior: captured rows INNER.., the states from row INNER - 1 on, so that shift s
+    // becomes s + 1 and every pairing stays inside them.
     let (x0, r0, len, extra) = if interior {
         (INNER, INNER - 1, rows - 2 * INNER, 1)
     } else {
         (0, 0, rows, 0)
     };
-    let shifted: Vec<(usize, isize)> = shifts.iter().map(|&s| (0, s + extra)).collect();
+    let ref_rows = if interior { len + 2 } else { rows };
+    let shifted: Vec<(usize, isize)> = pairs.iter().map(|&(p, s)| (p, s + extra)).collect();
     let (host, device) = match (&g.clean, interior) {
         (Some((clean, on_device)), true) => (clean.as_slice(), on_device.as_ref()),
         _ => (g.host.as_slice(), g.device.as_ref()),
     };
-    match (data, device) {
-        (Data::Host(v), _) => {
-            let xs: Vec<View> = (0..g.k)
-                .map(|i| {
-                    let full = View {
-                        data: host,
-                        ..g.view(i, rows)
-                    };
-                    View {
-                        data: &full.data[x0 * g.stride..],
-                        rows: len,
-                        ..full
-                    }
-                })
-                .collect();
-            let ref_rows = if interior { len + 2 } else { rows };
-            let state = View {
-                data: &v[r0 * h..],
-                rows: ref_rows,
-                stride: h,
-                col: 0,
-                cols: g.cols,
-            };
-            Ok(pair_sums(&xs, &[state], &shifted))
-        }
-        (Data::Device(t), Some(x)) => {
-            let ref_rows = if interior { len + 2 } else { rows };
-            let x = x.narrow(0, x0, len).ctx(what)?;
-            let refs = t
-                .narrow(0, r0, ref_rows)
-                .and_then(|r| r.unsqueeze(0))
-                .ctx(what)?;
-            crate::kernels::score::score_slots(&x, g.k, g.cols, &refs, &shifted).ctx(what)
-        }
-        (Data::Device(_), None) => Err(crate::error::Error::Device(
-            "scoring on the device without the slots uploaded".into(),
-        )),
+    if let Some(x) = device {
+        let refs = stack(datas, r0, ref_rows)?;
+        let x = x.narrow(0, x0, len).ctx(what)?;
+        return crate::kernels::score::score_slots(&x, g.k, g.cols, &refs, &shifted).ctx(what);
     }
+    let xs: Vec<View> = (0..g.k)
+        .map(|i| {
+            let full = View {
+                data: host,
+                ..g.view(i, rows)
+            };
+            View {
+                data: &full.data[x0 * g.stride..],
+                rows: len,
+                ..full
+            }
+        })
+        .collect();
+    let states = host_views(datas, r0, ref_rows, h, g.cols)?;
+    Ok(pair_sums(&xs, &states, &shifted))
 }
 
-/// State `a` (its first `cols` columns, as one slot) against state `b` at `shifts`.
-fn state_sums(
-    a: &Data,
-    b: &Data,
+/// Rows `r0..r0 + rows` of each host state, as views of their first `cols` columns.
+fn host_views<'a>(
+    datas: &[&'a Data],
+    r0: usize,
     rows: usize,
     h: usize,
     cols: usize,
-    shifts: &[isize],
-) -> Result<Vec<PairSums>> {
-    let pairs: Vec<(usize, isize)> = shifts.iter().map(|&s| (0, s)).collect();
+) -> Result<Vec<View<'a>>> {
+    datas
+        .iter()
+        .map(|d| match d {
+            Data::Host(v) => Ok(View {
+                data: &v[r0 * h..],
+                rows,
+                stride: h,
+                col: 0,
+                cols,
+            }),
+            Data::Device(_) => Err(crate::error::Error::Device(
+                "a reference state on the device among host ones".into(),
+            )),
+        })
+        .collect()
+}
 
-    match (a, b) {
-        (Data::Host(x), Data::Host(y)) => {
+/// Rows `r0..r0 + rows` of each device state, stacked `[states, rows, H]`.
+fn stack(datas: &[&Data], r0: usize, rows: usize) -> Result<Tensor> {
+    let what = || "stacking reference states".to_string();
+    let parts = datas
+        .iter()
+        .map(|d| match d {
+            Data::Device(t) => t.narrow(0, r0, rows).ctx(what),
+            Data::Host(_) => Err(crate::error::Error::Device(
+                "a reference state on the host among device ones".into(),
+            )),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::stack(&parts, 0).ctx(what)
+}
+
+/// State `a` (its first `cols` columns, as one slot) against `pairs` of the states `bs`.
+fn state_sums(
+    a: &Data,
+    bs: &[&Data],
+    rows: usize,
+    h: usize,
+    cols: usize,
+    pairs: &[(usize, isize)],
+) -> Result<Vec<PairSums>> {
+    match a {
+        Data::Host(x) => {
             let x = View {
                 data: x,
                 rows,
@@ -735,18 +836,55 @@ fn state_sums(
                 col: 0,
                 cols,
             };
-            let y = View { data: y, ..x };
-            Ok(pair_sums(&[x], &[y], &pairs))
+            let states = host_views(bs, 0, rows, h, cols)?;
+            Ok(pair_sums(&[x], &states, pairs))
         }
-        (Data::Device(x), Data::Device(y)) => {
-            let refs = y.unsqueeze(0).ctx(|| "separating two states".to_string())?;
-            crate::kernels::score::score_slots(x, 1, cols, &refs, &pairs)
+        Data::Device(x) => {
+            let refs = stack(bs, 0, rows)?;
+            crate::kernels::score::score_slots(x, 1, cols, &refs, pairs)
                 .ctx(|| "separating two states".to_string())
         }
-        _ => Err(crate::error::Error::Device(
-            "two reference states on different devices".into(),
-        )),
     }
+}
+
+/// [`rescore`] on the device: `x` `[T, cols]` against rows `t + shift` of `state`'s first
+/// `cols` columns, in f64, non-finite captured values left out with the reference values
+/// beside them (as `score_all` does); only the three sums come back.
+fn rescore_on_device(
+    x: &Tensor,
+    state: &Tensor,
+    cols: usize,
+    shift: isize,
+) -> candle_core::Result<Score> {
+    let t = x.dim(0)?;
+    let (x0, c0) = if shift >= 0 {
+        (0, shift as usize)
+    } else {
+        ((-shift) as usize, 0)
+    };
+    let n = t.saturating_sub(x0.max(c0));
+    if n == 0 {
+        return Ok(Score::from_sums(0.0, 0.0, 0.0, 0));
+    }
+    let xs = x.narrow(0, x0, n)?.to_dtype(DType::F64)?;
+    let cs = state
+        .narrow(0, c0, n)?
+        .narrow(1, 0, cols)?
+        .to_dtype(DType::F64)?;
+    let finite = xs.abs()?.lt(f64::INFINITY)?;
+    let zeros = xs.zeros_like()?;
+    let xs = finite.where_cond(&xs, &zeros)?;
+    let cs = finite.where_cond(&cs, &zeros)?;
+    let sums = Tensor::stack(
+        &[
+            (&xs * &xs)?.sum_all()?,
+            (&xs * &cs)?.sum_all()?,
+            (&cs * &cs)?.sum_all()?,
+        ],
+        0,
+    )?
+    .to_vec1::<f64>()?;
+    Ok(Score::from_sums(sums[0], sums[1], sums[2], n))
 }
 
 /// The best pair again in f64 throughout (`score_all`), the state read on the host.
@@ -928,42 +1066,45 @@ mod tests {
                 .collect();
             let deltas = no_residual_deltas(&refs);
             let want = identify_slots(&views, &refs, &deltas, &tol, &Device::Cpu);
-            let mut online = OnlineSample::new(l, h, t, tol, &Device::Cpu);
-            let g = online
-                .group(Arc::new(packed.clone()), t, k * h, h, k)
-                .unwrap();
-            feed(&mut online, &refs);
-            let Some(got) = online.finish(g, 0).unwrap() else {
-                sent_back += 1;
-                continue;
-            };
-            for (w, o) in want.iter().zip(&got) {
-                let what = format!("L {l} T {t} slot {}", w.slot);
-                assert_eq!(o.found, w.found, "{what}");
-                assert_eq!(o.best, w.best, "{what}");
-                assert_eq!(o.runner_up, w.runner_up, "{what}");
-                assert_eq!(o.score.cosine.to_bits(), w.score.cosine.to_bits(), "{what}");
-                assert_eq!(
-                    o.score.rel_err.to_bits(),
-                    w.score.rel_err.to_bits(),
-                    "{what}"
-                );
-                assert_eq!(o.margin.to_bits(), w.margin.to_bits(), "{what}");
-                assert_eq!(o.neighbour_margin, w.neighbour_margin, "{what}");
-                assert_eq!(
-                    (o.scaled, o.exact, o.ambiguous),
-                    (w.scaled, w.exact, w.ambiguous),
-                    "{what}"
-                );
-                assert!(
-                    o.identify_angle >= w.identify_angle,
-                    "{what}: the bound is an upper one"
-                );
-                decided += 1;
+            for batch in [1, DEVICE_BATCH] {
+                let mut online =
+                    OnlineSample::new(l, h, t, tol, &Device::Cpu).scored_in_batches_of(batch);
+                let g = online
+                    .group(Arc::new(packed.clone()), t, k * h, h, k)
+                    .unwrap();
+                feed(&mut online, &refs);
+                let Some(got) = online.finish(g, 0).unwrap() else {
+                    sent_back += 1;
+                    continue;
+                };
+                for (w, o) in want.iter().zip(&got) {
+                    let what = format!("L {l} T {t} slot {}", w.slot);
+                    assert_eq!(o.found, w.found, "{what}");
+                    assert_eq!(o.best, w.best, "{what}");
+                    assert_eq!(o.runner_up, w.runner_up, "{what}");
+                    assert_eq!(o.score.cosine.to_bits(), w.score.cosine.to_bits(), "{what}");
+                    assert_eq!(
+                        o.score.rel_err.to_bits(),
+                        w.score.rel_err.to_bits(),
+                        "{what}"
+                    );
+                    assert_eq!(o.margin.to_bits(), w.margin.to_bits(), "{what}");
+                    assert_eq!(o.neighbour_margin, w.neighbour_margin, "{what}");
+                    assert_eq!(
+                        (o.scaled, o.exact, o.ambiguous),
+                        (w.scaled, w.exact, w.ambiguous),
+                        "{what}"
+                    );
+                    assert!(
+                        o.identify_angle >= w.identify_angle,
+                        "{what}: the bound is an upper one"
+                    );
+                    decided += 1;
+                }
             }
         }
         assert!(
-            decided >= 4 * 7,
+            decided >= 2 * 7 * 8,
             "{decided} slots decided, {sent_back} samples sent back"
         );
     }
@@ -976,10 +1117,19 @@ mod tests {
         let view = View::full(x, t, h);
         let deltas = no_residual_deltas(refs);
         let want = identify_slots(&[view], refs, &deltas, &tol, &Device::Cpu).remove(0);
-        let mut online = OnlineSample::new(l, h, t, tol, &Device::Cpu);
-        let g = online.group(Arc::new(x.to_vec()), t, h, h, 1).unwrap();
-        feed(&mut online, refs);
-        let got = online.finish(g, 0).unwrap().map(|mut v| v.remove(0));
+        let mut got = None;
+        for batch in [1, DEVICE_BATCH] {
+            let mut online =
+                OnlineSample::new(l, h, t, tol, &Device::Cpu).scored_in_batches_of(batch);
+            let g = online.group(Arc::new(x.to_vec()), t, h, h, 1).unwrap();
+            feed(&mut online, refs);
+            let id = online.finish(g, 0).unwrap().map(|mut v| v.remove(0));
+            if batch == 1 {
+                got = id;
+            } else if let (Some(a), Some(b)) = (&got, &id) {
+                assert_eq!(a.found, b.found, "batched by {batch}");
+            }
+        }
         (want, got)
     }
 
@@ -1070,6 +1220,42 @@ mod tests {
         assert_eq!(want.found, None, "{want:?}");
         if let Some(got) = got {
             assert_eq!(got.found, want.found, "{got:?}");
+        }
+    }
+
+    /// The device's f64 rescoring is `score_all`'s: the same rows paired at every shift, the
+    /// non-finite captured values left out with their partners (run here on the CPU's tensors,
+    /// the same candle ops a GPU runs).
+    #[test]
+    fn the_device_rescoring_is_score_alls() {
+        let (t, h) = (12, 8);
+        let mut noise = Noise(31);
+        let mut x = noise.vec(t * h, 1.0);
+        x[9] = f32::NAN;
+        x[50] = f32::NEG_INFINITY;
+        let c = noise.vec(t * h, 1.0);
+        let xt = Tensor::from_slice(&x, (t, h), &Device::Cpu).unwrap();
+        let ct = Tensor::from_slice(&c, (t, h), &Device::Cpu).unwrap();
+        for shift in [-1isize, 0, 1] {
+            let want = score_all(
+                View::full(&x, t, h),
+                &[Pairing {
+                    reference: View::full(&c, t, h),
+                    shift,
+                }],
+            )[0];
+            let got = rescore_on_device(&xt, &ct, h, shift).unwrap();
+            assert_eq!(got.rows, want.rows, "shift {shift}");
+            for (a, b) in [
+                (got.cosine, want.cosine),
+                (got.rel_err, want.rel_err),
+                (got.norm_ratio, want.norm_ratio),
+            ] {
+                assert!(
+                    (a - b).abs() <= 1e-12 * b.abs().max(1.0),
+                    "shift {shift}: {a} vs {b}"
+                );
+            }
         }
     }
 }
