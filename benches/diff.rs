@@ -87,6 +87,10 @@ fn write_target(dir: &Path) {
 }
 
 fn main() {
+    if let Some(model) = std::env::var_os("EAGLE_CHECK_BENCH_STREAM") {
+        stream_bench(Path::new(&model));
+        return;
+    }
     let samples: usize = std::env::var("EAGLE_CHECK_BENCH_SAMPLES")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -226,4 +230,182 @@ fn cuda_device() -> Device {
 #[cfg(not(feature = "cuda"))]
 fn cuda_device() -> Device {
     Device::new_cuda(0).unwrap()
+}
+
+/// `EAGLE_CHECK_BENCH_STREAM=MODEL cargo bench --bench diff` (issue 30): `diff` of
+/// EAGLE_CHECK_BENCH_SAMPLES (default 64) samples of EAGLE_CHECK_BENCH_T (default 512) tokens
+/// on the target at MODEL (an HF directory or a GGUF file) streamed on the CPU in f32, batched
+/// (the default: one pass, each layer read once) and one forward per sample, against the
+/// larger of the checkpoint read at the disk's rate (`dd` of the same files in the same run)
+/// and the resident forwards of the same samples. The captures hold the target's own states
+/// at b = [2, L/2, L-3] (8 distinct sequences, hard-linked).
+fn stream_bench(model: &Path) {
+    use eagle_check::diff::Batching;
+    use eagle_check::model::{ManyOptions, Produced, TargetOptions};
+    let env = |k: &str, d: usize| -> usize {
+        std::env::var(k)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(d)
+    };
+    let (samples, t) = (
+        env("EAGLE_CHECK_BENCH_SAMPLES", 64),
+        env("EAGLE_CHECK_BENCH_T", 512),
+    );
+    let root = std::env::var_os("EAGLE_CHECK_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench-scratch/diff-stream")
+        });
+    let _ = std::fs::remove_dir_all(&root);
+    let captures = root.join("captures");
+    std::fs::create_dir_all(&captures).unwrap();
+    let resident = open_target(model, DType::F32, &Device::Cpu).unwrap();
+    let (l, h, vocab) = (
+        resident.cfg.num_layers,
+        resident.cfg.hidden_size,
+        resident.cfg.vocab_size,
+    );
+    let bs = [2, l / 2, l - 3];
+    let distinct = 8.min(samples);
+    let mut rng = Lcg(13);
+    let mut sets: Vec<Vec<u32>> = Vec::new();
+    for d in 0..distinct {
+        let ids: Vec<u32> = (0..t)
+            .map(|_| ((rng.next() + 0.5) * vocab as f32) as u32 % vocab as u32)
+            .collect();
+        let want = CaptureRequest {
+            boundaries: Some(bs.to_vec()),
+            final_pre_norm: false,
+            logits: false,
+            layer_outputs: false,
+        };
+        let cap = resident
+            .model
+            .forward(&ids, &want, &mut Progress::hidden())
+            .unwrap();
+        let aux = Tensor::cat(
+            &[
+                &cap.hidden[&bs[0]],
+                &cap.hidden[&bs[1]],
+                &cap.hidden[&bs[2]],
+            ],
+            1,
+        )
+        .unwrap();
+        let ids64: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
+        let mut out: HashMap<String, Tensor> = HashMap::new();
+        out.insert(
+            "input_ids".into(),
+            Tensor::new(ids64.as_slice(), &Device::Cpu).unwrap(),
+        );
+        out.insert("aux_hidden_states".into(), aux);
+        candle_core::safetensors::save(&out, captures.join(format!("s{d:04}.safetensors")))
+            .unwrap();
+        sets.push(ids);
+    }
+    for i in distinct..samples {
+        std::fs::hard_link(
+            captures.join(format!("s{:04}.safetensors", i % distinct)),
+            captures.join(format!("s{i:04}.safetensors")),
+        )
+        .unwrap();
+    }
+    let spec_path = root.join("spec.yaml");
+    std::fs::write(
+        &spec_path,
+        format!(
+            "name: bench\ntarget: {{ num_hidden_layers: {l}, hidden_size: {h} }}\ncapture: {{ boundaries: {bs:?} }}\n"
+        ),
+    )
+    .unwrap();
+    let spec = Spec::load(&spec_path).unwrap();
+    // The resident forwards of the same samples (the compute a streamed diff cannot avoid).
+    let all: Vec<&[u32]> = (0..samples)
+        .map(|i| sets[i % distinct].as_slice())
+        .collect();
+    let start = Instant::now();
+    resident
+        .model
+        .forward_many(
+            &all,
+            &CaptureRequest::all(),
+            &ManyOptions::UNPACKED,
+            &mut |_, _: Produced, _| Ok(()),
+        )
+        .unwrap();
+    let forwards_s = start.elapsed().as_secs_f64();
+    drop(resident);
+    // The disk: every weight file read once, as dd reads it.
+    let files: Vec<PathBuf> = if model.is_file() {
+        vec![model.to_path_buf()]
+    } else {
+        std::fs::read_dir(model)
+            .unwrap()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect()
+    };
+    let bytes: u64 = files.iter().map(|f| f.metadata().unwrap().len()).sum();
+    let start = Instant::now();
+    for f in &files {
+        let ok = std::process::Command::new("dd")
+            .arg(format!("if={}", f.display()))
+            .args(["of=/dev/null", "bs=16M", "status=none"])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "dd of {}", f.display());
+    }
+    let dd_s = start.elapsed().as_secs_f64();
+    println!(
+        "diff streamed on the CPU: {samples} samples of T = {t}, {} (L {l}, H {h}), f32, {} CPU threads",
+        model.display(),
+        candle_core::utils::get_num_threads()
+    );
+    println!(
+        "  dd of the weights:        {dd_s:>8.2} s   ({:.2} GB, {:.2} GB/s)",
+        bytes as f64 / 1e9,
+        bytes as f64 / dd_s / 1e9
+    );
+    println!("  resident forwards:        {forwards_s:>8.2} s");
+    for per_sample in [false, true] {
+        let opts = TargetOptions {
+            stream_layers: true,
+            ..TargetOptions::new(DType::F32, &Device::Cpu)
+        };
+        let mut reference = RunnerReference::open(model, &opts).unwrap();
+        let start = Instant::now();
+        let (report, stats) = diff(
+            &DiffInput {
+                spec: &spec,
+                captures: &[captures.clone()],
+                feed: None,
+                arch: None,
+                batching: Batching {
+                    per_sample,
+                    budget: None,
+                },
+            },
+            &mut reference,
+        )
+        .unwrap();
+        let wall = start.elapsed().as_secs_f64();
+        assert_eq!(report.exit_code(), 0, "bench captures must be consistent");
+        assert_eq!(stats.samples, samples);
+        let cost = reference.target.model.stream_stats().unwrap();
+        let floor = (bytes as f64 / (bytes as f64 / dd_s)).max(forwards_s);
+        println!(
+            "  {:<25} {wall:>8.2} s   wall / max(dd, resident forwards) = {:.2}; {} layers loaded, {:.2} GB read ({:.2}x the weights)",
+            if per_sample {
+                "one sample at a time:"
+            } else {
+                "batched (one pass):"
+            },
+            wall / floor,
+            cost.layers_loaded,
+            cost.bytes_read as f64 / 1e9,
+            cost.bytes_read as f64 / bytes as f64
+        );
+    }
 }
