@@ -47,16 +47,19 @@ pub struct ReadOptions {
 }
 
 impl Default for ReadOptions {
-    /// `EAGLE_CHECK_READERS` readers when set, else one per core from 4 to 8: reads from the
-    /// page cache are copies that scale with cores, reads from a disk want several in flight
-    /// whatever the cores. 8 MiB pieces: large sequential reads, and a piece in flight per
-    /// reader is a small part of any budget that holds a layer.
+    /// `EAGLE_CHECK_READERS` readers when set, else one per core but one, at most 8: a core is
+    /// left to the loader (and, streamed, to the forward), whose own work overlaps the reads.
+    /// Reads from the page cache are copies that scale with cores, and a cold disk wants
+    /// several reads in flight; on the 2-core development VM, where writing fresh pages is the
+    /// bound (1.3 GB/s, not faster from more threads) a second reader only slowed loads down
+    /// (BENCHMARKS.md). 8 MiB pieces: large sequential reads, and a piece in flight per reader
+    /// is a small part of any budget that holds a layer.
     fn default() -> ReadOptions {
-        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         let readers = std::env::var("EAGLE_CHECK_READERS")
             .ok()
             .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(cores.clamp(4, 8));
+            .unwrap_or(cores.saturating_sub(1).clamp(1, 8));
         ReadOptions {
             readers,
             piece_bytes: 8 << 20,
@@ -80,7 +83,12 @@ pub fn read_ahead<R>(
     if opts.readers == 0 || names.is_empty() {
         return load(src);
     }
-    ReadAhead::new(src, names, dtype, device, opts).run(load)
+    let ahead = ReadAhead::new(src, names, dtype, device, opts);
+    // Less than one piece in all: a thread would cost more than the reads.
+    if ahead.lock().slots.iter().map(|s| s.bytes).sum::<u64>() <= ahead.opts.piece_bytes as u64 {
+        return load(src);
+    }
+    ahead.run(load)
 }
 
 /// The order a resident load asks for a target's tensors in: the embeddings (and anything else
@@ -182,6 +190,9 @@ unsafe impl Send for Target {}
 
 enum Stage {
     Queued,
+    /// Its buffer is being allocated (outside the lock: zeroing a reused buffer is a pass over
+    /// it).
+    Allocating,
     /// Its pieces are being read; `left` have not been reported done.
     Reading {
         left: usize,
@@ -216,7 +227,16 @@ struct State<'a> {
     /// Bytes of slots being read or read and not yet taken, and the most there were.
     ahead: u64,
     most_ahead: u64,
+    /// Buffers being allocated (their slots join `active` next).
+    allocating: usize,
     stop: bool,
+}
+
+/// What a reader does next.
+enum Task {
+    Read(Piece),
+    /// Allocate slot k's buffer.
+    Allocate(usize),
 }
 
 /// One piece of one tensor, handed to a reader.
@@ -277,6 +297,7 @@ impl<'a> ReadAhead<'a> {
                 active: VecDeque::new(),
                 ahead: 0,
                 most_ahead: 0,
+                allocating: 0,
                 stop: false,
             }),
             work: Condvar::new(),
@@ -311,52 +332,56 @@ impl<'a> ReadAhead<'a> {
     fn work(&self) {
         let mut scratch = Scratch::default();
         loop {
-            let piece = {
+            let task = {
                 let mut st = self.lock();
                 loop {
                     if st.stop {
                         return;
                     }
-                    if let Some(p) = self.next_piece(&mut st) {
-                        break p;
+                    if let Some(task) = self.next_task(&mut st) {
+                        break task;
                     }
-                    if st.cursor == st.slots.len() && st.active.is_empty() {
+                    if st.cursor == st.slots.len() && st.active.is_empty() && st.allocating == 0 {
                         return;
                     }
                     st = self.work.wait(st).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            let result = self.read_piece(&piece, &mut scratch);
-            self.piece_done(piece.slot, result);
+            match task {
+                Task::Read(piece) => {
+                    let result = self.read_piece(&piece, &mut scratch);
+                    self.piece_done(piece.slot, result);
+                }
+                Task::Allocate(k) => self.allocate(k, false),
+            }
         }
     }
 
-    /// The next piece to read: of the tensors being read, the loader's first; else the first
-    /// piece of the next tensor in order, when the window has room for it.
-    fn next_piece(&self, st: &mut State<'a>) -> Option<Piece> {
-        loop {
-            while let Some(&k) = st.active.front() {
-                let slot = &mut st.slots[k];
-                if slot.next < slot.pieces {
-                    let p = self.piece(k, slot);
-                    slot.next += 1;
-                    return Some(p);
-                }
-                st.active.pop_front();
+    /// What to do next: a piece of the tensors being read, the loader's first; else the next
+    /// tensor in order, when the window has room for it.
+    fn next_task(&self, st: &mut State<'a>) -> Option<Task> {
+        while let Some(&k) = st.active.front() {
+            let slot = &mut st.slots[k];
+            if slot.next < slot.pieces {
+                let p = self.piece(k, slot);
+                slot.next += 1;
+                return Some(Task::Read(p));
             }
-            let queued =
-                (st.cursor..st.slots.len()).find(|&k| matches!(st.slots[k].stage, Stage::Queued));
-            let Some(k) = queued else {
-                st.cursor = st.slots.len();
-                return None;
-            };
-            let bytes = st.slots[k].bytes;
-            if st.ahead > 0 && st.ahead.saturating_add(bytes) > self.opts.window {
-                return None;
-            }
-            st.cursor = k + 1;
-            self.admit(st, k, false);
+            st.active.pop_front();
         }
+        let queued =
+            (st.cursor..st.slots.len()).find(|&k| matches!(st.slots[k].stage, Stage::Queued));
+        let Some(k) = queued else {
+            st.cursor = st.slots.len();
+            return None;
+        };
+        let bytes = st.slots[k].bytes;
+        if st.ahead > 0 && st.ahead.saturating_add(bytes) > self.opts.window {
+            return None;
+        }
+        st.cursor = k + 1;
+        Self::admit(st, k);
+        Some(Task::Allocate(k))
     }
 
     /// Piece `slot.next` of slot `k`.
@@ -376,55 +401,79 @@ impl<'a> ReadAhead<'a> {
         }
     }
 
-    /// Starts reading slot `k`: its buffer allocated, its pieces queued (first when the loader
-    /// waits for it).
-    fn admit(&self, st: &mut State<'a>, k: usize, first: bool) {
+    /// Starts reading slot `k`: counted ahead, its buffer to be allocated ([`Self::allocate`]).
+    fn admit(st: &mut State<'a>, k: usize) {
+        st.slots[k].stage = Stage::Allocating;
+        st.ahead += st.slots[k].bytes;
+        st.most_ahead = st.most_ahead.max(st.ahead);
+        st.allocating += 1;
+    }
+
+    /// Allocates admitted slot `k`'s buffer, outside the lock, and queues its pieces (first
+    /// when the loader waits for it).
+    fn allocate(&self, k: usize, first: bool) {
+        let (name, job) = {
+            let st = self.lock();
+            let slot = &st.slots[k];
+            let job = match &slot.job {
+                Job::Extent { ext, widen } => Some((*ext, *widen)),
+                Job::Whole => None,
+            };
+            (slot.name.clone(), job)
+        };
+        let made = match job {
+            Some((ext, widen)) => self.buffer(&name, &ext, widen).map(|(d, t)| (Some(d), t)),
+            None => Ok((None, Target::Whole)),
+        };
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        st.allocating -= 1;
         let slot = &mut st.slots[k];
-        match self.allocate(slot) {
-            Ok(()) => {
+        match made {
+            Ok((dest, target)) => {
+                (slot.dest, slot.target) = (dest, target);
                 slot.stage = Stage::Reading { left: slot.pieces };
-                st.ahead += st.slots[k].bytes;
-                st.most_ahead = st.most_ahead.max(st.ahead);
                 if first {
                     st.active.push_front(k);
                 } else {
                     st.active.push_back(k);
                 }
             }
-            Err(e) => slot.stage = Stage::Ready(Err(e)),
+            Err(e) => {
+                slot.stage = Stage::Ready(Err(e));
+                self.ready.notify_all();
+            }
         }
         self.work.notify_all();
     }
 
-    /// The buffer slot `slot`'s pieces are read into.
-    fn allocate(&self, slot: &mut Slot) -> Result<()> {
-        let Job::Extent { ext, widen } = &slot.job else {
-            slot.target = Target::Whole;
-            return Ok(());
-        };
+    /// A buffer for tensor `name` of extent `ext` (widened to f32 when `widen`), and where its
+    /// pieces go.
+    fn buffer(&self, name: &str, ext: &Extent, widen: Option<bool>) -> Result<(Dest, Target)> {
         let elems: usize = ext.shape.iter().product();
-        let what = || format!("{}: buffer for {}", ext.path.display(), slot.name);
-        let dest = match (widen, &self.device) {
-            (Some(_), _) => Dest::Widened(vec![0f32; elems]),
+        let what = || format!("{}: buffer for {name}", ext.path.display());
+        // The targets point into the buffers' heap memory, which stays where it is when the
+        // buffers move into their slot.
+        Ok(match (widen, &self.device) {
+            (Some(_), _) => {
+                let mut v = vec![0f32; elems];
+                let target = Target::Widened(v.as_mut_ptr());
+                (Dest::Widened(v), target)
+            }
             #[cfg(feature = "cuda")]
             (None, Device::Cuda(dev)) => {
-                Dest::Device(device::alloc(dev, ext.dtype, elems).ctx(what)?)
+                let s = device::alloc(dev, ext.dtype, elems).ctx(what)?;
+                let target = Target::Device(crate::kernels::cuda::storage_ptr(&s, 0).ctx(what)?);
+                (Dest::Device(s), target)
             }
-            _ => Dest::Host(HostBuf::zeroed(ext.dtype, elems).ok_or_else(|| {
-                Error::weights(ext.path, format!("{}: dtype {}", what(), ext.dtype))
-            })?),
-        };
-        slot.dest = Some(dest);
-        slot.target = match slot.dest.as_mut() {
-            Some(Dest::Host(buf)) => Target::Host(buf.bytes_mut().as_mut_ptr()),
-            Some(Dest::Widened(v)) => Target::Widened(v.as_mut_ptr()),
-            #[cfg(feature = "cuda")]
-            Some(Dest::Device(s)) => {
-                Target::Device(crate::kernels::cuda::storage_ptr(s, 0).ctx(what)?)
+            _ => {
+                let mut buf = HostBuf::zeroed(ext.dtype, elems).ok_or_else(|| {
+                    Error::weights(ext.path, format!("{}: dtype {}", what(), ext.dtype))
+                })?;
+                let target = Target::Host(buf.bytes_mut().as_mut_ptr());
+                (Dest::Host(buf), target)
             }
-            None => Target::Whole,
-        };
-        Ok(())
+        })
     }
 
     /// Reads one piece into its slot's buffer; a whole tensor comes back as the tensor.
@@ -530,8 +579,13 @@ impl<'a> ReadAhead<'a> {
         loop {
             let st = &mut *guard;
             match st.slots[k].stage {
-                Stage::Queued => self.admit(st, k, true),
-                Stage::Reading { .. } => {
+                Stage::Queued => {
+                    Self::admit(st, k);
+                    drop(guard);
+                    self.allocate(k, true);
+                    guard = self.lock();
+                }
+                Stage::Allocating | Stage::Reading { .. } => {
                     guard = self.ready.wait(guard).unwrap_or_else(|e| e.into_inner());
                 }
                 Stage::Ready(_) => {
