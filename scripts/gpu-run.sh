@@ -6,8 +6,10 @@
 #   CUDA_LIB: the CUDA 13 runtime libraries (libcublas, libcudart, ...), default /usr/local/cuda/lib64
 #   STEPS: which steps to run (default: kernels gpu throughput bench; also bench-deepseek,
 #     bench-qwen3moe (Qwen3-30B-A3B, 48 layers), bench-gptoss (gpt-oss-20b),
-#     moe-gemm (MOE_EXPERTS=384 for Kimi-K2), score, stream, diff); EAGLE_CHECK_PHASES=1 adds a
-#     phase-by-phase forward to each bench length
+#     moe-gemm (MOE_EXPERTS=384 for Kimi-K2), score, stream, diff, load (benches/gpu/load.py:
+#     the 8B-shape resident load against dd and transformers' from_pretrained, `run` at T = 2048
+#     as a whole process against transformers' load + forward; about 4 minutes));
+#     EAGLE_CHECK_PHASES=1 adds a phase-by-phase forward to each bench length
 #   CLOCKS=1: samples the SM clock, power, temperature and throttle reasons every 200 ms into
 #     $OUT/clocks.csv while the steps run (is a long forward slower than its phases because the
 #     clock drops?)
@@ -47,6 +49,7 @@ for s in ${STEPS:-kernels gpu throughput bench}; do
     bench-qwen3moe) step bench-qwen3moe env SHAPE=qwen3-30b-a3b TOKENS=${MOE_BENCH_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-qwen3moe" ;;
     bench-gptoss) step bench-gptoss env SHAPE=gpt-oss-20b F32_TRUTH=${F32_TRUTH:-1} TOKENS=${MOE_BENCH_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-gptoss" ;;
     stream) step stream bash benches/gpu/stream.sh "$out/stream" ;;
+    load) step load python3 benches/gpu/load.py "$out/load" ;;
     score) step score bins/gpu-bench score ${REPS:-5} ;;
     gemm) step gemm bins/gpu-bench gemm ${GEMM_TOKENS:-2048,8192} ${REPS:-5} ;;
     moe-gemm) step moe-gemm bins/gpu-bench moe-gemm ${MOE_TOKENS:-128,512,2048} ${REPS:-5} ${MOE_EXPERTS:-256} ;;
