@@ -9,6 +9,8 @@
 //!     gpu score REPS                   (the diff's scoring kernels alone; see `score`)
 //!     gpu gemm T,T,... REPS            (the Llama projections: cuBLAS against cublasLt's
 //!                                       algorithms; see `gemm`)
+//!     gpu load MODEL_DIR               (the resident load alone, as `run` loads it; see
+//!                                       `load`; benches/gpu/load.py drives it)
 //!
 //! With `EAGLE_CHECK_PHASES=1` each length also gets one forward timed phase by phase
 //! (`eagle_check::model::phases`), reported under "phases".
@@ -518,6 +520,39 @@ mod gpu {
         }
     }
 
+    /// The resident bf16 load of `dir` onto the GPU, as `eagle-check run` loads it
+    /// (`open_target`: the default readers, `EAGLE_CHECK_READERS` to change them), timed from
+    /// the call to the device synchronised after it, the device opened before the clock starts.
+    /// Prints one JSON object: the seconds, the bytes of the weight files, the rate.
+    fn load(dir: &Path) {
+        let start = Instant::now();
+        let dev = cuda::open_device(0).unwrap();
+        let device = Device::Cuda(dev);
+        device.synchronize().unwrap();
+        let init_s = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let target = open_target(dir, DType::BF16, &device).unwrap();
+        device.synchronize().unwrap();
+        let load_s = start.elapsed().as_secs_f64();
+        let bytes: u64 = eagle_check::weights::shard_files(dir)
+            .unwrap()
+            .iter()
+            .map(|f| f.metadata().unwrap().len())
+            .sum();
+        println!(
+            "{}",
+            serde_json::json!({
+                "what": "load",
+                "readers": eagle_check::model::io::ReadOptions::default().readers,
+                "seconds": load_s,
+                "cuda_init_seconds": init_s,
+                "bytes": bytes,
+                "gb_per_s": bytes as f64 / load_s / 1e9,
+                "weights": target.memory.describe(),
+            })
+        );
+    }
+
     /// `gpu diff MODEL_DIR CAPTURES T,T,...` (issue 30): `diff` over the SpecForge captures the
     /// peer wrote under `CAPTURES/t{T}` (its own states, so every slot is identified), on the
     /// target resident in bf16, three ways at each T: batched (the default: samples packed into
@@ -662,6 +697,10 @@ mod gpu {
 
     pub fn main() {
         let args: Vec<String> = std::env::args().collect();
+        if args.get(1).map(String::as_str) == Some("load") && args.len() >= 3 {
+            load(Path::new(&args[2]));
+            return;
+        }
         if args.get(1).map(String::as_str) == Some("score") && args.len() >= 3 {
             score(args[2].parse().unwrap());
             return;

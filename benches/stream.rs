@@ -1,34 +1,45 @@
-//! `cargo bench --bench stream`: a target larger than memory, captured on the CPU by streaming
-//! its layers (`run --stream-layers --max-memory 4GiB`, the real binary), against the disk's
-//! read bandwidth measured in the same run; and streaming against the resident run on a model
-//! that fits, bit for bit.
+//! `cargo bench --bench stream`: loading and streaming against the disk, as ratios to `dd` of
+//! the same files in the same run (issue 30), and a target larger than memory captured on the
+//! CPU by streaming its layers (`run --stream-layers --max-memory 4GiB`, the real binary);
+//! streaming against the resident run on a model that fits, bit for bit.
 //!
 //! 1. Writes (once; reused when present) a random Llama-3.1-8B-shape checkpoint, bf16, sharded
 //!    safetensors under target/bench-scratch/ (32 layers, H 4096, 32/8 heads, FFN 14336, vocab
 //!    128256: 16.06 GB). In f32, the CPU's compute dtype, it is 32 GB: more than this machine's
 //!    24 GiB could ever hold resident.
-//! 2. Disk bandwidth: the shard files are dropped from the page cache (`fsync`, then
-//!    `posix_fadvise(POSIX_FADV_DONTNEED)`), and the first 4 GiB of them read sequentially in
-//!    16 MiB reads: the cold read rate a streamed run can at best consume weights at.
+//! 2. The disk: `dd if=SHARD of=/dev/null bs=16M` over every shard, the shards dropped from the
+//!    page cache first (`fsync`, then `posix_fadvise(POSIX_FADV_DONTNEED)`): the cold rate a
+//!    streamed run can at best consume weights at.
 //! 3. The 8B capture, T = 32 tokens, cold (the shards dropped from the cache again first) and
-//!    then warm (whatever the page cache kept): wall time, weight bytes read per second (every
-//!    layer, the head and the 32 embedding rows, from the headers) against the disk rate, the
-//!    peak resident set the report prints (VmHWM).
-//! 4. A random Llama that fits (8 layers, H 2048, 16/4 heads, FFN 5632, vocab 32000; 1.0 GB
-//!    bf16, 2.0 GB resident in f32): `run --dump` resident and streamed, every dumped tensor
-//!    compared bit for bit, wall time and peak of each; and in-process, the logits of both
-//!    (the streamed head runs in row chunks) compared bit for bit.
+//!    then warm (whatever the page cache kept), with the default readers and, cold, with one
+//!    read at a time (`EAGLE_CHECK_READERS=0`, the reader before issue 30): wall time, weight
+//!    bytes read per second (every layer, the head and the 32 embedding rows, from the headers)
+//!    against the disk rate, the peak resident set the report prints (VmHWM).
+//! 4. Loading at the disk's rate, on a random Llama that fits (8 layers, H 2048, 16/4 heads,
+//!    FFN 5632, vocab 32000; 1.0 GB bf16, 2.0 GB resident in f32), in process, page cache cold
+//!    (dropped before each) and warm (read just before): `dd` of its shards; the resident load
+//!    in f32 (bf16 widened as read) and in bf16, as `eagle-check run` loads it
+//!    (`open_target_with`: the default readers) and with the source read alone (one read at a
+//!    time); the streamed forward (T = 32, f32, open + one forward) with the default readers
+//!    and with none, against the larger of `dd` and the resident forward of the same tokens
+//!    with the weights held. Median of 3 each.
+//! 5. The same Llama: `run --dump` resident and streamed, every dumped tensor compared bit for
+//!    bit, wall time and peak of each; and in-process, the logits of both (the streamed head
+//!    runs in row chunks) compared bit for bit.
 //!
-//! `EAGLE_CHECK_BENCH_SKIP_8B=1` runs only step 4.
+//! `EAGLE_CHECK_BENCH_SKIP_8B=1` runs only steps 4 and 5.
 
 use candle_core::{DType, Device, Tensor};
 use eagle_check::config::ModelConfig;
+use eagle_check::model::io::ReadOptions;
 use eagle_check::model::source::SafetensorsSource;
 use eagle_check::model::stream::StreamOptions;
-use eagle_check::model::{CaptureRequest, Progress, load_streamed, load_target};
+use eagle_check::model::{
+    CaptureRequest, Progress, TargetOptions, load_streamed, load_target, open_target_with,
+};
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufWriter, Read, Write};
+use std::io::{BufWriter, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -236,26 +247,36 @@ fn drop_from_cache(files: &[PathBuf]) {
     }
 }
 
-/// Cold sequential read rate: the first `limit` bytes of `files`, dropped from the cache
-/// first, in 16 MiB reads. (bytes, seconds)
-fn cold_read(files: &[PathBuf], limit: u64) -> (u64, f64) {
-    drop_from_cache(files);
-    let mut buf = vec![0u8; 16 << 20];
-    let (mut total, start) = (0u64, Instant::now());
-    'files: for path in files {
-        let mut f = File::open(path).unwrap();
-        loop {
-            let n = f.read(&mut buf).unwrap();
-            if n == 0 {
-                break;
-            }
-            total += n as u64;
-            if total >= limit {
-                break 'files;
-            }
-        }
+/// Seconds `dd if=FILE of=/dev/null bs=16M` takes over every file in turn (the peer every
+/// load is measured against: one sequential reader, 16 MiB reads, nothing converted).
+fn dd(files: &[PathBuf]) -> f64 {
+    let start = Instant::now();
+    for f in files {
+        let status = Command::new("dd")
+            .arg(format!("if={}", f.display()))
+            .args(["of=/dev/null", "bs=16M", "status=none"])
+            .status()
+            .unwrap();
+        assert!(status.success(), "dd of {}", f.display());
     }
-    (total, start.elapsed().as_secs_f64())
+    start.elapsed().as_secs_f64()
+}
+
+/// Brings `files` into the page cache (`dd` reads them once).
+fn warm_up(files: &[PathBuf]) {
+    dd(files);
+}
+
+/// The median of three timings of `f`, each after `before` (dropping or warming the cache).
+fn median3(before: &dyn Fn(), mut f: impl FnMut() -> f64) -> f64 {
+    let mut t: Vec<f64> = (0..3)
+        .map(|_| {
+            before();
+            f()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[1]
 }
 
 /// What a streamed capture reads from the checkpoint: every tensor but the embedding table,
@@ -290,8 +311,14 @@ impl RunOut {
 
 /// `eagle-check run` on `dir` with `extra` flags, through the real binary.
 fn run(dir: &Path, vocab: usize, extra: &[&str]) -> RunOut {
+    run_with(dir, vocab, extra, &[])
+}
+
+/// [`run`] with environment variables set for the process.
+fn run_with(dir: &Path, vocab: usize, extra: &[&str], env: &[(&str, &str)]) -> RunOut {
     let ids: Vec<String> = tokens(vocab).iter().map(|t| t.to_string()).collect();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_eagle-check"));
+    cmd.envs(env.iter().copied());
     cmd.arg("run")
         .arg("--target")
         .arg(dir)
@@ -338,6 +365,109 @@ fn gb(bytes: u64) -> f64 {
     bytes as f64 / 1e9
 }
 
+/// Step 4: the resident load and the streamed forward of the small Llama against `dd` of its
+/// shards, cold and warm, with the default readers and with the source read alone.
+fn load_at_disk_rate(scratch: &Path) {
+    let dir = scratch.join(LLAMA_SMALL.name);
+    let files = write_checkpoint(&LLAMA_SMALL, &dir);
+    let bytes: u64 = files.iter().map(|f| f.metadata().unwrap().len()).sum();
+    let cfg = ModelConfig::load(&dir).unwrap();
+    let ids = tokens(LLAMA_SMALL.vocab);
+    let want = CaptureRequest {
+        boundaries: Some(Vec::new()),
+        final_pre_norm: false,
+        logits: true,
+        layer_outputs: false,
+    };
+    let forward = |model: &dyn eagle_check::model::Target| {
+        model.forward(&ids, &want, &mut Progress::hidden()).unwrap();
+    };
+    let timed = |f: &dyn Fn()| {
+        let start = Instant::now();
+        f();
+        start.elapsed().as_secs_f64()
+    };
+    let readers = ReadOptions::default().readers;
+    // The resident forward with the weights held: what a streamed forward cannot beat.
+    let resident_forward = {
+        let model = load_target(
+            &cfg,
+            &SafetensorsSource::open(&dir).unwrap(),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        forward(model.as_ref());
+        median3(&|| {}, || timed(&|| forward(model.as_ref())))
+    };
+    println!(
+        "load: small Llama, {:.2} GB bf16 in {} shards; {readers} readers (ReadOptions::default); \
+         resident forward with the weights held, T = {T}, f32: {resident_forward:.2} s",
+        gb(bytes),
+        files.len()
+    );
+    for cache in ["cold", "warm"] {
+        let before = || {
+            if cache == "cold" {
+                drop_from_cache(&files);
+            } else {
+                warm_up(&files);
+            }
+        };
+        let dd_s = median3(&before, || dd(&files));
+        println!(
+            "load, {cache}: dd {dd_s:.2} s = {:.0} MB/s",
+            bytes as f64 / dd_s / 1e6
+        );
+        for dtype in [DType::F32, DType::BF16] {
+            // Timed up to the loaded target, not its freeing.
+            let ours = median3(&before, || {
+                let start = Instant::now();
+                let target = open_target_with(&dir, &TargetOptions::new(dtype, &Device::Cpu));
+                let secs = start.elapsed().as_secs_f64();
+                drop(target.unwrap());
+                secs
+            });
+            let alone = median3(&before, || {
+                let start = Instant::now();
+                let src = SafetensorsSource::open(&dir).unwrap();
+                let target = load_target(&cfg, &src, dtype, &Device::Cpu);
+                let secs = start.elapsed().as_secs_f64();
+                drop(target.unwrap());
+                secs
+            });
+            println!(
+                "load, {cache}: resident in {dtype:?}: {ours:.2} s = {:.2}x dd ({readers} \
+                 readers); {alone:.2} s = {:.2}x dd (one read at a time)",
+                ours / dd_s,
+                alone / dd_s
+            );
+        }
+        for (label, readers) in [("default readers", readers), ("one read at a time", 0)] {
+            let opts = StreamOptions {
+                reads: ReadOptions {
+                    readers,
+                    ..ReadOptions::default()
+                },
+                ..StreamOptions::default()
+            };
+            let secs = median3(&before, || {
+                timed(&|| {
+                    let src = Box::new(SafetensorsSource::open(&dir).unwrap());
+                    let model = load_streamed(&cfg, src, DType::F32, &Device::Cpu, opts).unwrap();
+                    forward(model.as_ref());
+                })
+            });
+            let floor = dd_s.max(resident_forward);
+            println!(
+                "load, {cache}: streamed forward, T = {T}, f32, {label}: {secs:.2} s = {:.2}x \
+                 max(dd, resident forward) = {floor:.2} s",
+                secs / floor
+            );
+        }
+    }
+}
+
 fn main() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let scratch = root.join("target/bench-scratch");
@@ -362,24 +492,33 @@ fn main() {
         let dir = scratch.join(LLAMA_8B.name);
         let files = write_checkpoint(&LLAMA_8B, &dir);
         let on_disk: u64 = files.iter().map(|f| f.metadata().unwrap().len()).sum();
-        let (read, secs) = cold_read(&files, 4 << 30);
-        let disk = read as f64 / secs;
+        drop_from_cache(&files);
+        let secs = dd(&files);
+        let disk = on_disk as f64 / secs;
         println!(
-            "disk, cold sequential read: {:.2} GB in {secs:.1} s = {:.0} MB/s",
-            gb(read),
+            "disk, cold: dd of the {} shards, {:.2} GB in {secs:.1} s = {:.0} MB/s",
+            files.len(),
+            gb(on_disk),
             disk / 1e6
         );
         let weights = weight_bytes_read(&LLAMA_8B);
         let flags = ["--stream-layers", "--max-memory", "4GiB"];
-        for label in ["cold", "warm"] {
-            if label == "cold" {
+        for (label, env) in [
+            (
+                "cold, one read at a time",
+                &[("EAGLE_CHECK_READERS", "0")][..],
+            ),
+            ("cold", &[][..]),
+            ("warm", &[][..]),
+        ] {
+            if label.starts_with("cold") {
                 drop_from_cache(&files);
             }
-            let r = run(&dir, LLAMA_8B.vocab, &flags);
+            let r = run_with(&dir, LLAMA_8B.vocab, &flags, env);
             let rate = weights as f64 / r.seconds;
             println!(
                 "8B-shape bf16 ({:.2} GB on disk; f32 resident estimate: {}), T = {T}, {label}: \
-                 {:.1} s wall, {:.2} GB of weights read = {:.0} MB/s = {:.2}x the cold disk \
+                 {:.1} s wall, {:.2} GB of weights read = {:.0} MB/s = {:.2}x the cold dd \
                  rate; peak {}; {}; {}",
                 gb(on_disk),
                 r.fact("weights"),
@@ -393,6 +532,8 @@ fn main() {
             );
         }
     }
+
+    load_at_disk_rate(&scratch);
 
     // A model that fits: resident against streamed, bit for bit.
     let dir = scratch.join(LLAMA_SMALL.name);

@@ -8,8 +8,10 @@
 #     bench-qwen3moe (Qwen3-30B-A3B, 48 layers), bench-gptoss (gpt-oss-20b),
 #     moe-gemm (MOE_EXPERTS=384 for Kimi-K2), score, stream, diff, bench-diff (issue 30's diff,
 #     streaming and torch.compile benches), bench-gemma3 / bench-llama4 (Gemma-3-27B and
-#     Llama-4-Scout shapes, GEMMA_LAYERS / LLAMA4_LAYERS of them)); EAGLE_CHECK_PHASES=1 adds a
-#     phase-by-phase forward to each bench length
+#     Llama-4-Scout shapes, GEMMA_LAYERS / LLAMA4_LAYERS of them), load (benches/gpu/load.py:
+#     the 8B-shape resident load against dd and transformers' from_pretrained, `run` at T = 2048
+#     as a whole process against transformers' load + forward; about 4 minutes));
+#     EAGLE_CHECK_PHASES=1 adds a phase-by-phase forward to each bench length
 #   CLOCKS=1: samples the SM clock, power, temperature and throttle reasons every 200 ms into
 #     $OUT/clocks.csv while the steps run (is a long forward slower than its phases because the
 #     clock drops?)
@@ -52,6 +54,7 @@ for s in ${STEPS:-kernels gpu throughput bench}; do
     bench-diff) step bench-diff bash benches/gpu/diff.sh "$out/bench-diff" ;;
     bench-gemma3) step bench-gemma3 env SHAPE=gemma3-27b LAYERS=${GEMMA_LAYERS:-30} TOKENS=${FAMILY_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-gemma3" ;;
     bench-llama4) step bench-llama4 env SHAPE=llama4-scout LAYERS=${LLAMA4_LAYERS:-10} TOKENS=${FAMILY_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-llama4" ;;
+    load) step load python3 benches/gpu/load.py "$out/load" ;;
     score) step score bins/gpu-bench score ${REPS:-5} ;;
     gemm) step gemm bins/gpu-bench gemm ${GEMM_TOKENS:-2048,8192} ${REPS:-5} ;;
     moe-gemm) step moe-gemm bins/gpu-bench moe-gemm ${MOE_TOKENS:-128,512,2048} ${REPS:-5} ${MOE_EXPERTS:-256} ;;

@@ -71,6 +71,16 @@ pub fn is_ignored_buffer(name: &str) -> bool {
     name.ends_with("rotary_emb.inv_freq")
 }
 
+/// A checkpoint tensor no target loader reads: layers past `num_layers`, saved buffers, other
+/// towers, and with `tied` embeddings a stored copy of the head (transformers ties the head to
+/// the embeddings and ignores it).
+pub fn is_never_loaded(name: &str, num_layers: usize, tied: bool) -> bool {
+    is_extra_layer(name, num_layers)
+        || is_ignored_buffer(name)
+        || is_other_tower(name)
+        || (tied && LM_HEAD_NAMES.contains(&name))
+}
+
 /// Where an EAGLE-3 draft's tensors sit: SpecForge saves them at the top level, some exports
 /// under `model.`.
 pub const DRAFT_ROOTS: [&str; 2] = ["", "model"];

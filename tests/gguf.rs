@@ -242,10 +242,11 @@ fn write_converted(name: &str, permute: bool) -> (ModelConfig, PathBuf) {
 }
 
 /// A fixture checkpoint converted to GGUF with its matrices quantised to Q8_0 (blocks of 32
-/// along each row, as llama.cpp's `--outtype q8_0` writes them).
-pub(crate) fn write_q8_0(name: &str) -> PathBuf {
+/// along each row, as llama.cpp's `--outtype q8_0` writes them), in a scratch folder of the
+/// test module `user` (tests running at once never write each other's files).
+pub(crate) fn write_q8_0(name: &str, user: &str) -> PathBuf {
     let (_, parts) = convert(name, true);
-    let dir = scratch(&format!("gguf-q8_0-{name}"));
+    let dir = scratch(&format!("{user}-gguf-q8_0-{name}"));
     let path = dir.join(format!("{name}.q8_0.gguf"));
     parts.write_as(&path, GgmlDType::Q8_0);
     path

@@ -16,6 +16,7 @@ mod gguf;
 mod gpu;
 mod hub;
 mod incidents;
+mod load;
 mod malformed;
 mod mla_draft;
 mod moe_families;

@@ -8,6 +8,7 @@ use crate::support::{eagle_check, fixture, p, scratch};
 use candle_core::{DType, Device, Tensor};
 use eagle_check::config::ModelConfig;
 use eagle_check::model::gguf::open_gguf;
+use eagle_check::model::io::ReadOptions;
 use eagle_check::model::source::{SafetensorsSource, WeightSource};
 use eagle_check::model::stream::{StreamOptions, WeightEstimate};
 use eagle_check::model::{Capture, CaptureRequest, Progress, load_streamed, load_target};
@@ -114,11 +115,17 @@ fn assert_same_capture(what: &str, resident: &Capture, streamed: &Capture) {
 }
 
 /// Options with a head chunk of `rows` rows of `cfg` in `dtype`, so that small fixture heads
-/// are read in several chunks too.
+/// are read in several chunks too, and each layer read by three readers in 1 KiB pieces with
+/// 16 KiB read ahead, so that small fixture tensors are split among readers too.
 fn opts(cfg: &ModelConfig, dtype: DType, prefetch: bool, rows: usize) -> StreamOptions {
     StreamOptions {
         prefetch,
         head_chunk_bytes: rows * cfg.hidden_size * dtype.size_in_bytes(),
+        reads: ReadOptions {
+            readers: 3,
+            piece_bytes: 1024,
+            window: 16 << 10,
+        },
     }
 }
 
@@ -268,8 +275,9 @@ fn quantise_fp8(w: &Tensor) -> (Tensor, Tensor) {
 
 /// The deepseek_v3 fixture as an FP8 checkpoint: layer 1's projections from
 /// fixtures/fp8/deepseek_v3_layer1_fp8.safetensors, and the embeddings and the head quantised
-/// here too (rows 128..256 take the second row of scales), `quantization_config` declared.
-fn fp8_target() -> PathBuf {
+/// here too (rows 128..256 take the second row of scales), `quantization_config` declared;
+/// written to the scratch folder `name`.
+pub(crate) fn fp8_target(name: &str) -> PathBuf {
     let dir = fixture("models/deepseek_v3");
     let mut tensors =
         candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
@@ -290,7 +298,7 @@ fn fp8_target() -> PathBuf {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
         "weight_block_size": [128, 128]
     });
-    let out = scratch("stream-fp8");
+    let out = scratch(name);
     std::fs::write(out.join("config.json"), config.to_string()).unwrap();
     let tensors: HashMap<String, Tensor> = tensors.into_iter().collect();
     candle_core::safetensors::save(&tensors, out.join("model.safetensors")).unwrap();
@@ -299,7 +307,7 @@ fn fp8_target() -> PathBuf {
 
 #[test]
 fn streamed_fp8_checkpoint_dequantises_layers_rows_and_head_chunks_like_the_resident_load() {
-    let dir = fp8_target();
+    let dir = fp8_target("stream-fp8");
     let cfg = ModelConfig::load(&dir).unwrap();
     assert_eq!(cfg.fp8_block, Some([128, 128]));
     let src = SafetensorsSource::open(&dir).unwrap();
@@ -321,7 +329,7 @@ fn streamed_q8_0_gguf_reads_one_layer_and_embedding_rows_at_a_time() {
     // llama (Q/K rows un-permuted), qwen2 (tied: the head is read from token_embd's rows),
     // qwen3 (q/k norms).
     for name in ["llama", "qwen2", "qwen3"] {
-        let path = crate::gguf::write_q8_0(name);
+        let path = crate::gguf::write_q8_0(name, "stream");
         let (cfg, _) = open_gguf(&path).unwrap();
         let open = move || Box::new(open_gguf(&path).unwrap().1) as Box<dyn WeightSource>;
         check_streaming(&format!("{name} q8_0 gguf"), &cfg, &open);

@@ -10,6 +10,7 @@ pub mod fp8;
 pub(crate) mod gemma;
 pub(crate) mod gemma4;
 pub mod gguf;
+pub mod io;
 pub mod llama;
 pub(crate) mod llama4;
 pub(crate) mod moe;
@@ -517,13 +518,7 @@ pub(crate) fn refuse_unread(
 ) -> Result<()> {
     let unread: Vec<String> = unread
         .into_iter()
-        .filter(|n| {
-            !naming::is_extra_layer(n, cfg.num_layers)
-                && !naming::is_ignored_buffer(n)
-                && !naming::is_other_tower(n)
-        })
-        // transformers ties the head to the embeddings and ignores a stored copy.
-        .filter(|n| !(cfg.tie_word_embeddings && naming::LM_HEAD_NAMES.contains(&n.as_str())))
+        .filter(|n| !naming::is_never_loaded(n, cfg.num_layers, cfg.tie_word_embeddings))
         .collect();
     if let Some(first) = unread.first() {
         let hint = if unread.iter().any(|n| n.ends_with(".bias")) {
@@ -602,10 +597,17 @@ pub fn open_target_with(path: &Path, opts: &TargetOptions) -> Result<LoadedTarge
         eprintln!("eagle-check: {}", plan.why_streamed());
     }
     let model = match plan.residency {
-        Residency::Resident => load_target(&cfg, src.as_ref(), opts.dtype, &opts.device)?,
+        Residency::Resident => {
+            let order = io::resident_order(src.as_ref(), cfg.num_layers, cfg.tie_word_embeddings);
+            let (dtype, device) = (opts.dtype, &opts.device);
+            io::read_ahead(src.as_ref(), &order, dtype, device, &plan.reads(), |src| {
+                load_target(&cfg, src, dtype, device)
+            })?
+        }
         Residency::Streamed { prefetch } => {
             let stream = StreamOptions {
                 prefetch,
+                reads: plan.reads(),
                 ..StreamOptions::default()
             };
             load_streamed(&cfg, src, opts.dtype, &opts.device, stream)?

@@ -56,6 +56,123 @@ pub trait WeightSource: Send + Sync {
     fn load_f32(&self, _name: &str, _rows: Rows, _device: &Device) -> Result<Option<Tensor>> {
         Ok(None)
     }
+    /// Where the stored bytes of `name` lie in a file, so that a reader may split the read of
+    /// one tensor among threads ([`crate::model::io`]). `None` where a tensor's bytes are not
+    /// its values as stored (a GGUF tensor is decoded): such a tensor is read whole by
+    /// [`WeightSource::load`].
+    fn extent(&self, _name: &str) -> Option<Extent<'_>> {
+        None
+    }
+}
+
+/// A tensor's stored bytes in a file ([`WeightSource::extent`]), checked against the file's
+/// length when the store was opened.
+#[derive(Clone, Copy)]
+pub struct Extent<'a> {
+    pub file: &'a File,
+    pub path: &'a Path,
+    /// Where the tensor's data starts in the file.
+    pub offset: u64,
+    pub bytes: usize,
+    /// As the header spells it (`BF16`, `F8_E4M3`, ...).
+    pub dtype: &'a str,
+    pub shape: &'a [usize],
+    /// The store's count of bytes read ([`WeightSource::bytes_read`]), which a reader of the
+    /// extent adds to.
+    pub read: &'a AtomicU64,
+}
+
+impl Extent<'_> {
+    /// Reads `buf.len()` bytes from `at` bytes into the tensor's data, counted as read.
+    pub fn read_at(&self, buf: &mut [u8], at: usize) -> Result<()> {
+        self.file
+            .read_exact_at(buf, self.offset + at as u64)
+            .map_err(|e| Error::io(self.path, e))?;
+        self.read.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// A host buffer of one stored dtype, for a tensor's bytes to be read into: straight into the
+/// tensor's own buffer where candle has the element type (no second copy). safetensors data is
+/// little-endian, as the hosts eagle-check runs on.
+pub(crate) enum HostBuf {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+    I32(Vec<i32>),
+    U32(Vec<u32>),
+    I16(Vec<i16>),
+    Bf16(Vec<u16>),
+    F16(Vec<u16>),
+    /// `U8`, and `BOOL` (candle has no bool dtype; a draft's `t2d` loads as u8 0/1).
+    U8(Vec<u8>),
+    F8E4M3(Vec<u8>),
+}
+
+impl HostBuf {
+    /// A zeroed buffer of `elems` elements of the safetensors dtype `dtype`; `None` for a dtype
+    /// candle cannot hold. (Zeroed by the allocator's fresh pages: no pass over memory.)
+    pub(crate) fn zeroed(dtype: &str, elems: usize) -> Option<HostBuf> {
+        Some(match dtype {
+            "F32" => HostBuf::F32(vec![0.0; elems]),
+            "F64" => HostBuf::F64(vec![0.0; elems]),
+            "I64" => HostBuf::I64(vec![0; elems]),
+            "I32" => HostBuf::I32(vec![0; elems]),
+            "U32" => HostBuf::U32(vec![0; elems]),
+            "I16" => HostBuf::I16(vec![0; elems]),
+            "BF16" => HostBuf::Bf16(vec![0; elems]),
+            "F16" => HostBuf::F16(vec![0; elems]),
+            "U8" | "BOOL" => HostBuf::U8(vec![0; elems]),
+            "F8_E4M3" => HostBuf::F8E4M3(vec![0; elems]),
+            _ => return None,
+        })
+    }
+
+    /// The buffer's bytes, for reads to fill.
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            HostBuf::F32(v) => as_bytes_mut(v),
+            HostBuf::F64(v) => as_bytes_mut(v),
+            HostBuf::I64(v) => as_bytes_mut(v),
+            HostBuf::I32(v) => as_bytes_mut(v),
+            HostBuf::U32(v) => as_bytes_mut(v),
+            HostBuf::I16(v) => as_bytes_mut(v),
+            HostBuf::Bf16(v) | HostBuf::F16(v) => as_bytes_mut(v),
+            HostBuf::U8(v) | HostBuf::F8E4M3(v) => v,
+        }
+    }
+
+    /// The tensor of `shape` over the buffer (moved, not copied, on the CPU).
+    pub(crate) fn into_tensor(
+        self,
+        shape: &[usize],
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        use half::vec::HalfBitsVecExt;
+        match self {
+            HostBuf::F32(v) => Tensor::from_vec(v, shape, device),
+            HostBuf::F64(v) => Tensor::from_vec(v, shape, device),
+            HostBuf::I64(v) => Tensor::from_vec(v, shape, device),
+            HostBuf::I32(v) => Tensor::from_vec(v, shape, device),
+            HostBuf::U32(v) => Tensor::from_vec(v, shape, device),
+            HostBuf::I16(v) => Tensor::from_vec(v, shape, device),
+            HostBuf::Bf16(v) => Tensor::from_vec(v.reinterpret_into::<half::bf16>(), shape, device),
+            HostBuf::F16(v) => Tensor::from_vec(v.reinterpret_into::<half::f16>(), shape, device),
+            HostBuf::U8(v) => Tensor::from_vec(v, shape, device),
+            HostBuf::F8E4M3(v) => Tensor::from_raw_buffer(&v, DType::F8E4M3, shape, device),
+        }
+    }
+}
+
+/// `src` (bf16 bits, or f16 bits unless `bf16`) widened to f32 into `dst`, element by element
+/// ([`bf16_to_f32`]; half's f16 conversion), the same values as candle's `to_dtype`.
+pub(crate) fn widen(dst: &mut [f32], src: &[u16], bf16: bool) {
+    if bf16 {
+        widen_into(dst, src, bf16_to_f32);
+    } else {
+        widen_into(dst, src, |x| half::f16::from_bits(x).to_f32());
+    }
 }
 
 /// Which rows of a tensor to read.
@@ -139,45 +256,14 @@ impl SafetensorsSource {
             ));
         }
         let what = || format!("{}: loading {name}", self.dir.display());
-        // Straight into the tensor's own buffer where candle has the element type (no second
-        // copy); safetensors data is little-endian, as the hosts eagle-check runs on.
-        macro_rules! typed {
-            ($zero:expr) => {{
-                let mut v = vec![$zero; elems];
-                fill(as_bytes_mut(&mut v))?;
-                v
-            }};
-        }
-        let t = match info.dtype.as_str() {
-            "F32" => Tensor::from_vec(typed!(0f32), shape, device),
-            "F64" => Tensor::from_vec(typed!(0f64), shape, device),
-            "I64" => Tensor::from_vec(typed!(0i64), shape, device),
-            "I32" => Tensor::from_vec(typed!(0i32), shape, device),
-            "U32" => Tensor::from_vec(typed!(0u32), shape, device),
-            "I16" => Tensor::from_vec(typed!(0i16), shape, device),
-            "BF16" => {
-                use half::vec::HalfBitsVecExt;
-                Tensor::from_vec(typed!(0u16).reinterpret_into::<half::bf16>(), shape, device)
-            }
-            "F16" => {
-                use half::vec::HalfBitsVecExt;
-                Tensor::from_vec(typed!(0u16).reinterpret_into::<half::f16>(), shape, device)
-            }
-            // candle has no bool dtype; a BOOL tensor (a draft's `t2d`) loads as u8 0/1.
-            "U8" | "BOOL" => Tensor::from_vec(typed!(0u8), shape, device),
-            "F8_E4M3" => {
-                let mut v = vec![0u8; total];
-                fill(&mut v)?;
-                Tensor::from_raw_buffer(&v, DType::F8E4M3, &shape, device)
-            }
-            other => {
-                return Err(Error::weights(
-                    &*info.file,
-                    format!("tensor {name}: dtype {other} cannot be loaded"),
-                ));
-            }
+        let Some(mut buf) = HostBuf::zeroed(&info.dtype, elems) else {
+            return Err(Error::weights(
+                &*info.file,
+                format!("tensor {name}: dtype {} cannot be loaded", info.dtype),
+            ));
         };
-        t.ctx(what)
+        fill(buf.bytes_mut())?;
+        buf.into_tensor(&shape, device).ctx(what)
     }
 
     /// Where `rows` of `name` lie: (info, byte offset of each run in the tensor's data, bytes
@@ -316,12 +402,7 @@ impl WeightSource for SafetensorsSource {
                 let part = &mut buf[..n / 2];
                 file.read_exact_at(as_bytes_mut(part), base + (start + done) as u64)
                     .map_err(|e| Error::io(&*info.file, e))?;
-                let dst = &mut out[at..at + part.len()];
-                if bf16 {
-                    widen_into(dst, part, bf16_to_f32);
-                } else {
-                    widen_into(dst, part, |x| half::f16::from_bits(x).to_f32());
-                }
+                widen(&mut out[at..at + part.len()], part, bf16);
                 at += part.len();
                 done += n;
             }
@@ -342,6 +423,19 @@ impl WeightSource for SafetensorsSource {
 
     fn bytes_read(&self) -> u64 {
         self.bytes_read.load(Ordering::Relaxed)
+    }
+
+    fn extent(&self, name: &str) -> Option<Extent<'_>> {
+        let info = self.index.get(name)?;
+        Some(Extent {
+            file: self.files.get(&info.file)?,
+            path: &info.file,
+            offset: (info.data_start + info.data_offsets.0) as u64,
+            bytes: info.data_offsets.1 - info.data_offsets.0,
+            dtype: &info.dtype,
+            shape: &info.shape,
+            read: &self.bytes_read,
+        })
     }
 }
 

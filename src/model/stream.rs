@@ -14,6 +14,7 @@
 use crate::config::ModelConfig;
 use crate::error::{CandleContext, Error, Result};
 use crate::memory::Budget;
+use crate::model::io::{self, READ_WINDOW, ReadOptions};
 use crate::model::nn::RmsNorm;
 use crate::model::source::{Vb, WeightSource};
 use crate::model::{
@@ -37,6 +38,9 @@ pub struct StreamOptions {
     /// The most bytes one chunk of the output head holds in the compute dtype (two chunks are
     /// in flight with the prefetch).
     pub head_chunk_bytes: usize,
+    /// How each layer's tensors are read: several readers, reads ahead of the layer's loader
+    /// within what the budget leaves ([`MemoryPlan::read_window`]).
+    pub reads: ReadOptions,
 }
 
 impl Default for StreamOptions {
@@ -46,14 +50,18 @@ impl Default for StreamOptions {
         StreamOptions {
             prefetch: true,
             head_chunk_bytes: 64 << 20,
+            reads: ReadOptions::default(),
         }
     }
 }
 
-/// A target's weights as its headers declare them, in bytes of the compute dtype.
+/// A target's weights as its headers declare them, in bytes of the compute dtype: what the
+/// loaded tensors hold once dequantised, not what the files hold.
 #[derive(Debug, Clone)]
 pub struct WeightEstimate {
-    /// Everything the resident target holds (FP8 weights dequantised; block scales dropped).
+    /// Everything the resident target holds (FP8 weights dequantised, their block scales
+    /// dropped; MXFP4 weights as their values, two a stored byte, their scales dropped; GGUF
+    /// tensors as the element shapes their headers declare, whatever the quantisation).
     pub total: u64,
     /// Per decoder layer 0..L.
     pub layers: Vec<u64>,
@@ -63,19 +71,25 @@ impl WeightEstimate {
     pub fn of(cfg: &ModelConfig, src: &dyn WeightSource, dtype: DType) -> WeightEstimate {
         let mut layers = vec![0u64; cfg.num_layers];
         let mut total = 0u64;
-        for name in src.names() {
-            if name.ends_with("_scale_inv")
-                || naming::is_ignored_buffer(&name)
+        let names = src.names();
+        let held: BTreeSet<&str> = names.iter().map(String::as_str).collect();
+        for name in &names {
+            if naming::is_ignored_buffer(name)
                 || (cfg.tie_word_embeddings && naming::LM_HEAD_NAMES.contains(&name.as_str()))
             {
                 continue;
             }
+            let Some(values) = dequantised_values(name, &held) else {
+                continue;
+            };
             let elems = src
-                .shape(&name)
+                .shape(name)
                 .and_then(|s| s.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64)))
                 .unwrap_or(0);
-            let bytes = elems.saturating_mul(dtype.size_in_bytes() as u64);
-            match naming::layer_of(&name) {
+            let bytes = elems
+                .saturating_mul(values)
+                .saturating_mul(dtype.size_in_bytes() as u64);
+            match naming::layer_of(name) {
                 Some(i) if i < cfg.num_layers => layers[i] += bytes,
                 Some(_) => continue, // layers past num_hidden_layers (MTP) are never loaded
                 None => {}
@@ -94,6 +108,27 @@ impl WeightEstimate {
             .max_by_key(|&(i, b)| (b, std::cmp::Reverse(i)))
             .unwrap_or((0, 0))
     }
+}
+
+/// Values per stored element once `name` is loaded and dequantised, among the tensors `held`:
+/// one, two for MXFP4 blocks (`*_blocks`, two e2m1 values a byte); `None` for block scales,
+/// which the dequantised weight does not keep (an FP8 weight's `*_scale_inv`, the `*_scales`
+/// beside MXFP4 blocks).
+fn dequantised_values(name: &str, held: &BTreeSet<&str>) -> Option<u64> {
+    if name.ends_with("_scale_inv") {
+        return None;
+    }
+    if let Some(stem) = name.strip_suffix("_scales")
+        && held.contains(format!("{stem}_blocks").as_str())
+    {
+        return None;
+    }
+    if let Some(stem) = name.strip_suffix("_blocks")
+        && held.contains(format!("{stem}_scales").as_str())
+    {
+        return Some(2);
+    }
+    Some(1)
 }
 
 /// How a target's weights are held.
@@ -115,6 +150,10 @@ pub struct MemoryPlan {
     /// Streaming was not asked for: the weights did not fit the budget.
     pub automatic: bool,
     pub dtype: DType,
+    /// The most bytes read ahead of the loader ([`ReadOptions::window`]): what the budget
+    /// leaves beside the weights held (all of them resident; one or two layers streamed), at
+    /// most [`READ_WINDOW`].
+    pub read_window: u64,
 }
 
 /// Decides how to hold a target whose weights are `estimate` (from headers; nothing is read).
@@ -147,16 +186,35 @@ pub fn plan(
             prefetch: budget.is_none_or(|b| b.bytes >= need.saturating_mul(2)),
         }
     };
+    let held = match residency {
+        Residency::Resident => estimate.total,
+        Residency::Streamed { prefetch } => estimate
+            .largest_layer()
+            .1
+            .saturating_mul(1 + prefetch as u64),
+    };
+    let read_window = budget.map_or(READ_WINDOW, |b| {
+        b.bytes.saturating_sub(held).min(READ_WINDOW)
+    });
     Ok(MemoryPlan {
         estimate,
         budget,
         automatic: over && !stream_layers,
         residency,
         dtype,
+        read_window,
     })
 }
 
 impl MemoryPlan {
+    /// How the weights are read: the default readers, reading ahead within the budget.
+    pub fn reads(&self) -> ReadOptions {
+        ReadOptions {
+            window: self.read_window,
+            ..ReadOptions::default()
+        }
+    }
+
     /// The line said on stderr when streaming was not asked for.
     pub fn why_streamed(&self) -> String {
         format!(
@@ -336,6 +394,7 @@ pub(crate) struct Streamed<D: Decoder> {
     head_align: usize,
     norm: RmsNorm,
     prefetch: bool,
+    reads: ReadOptions,
     estimate: WeightEstimate,
     /// Per layer, every checkpoint tensor under it: each must be read by the layer's loader.
     layer_names: Vec<Vec<String>>,
@@ -384,6 +443,10 @@ impl<D: Decoder> Streamed<D> {
                 layer_names[i].push(name);
             }
         }
+        let layer_names: Vec<Vec<String>> = layer_names
+            .iter()
+            .map(|names| io::in_file_order(src.as_ref(), names))
+            .collect();
         // An FP8 head is read in whole blocks of rows, so that each chunk takes whole rows of
         // scales (the block as declared, else DeepSeek's 128, which inference checks too).
         let fp8_head = src.shape(&format!("{head_name}_scale_inv")).is_some();
@@ -410,6 +473,7 @@ impl<D: Decoder> Streamed<D> {
             head_align: align,
             norm,
             prefetch: opts.prefetch,
+            reads: opts.reads,
             estimate,
             layer_names,
             live: Live::default(),
@@ -427,9 +491,20 @@ impl<D: Decoder> Streamed<D> {
     /// under it (a Llama with biases it does not expect stops here, at the first such layer).
     fn load_layer(&self, i: usize) -> Result<LayerGuard<'_, D::Layer>> {
         let start = Instant::now();
-        let vb = self.vb();
-        let layer = self.dec.load_layer(&vb.pp(&self.prefix), i)?;
-        let read = vb.read_names();
+        let (dtype, device) = (self.dec.dtype(), &self.device);
+        let (layer, read) = io::read_ahead(
+            self.src.as_ref(),
+            &self.layer_names[i],
+            dtype,
+            device,
+            &self.reads,
+            |src| {
+                let mut vb = Vb::new(src, dtype, device);
+                vb.fp8_block = self.dec.config().fp8_block;
+                let layer = self.dec.load_layer(&vb.pp(&self.prefix), i)?;
+                Ok((layer, vb.read_names()))
+            },
+        )?;
         let unread: Vec<String> = self.layer_names[i]
             .iter()
             .filter(|n| !read.contains(*n))
@@ -648,6 +723,18 @@ mod tests {
         assert_eq!(p.residency, Residency::Streamed { prefetch: false });
         let p = decide(true, budget(600)).unwrap();
         assert_eq!(p.residency, Residency::Streamed { prefetch: true });
+    }
+
+    /// What is read ahead of the loader is what the budget leaves beside the weights held:
+    /// all of them resident, one or two layers streamed; at most [`READ_WINDOW`].
+    #[test]
+    fn reads_ahead_only_what_the_budget_leaves() {
+        let window = |stream, b| decide(stream, b).unwrap().read_window;
+        assert_eq!(window(false, budget(1500)), 500, "resident: 1000 held");
+        assert_eq!(window(true, budget(1000)), 400, "two layers of 300 held");
+        assert_eq!(window(true, budget(599)), 299, "one layer of 300 held");
+        assert_eq!(window(false, None), READ_WINDOW);
+        assert_eq!(window(true, budget(u64::MAX)), READ_WINDOW);
     }
 
     #[test]

@@ -1,0 +1,1095 @@
+//! Reading weights at the disk's rate: a few reader threads read the tensors a loader is about
+//! to ask for, several positioned reads in flight, each tensor split into pieces that several
+//! readers fill at once, ahead of the loader that asks for the tensors one by one.
+//!
+//! [`read_ahead`] puts a [`WeightSource`] in front of the loader's ([`ReadAhead`]): the
+//! decoders load through it unchanged, by name, in their own order, and get each tensor as soon
+//! as its pieces are in; their conversions (FP8 and MXFP4 dequantisation, the CPU forward's
+//! fused projections) run while the readers go on with the next tensors. Where the loader's
+//! form of a tensor is a plain conversion it is done by the readers, piece by piece:
+//! - bf16 or f16 weights for an f32 forward on the CPU are widened as each piece arrives (the
+//!   source's [`WeightSource::load_f32`]);
+//! - on a GPU each piece goes through a pinned (page-locked) staging buffer, and its copy to
+//!   the tensor's device buffer runs while the reader reads its next piece into a second one; a
+//!   checkpoint in the compute dtype needs no host conversion at all;
+//! - a tensor that has no plain extent (a GGUF tensor is decoded) is read and decoded whole by
+//!   one reader, several tensors at once.
+//!
+//! The loaded tensors are bit for bit those of the source read alone: every piece is the same
+//! bytes at the same place, every conversion is elementwise. How far ahead the readers go is
+//! bounded ([`ReadOptions::window`]: bytes read and not yet taken, counted against the memory
+//! budget by [`super::stream::plan`]); a tensor the loader asks for before the readers reached
+//! it is read next, whatever the window, and a tensor read twice, or in another form than the
+//! one read ahead, comes from the source itself.
+
+use crate::error::{CandleContext, Error, Result};
+use crate::model::source::{Extent, HostBuf, Rows, WeightSource, widen};
+use crate::naming;
+use candle_core::{DType, Device, Tensor};
+use std::collections::{HashMap, VecDeque};
+use std::path::Path;
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+/// The most bytes read ahead of the loader by default.
+pub const READ_WINDOW: u64 = 1 << 30;
+
+/// How [`read_ahead`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadOptions {
+    /// Reader threads, so reads in flight; 0 reads nothing ahead (the loader reads each
+    /// tensor itself, one after the other).
+    pub readers: usize,
+    /// Bytes per read: a larger tensor is read in pieces of this size, by several readers.
+    pub piece_bytes: usize,
+    /// The most bytes (in the form the loader takes them) read and not yet taken. A tensor the
+    /// loader asks for is read whatever this says.
+    pub window: u64,
+}
+
+impl Default for ReadOptions {
+    /// `EAGLE_CHECK_READERS` readers when set, else one per core but one, at most 8: a core is
+    /// left to the loader (and, streamed, to the forward), whose own work overlaps the reads.
+    /// Reads from the page cache are copies that scale with cores, and a cold disk wants
+    /// several reads in flight; on the 2-core development VM, where writing fresh pages is the
+    /// bound (1.3 GB/s, not faster from more threads) a second reader only slowed loads down
+    /// (BENCHMARKS.md). 8 MiB pieces: large sequential reads, and a piece in flight per reader
+    /// is a small part of any budget that holds a layer.
+    fn default() -> ReadOptions {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let readers = std::env::var("EAGLE_CHECK_READERS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(cores.saturating_sub(1).clamp(1, 8));
+        ReadOptions {
+            readers,
+            piece_bytes: 8 << 20,
+            window: READ_WINDOW,
+        }
+    }
+}
+
+/// Runs `load` over `src` with [`ReadOptions::readers`] threads reading `names` ahead of it,
+/// in that order (a tensor `load` asks for early is read next). `load`'s tensors are the ones
+/// it would read from `src` itself, bit for bit. Tensors it never asks for are read at most
+/// up to the window, and dropped.
+pub fn read_ahead<R>(
+    src: &dyn WeightSource,
+    names: &[String],
+    dtype: DType,
+    device: &Device,
+    opts: &ReadOptions,
+    load: impl FnOnce(&dyn WeightSource) -> Result<R>,
+) -> Result<R> {
+    if opts.readers == 0 || names.is_empty() {
+        return load(src);
+    }
+    let ahead = ReadAhead::new(src, names, dtype, device, opts);
+    // Less than one piece in all: a thread would cost more than the reads.
+    if ahead.lock().slots.iter().map(|s| s.bytes).sum::<u64>() <= ahead.opts.piece_bytes as u64 {
+        return load(src);
+    }
+    ahead.run(load)
+}
+
+/// The order a resident load asks for a target's tensors in: the embeddings (and anything else
+/// outside the layers), the layers in turn, then the output head; in file order within each
+/// (sequential reads where the loader's own order is not known). Tensors no loader reads
+/// (layers past `num_layers`, saved buffers, other towers, a tied head's stored copy) are left
+/// out.
+pub fn resident_order(src: &dyn WeightSource, num_layers: usize, tied: bool) -> Vec<String> {
+    let mut names: Vec<(usize, String)> = src
+        .names()
+        .into_iter()
+        .filter(|n| !naming::is_never_loaded(n, num_layers, tied))
+        .map(|n| {
+            let head = naming::LM_HEAD_NAMES.iter().any(|h| {
+                n.strip_prefix(h)
+                    .is_some_and(|r| r.is_empty() || r.starts_with('_'))
+            });
+            let group = match naming::layer_of(&n) {
+                Some(i) => 1 + i,
+                None if head => 1 + num_layers,
+                None => 0,
+            };
+            (group, n)
+        })
+        .collect();
+    names.sort_by_cached_key(|(group, n)| (*group, file_position(src, n), n.clone()));
+    names.into_iter().map(|(_, n)| n).collect()
+}
+
+/// `names` (one layer's) in file order, without the buffers no loader reads.
+pub fn in_file_order(src: &dyn WeightSource, names: &[String]) -> Vec<String> {
+    let mut names: Vec<String> = names
+        .iter()
+        .filter(|n| !naming::is_ignored_buffer(n))
+        .cloned()
+        .collect();
+    names.sort_by_cached_key(|n| (file_position(src, n), n.clone()));
+    names
+}
+
+/// Where a tensor's bytes start: (file, offset), or nothing for a tensor without an extent.
+fn file_position(src: &dyn WeightSource, name: &str) -> Option<(std::path::PathBuf, u64)> {
+    src.extent(name).map(|e| (e.path.to_path_buf(), e.offset))
+}
+
+/// Stops the readers of a [`ReadAhead`] when dropped.
+struct Stop<'r, 'a>(&'r ReadAhead<'a>);
+
+impl Drop for Stop<'_, '_> {
+    fn drop(&mut self) {
+        self.0.lock().stop = true;
+        self.0.work.notify_all();
+    }
+}
+
+/// The form a tensor is read ahead in: the one [`super::source::Vb`] asks the source for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// As stored ([`WeightSource::load`]).
+    Stored,
+    /// Widened to f32 ([`WeightSource::load_f32`]).
+    F32,
+}
+
+/// How one tensor is read.
+enum Job<'a> {
+    /// Copied from its extent in pieces; `widen`: bf16 (true) or f16 bits widened to f32.
+    Extent {
+        ext: Extent<'a>,
+        widen: Option<bool>,
+    },
+    /// Read (and decoded) whole by the source, by one reader.
+    Whole,
+}
+
+/// Where a tensor's pieces go.
+enum Dest {
+    Host(HostBuf),
+    Widened(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Device(candle_core::CudaStorage),
+}
+
+/// The address a piece writes to (a raw pointer: the pieces of one buffer are written by
+/// several readers at once, each to its own range).
+#[derive(Clone, Copy)]
+enum Target {
+    Host(*mut u8),
+    Widened(*mut f32),
+    #[cfg(feature = "cuda")]
+    Device(u64),
+    Whole,
+}
+
+// SAFETY: a `Target` points into a buffer its slot owns and keeps in place (never resized or
+// moved out) until every piece handed out has been reported done; pieces of one buffer cover
+// disjoint ranges ([`ReadAhead::piece`]).
+unsafe impl Send for Target {}
+
+enum Stage {
+    Queued,
+    /// Its buffer is being allocated (outside the lock: zeroing a reused buffer is a pass over
+    /// it).
+    Allocating,
+    /// Its pieces are being read; `left` have not been reported done.
+    Reading {
+        left: usize,
+    },
+    Ready(Result<Tensor>),
+    /// Taken by the loader (or never to be read).
+    Gone,
+}
+
+struct Slot<'a> {
+    name: String,
+    job: Job<'a>,
+    form: Form,
+    /// What it holds once read, in bytes.
+    bytes: u64,
+    /// Pieces in all, and the next to hand out.
+    pieces: usize,
+    next: usize,
+    stage: Stage,
+    dest: Option<Dest>,
+    target: Target,
+    /// The first piece that failed.
+    failed: Option<Error>,
+}
+
+struct State<'a> {
+    slots: Vec<Slot<'a>>,
+    /// The next slot to read ahead of the loader.
+    cursor: usize,
+    /// Slots with pieces still to hand out, the one the loader waits for first.
+    active: VecDeque<usize>,
+    /// Bytes of slots being read or read and not yet taken, and the most there were.
+    ahead: u64,
+    most_ahead: u64,
+    /// Buffers being allocated (their slots join `active` next).
+    allocating: usize,
+    stop: bool,
+}
+
+/// What a reader does next.
+enum Task {
+    Read(Piece),
+    /// Allocate slot k's buffer.
+    Allocate(usize),
+}
+
+/// One piece of one tensor, handed to a reader.
+struct Piece {
+    slot: usize,
+    /// Byte range in the tensor's stored data.
+    at: usize,
+    len: usize,
+    target: Target,
+}
+
+/// A [`WeightSource`] whose tensors are read ahead by reader threads ([`read_ahead`]).
+pub struct ReadAhead<'a> {
+    src: &'a dyn WeightSource,
+    device: Device,
+    opts: ReadOptions,
+    by_name: HashMap<String, usize>,
+    state: Mutex<State<'a>>,
+    /// Readers wait here for pieces.
+    work: Condvar,
+    /// The loader waits here for tensors.
+    ready: Condvar,
+}
+
+impl<'a> ReadAhead<'a> {
+    fn new(
+        src: &'a dyn WeightSource,
+        names: &[String],
+        dtype: DType,
+        device: &Device,
+        opts: &ReadOptions,
+    ) -> ReadAhead<'a> {
+        // Whole elements of any dtype (8 bytes at most) in every piece.
+        let piece_bytes = opts.piece_bytes.max(64) / 8 * 8;
+        let mut by_name = HashMap::new();
+        let mut slots = Vec::new();
+        for name in names {
+            if by_name.contains_key(name) {
+                continue;
+            }
+            let Some(slot) = plan_slot(src, name, dtype, device, piece_bytes) else {
+                continue;
+            };
+            by_name.insert(name.clone(), slots.len());
+            slots.push(slot);
+        }
+        ReadAhead {
+            src,
+            device: device.clone(),
+            opts: ReadOptions {
+                piece_bytes,
+                ..*opts
+            },
+            by_name,
+            state: Mutex::new(State {
+                slots,
+                cursor: 0,
+                active: VecDeque::new(),
+                ahead: 0,
+                most_ahead: 0,
+                allocating: 0,
+                stop: false,
+            }),
+            work: Condvar::new(),
+            ready: Condvar::new(),
+        }
+    }
+
+    /// `load` over this source while the readers read.
+    fn run<R>(&self, load: impl FnOnce(&dyn WeightSource) -> Result<R>) -> Result<R> {
+        let readers = self.opts.readers.min(self.pieces());
+        std::thread::scope(|scope| {
+            for _ in 0..readers {
+                scope.spawn(|| self.work());
+            }
+            // Stops the readers when `load` returns or unwinds, so that the scope can end.
+            let _stop = Stop(self);
+            load(self)
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<'a>> {
+        // A reader never panics holding the lock; were one to, the state is still whole.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Pieces to read in all (no more readers than this are worth starting).
+    fn pieces(&self) -> usize {
+        self.lock().slots.iter().map(|s| s.pieces).sum()
+    }
+
+    /// A reader: takes pieces and reads them until every slot is read or the loader is done.
+    fn work(&self) {
+        let mut scratch = Scratch::default();
+        loop {
+            let task = {
+                let mut st = self.lock();
+                loop {
+                    if st.stop {
+                        return;
+                    }
+                    if let Some(task) = self.next_task(&mut st) {
+                        break task;
+                    }
+                    if st.cursor == st.slots.len() && st.active.is_empty() && st.allocating == 0 {
+                        return;
+                    }
+                    st = self.work.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            match task {
+                Task::Read(piece) => {
+                    let result = self.read_piece(&piece, &mut scratch);
+                    self.piece_done(piece.slot, result);
+                }
+                Task::Allocate(k) => self.allocate(k, false),
+            }
+        }
+    }
+
+    /// What to do next: a piece of the tensors being read, the loader's first; else the next
+    /// tensor in order, when the window has room for it.
+    fn next_task(&self, st: &mut State<'a>) -> Option<Task> {
+        while let Some(&k) = st.active.front() {
+            let slot = &mut st.slots[k];
+            if slot.next < slot.pieces {
+                let p = self.piece(k, slot);
+                slot.next += 1;
+                return Some(Task::Read(p));
+            }
+            st.active.pop_front();
+        }
+        let queued =
+            (st.cursor..st.slots.len()).find(|&k| matches!(st.slots[k].stage, Stage::Queued));
+        let Some(k) = queued else {
+            st.cursor = st.slots.len();
+            return None;
+        };
+        let bytes = st.slots[k].bytes;
+        if st.ahead > 0 && st.ahead.saturating_add(bytes) > self.opts.window {
+            return None;
+        }
+        st.cursor = k + 1;
+        Self::admit(st, k);
+        Some(Task::Allocate(k))
+    }
+
+    /// Piece `slot.next` of slot `k`.
+    fn piece(&self, k: usize, slot: &Slot) -> Piece {
+        let (at, len) = match &slot.job {
+            Job::Extent { ext, .. } => {
+                let at = slot.next * self.opts.piece_bytes;
+                (at, self.opts.piece_bytes.min(ext.bytes - at))
+            }
+            Job::Whole => (0, 0),
+        };
+        Piece {
+            slot: k,
+            at,
+            len,
+            target: slot.target,
+        }
+    }
+
+    /// Starts reading slot `k`: counted ahead, its buffer to be allocated ([`Self::allocate`]).
+    fn admit(st: &mut State<'a>, k: usize) {
+        st.slots[k].stage = Stage::Allocating;
+        st.ahead += st.slots[k].bytes;
+        st.most_ahead = st.most_ahead.max(st.ahead);
+        st.allocating += 1;
+    }
+
+    /// Allocates admitted slot `k`'s buffer, outside the lock, and queues its pieces (first
+    /// when the loader waits for it).
+    fn allocate(&self, k: usize, first: bool) {
+        let (name, job) = {
+            let st = self.lock();
+            let slot = &st.slots[k];
+            let job = match &slot.job {
+                Job::Extent { ext, widen } => Some((*ext, *widen)),
+                Job::Whole => None,
+            };
+            (slot.name.clone(), job)
+        };
+        let made = match job {
+            Some((ext, widen)) => self.buffer(&name, &ext, widen).map(|(d, t)| (Some(d), t)),
+            None => Ok((None, Target::Whole)),
+        };
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        st.allocating -= 1;
+        let slot = &mut st.slots[k];
+        match made {
+            Ok((dest, target)) => {
+                (slot.dest, slot.target) = (dest, target);
+                slot.stage = Stage::Reading { left: slot.pieces };
+                if first {
+                    st.active.push_front(k);
+                } else {
+                    st.active.push_back(k);
+                }
+            }
+            Err(e) => {
+                slot.stage = Stage::Ready(Err(e));
+                self.ready.notify_all();
+            }
+        }
+        self.work.notify_all();
+    }
+
+    /// A buffer for tensor `name` of extent `ext` (widened to f32 when `widen`), and where its
+    /// pieces go.
+    fn buffer(&self, name: &str, ext: &Extent, widen: Option<bool>) -> Result<(Dest, Target)> {
+        let elems: usize = ext.shape.iter().product();
+        let what = || format!("{}: buffer for {name}", ext.path.display());
+        // The targets point into the buffers' heap memory, which stays where it is when the
+        // buffers move into their slot.
+        Ok(match (widen, &self.device) {
+            (Some(_), _) => {
+                let mut v = vec![0f32; elems];
+                let target = Target::Widened(v.as_mut_ptr());
+                (Dest::Widened(v), target)
+            }
+            #[cfg(feature = "cuda")]
+            (None, Device::Cuda(dev)) => {
+                let s = device::alloc(dev, ext.dtype, elems).ctx(what)?;
+                let target = Target::Device(crate::kernels::cuda::storage_ptr(&s, 0).ctx(what)?);
+                (Dest::Device(s), target)
+            }
+            _ => {
+                let mut buf = HostBuf::zeroed(ext.dtype, elems).ok_or_else(|| {
+                    Error::weights(ext.path, format!("{}: dtype {}", what(), ext.dtype))
+                })?;
+                let target = Target::Host(buf.bytes_mut().as_mut_ptr());
+                (Dest::Host(buf), target)
+            }
+        })
+    }
+
+    /// Reads one piece into its slot's buffer; a whole tensor comes back as the tensor.
+    fn read_piece(&self, piece: &Piece, scratch: &mut Scratch) -> Result<Option<Tensor>> {
+        let (name, job) = {
+            let st = self.lock();
+            let slot = &st.slots[piece.slot];
+            (
+                slot.name.clone(),
+                match &slot.job {
+                    Job::Extent { ext, widen } => Some((*ext, *widen)),
+                    Job::Whole => None,
+                },
+            )
+        };
+        let Some((ext, widen_bf16)) = job else {
+            return self.src.load(&name, &self.device).map(Some);
+        };
+        match piece.target {
+            Target::Host(base) => {
+                // SAFETY: `base` is the start of the slot's host buffer of `ext.bytes` bytes,
+                // alive and unmoved until this piece is reported done; `at..at + len` lies in
+                // it and no other piece covers it.
+                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(piece.at), piece.len) };
+                ext.read_at(dst, piece.at)?;
+            }
+            Target::Widened(base) => {
+                let n = piece.len / 2;
+                let bits = scratch.bits(n);
+                ext.read_at(as_bytes(bits), piece.at)?;
+                // SAFETY: as above, over the slot's f32 buffer of `ext.bytes / 2` elements; the
+                // piece's elements start at `at / 2`.
+                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(piece.at / 2), n) };
+                widen(dst, bits, widen_bf16.unwrap_or(true));
+            }
+            #[cfg(feature = "cuda")]
+            Target::Device(base) => {
+                let Device::Cuda(dev) = &self.device else {
+                    return Err(Error::Device("a device piece without a device".into()));
+                };
+                device::upload(dev, &ext, base, piece.at, piece.len, &mut scratch.pinned)?;
+            }
+            Target::Whole => {}
+        }
+        Ok(None)
+    }
+
+    /// Reports a piece read; the slot's last piece makes its tensor and hands it over.
+    fn piece_done(&self, k: usize, result: Result<Option<Tensor>>) {
+        let mut st = self.lock();
+        let slot = &mut st.slots[k];
+        let whole = match result {
+            Ok(t) => t,
+            Err(e) => {
+                slot.failed.get_or_insert(e);
+                None
+            }
+        };
+        let Stage::Reading { left } = &mut slot.stage else {
+            return;
+        };
+        *left -= 1;
+        if *left > 0 {
+            return;
+        }
+        let dest = slot.dest.take();
+        let failed = slot.failed.take();
+        let shape = match &slot.job {
+            Job::Extent { ext, .. } => ext.shape.to_vec(),
+            Job::Whole => Vec::new(),
+        };
+        let what = format!("{}: loading {}", self.src.origin().display(), slot.name);
+        drop(st);
+        let tensor = match (failed, whole, dest) {
+            (Some(e), _, _) => Err(e),
+            (None, Some(t), _) => Ok(t),
+            (None, None, Some(Dest::Host(buf))) => {
+                buf.into_tensor(&shape, &self.device).ctx(|| what)
+            }
+            (None, None, Some(Dest::Widened(v))) => {
+                Tensor::from_vec(v, shape, &self.device).ctx(|| what)
+            }
+            #[cfg(feature = "cuda")]
+            (None, None, Some(Dest::Device(s))) => Ok(crate::kernels::cuda::tensor(s, shape)),
+            (None, None, None) => Err(Error::Device(format!("{what}: no buffer was read"))),
+        };
+        let mut st = self.lock();
+        st.slots[k].stage = Stage::Ready(tensor);
+        self.ready.notify_all();
+    }
+
+    /// The tensor `name` in `form` if it is read ahead: waits for its pieces (asking for it
+    /// first when it is not being read yet). `None`: the source reads it.
+    fn take(&self, name: &str, form: Form, device: &Device) -> Option<Result<Tensor>> {
+        let &k = self.by_name.get(name)?;
+        if !device.same_device(&self.device) {
+            return None;
+        }
+        let mut guard = self.lock();
+        if guard.slots[k].form != form {
+            return None;
+        }
+        loop {
+            let st = &mut *guard;
+            match st.slots[k].stage {
+                Stage::Queued => {
+                    Self::admit(st, k);
+                    drop(guard);
+                    self.allocate(k, true);
+                    guard = self.lock();
+                }
+                Stage::Allocating | Stage::Reading { .. } => {
+                    guard = self.ready.wait(guard).unwrap_or_else(|e| e.into_inner());
+                }
+                Stage::Ready(_) => {
+                    let slot = &mut st.slots[k];
+                    let Stage::Ready(t) = std::mem::replace(&mut slot.stage, Stage::Gone) else {
+                        return None;
+                    };
+                    st.ahead -= slot.bytes;
+                    self.work.notify_all();
+                    return Some(t);
+                }
+                Stage::Gone => return None,
+            }
+        }
+    }
+}
+
+/// What one tensor is read as (`None`: not read ahead; the source reads it when asked).
+fn plan_slot<'a>(
+    src: &'a dyn WeightSource,
+    name: &str,
+    dtype: DType,
+    device: &Device,
+    piece_bytes: usize,
+) -> Option<Slot<'a>> {
+    let slot = |job, form, bytes: u64, pieces| Slot {
+        name: name.to_string(),
+        job,
+        form,
+        bytes,
+        pieces,
+        next: 0,
+        stage: Stage::Queued,
+        dest: None,
+        target: Target::Whole,
+        failed: None,
+    };
+    let Some(ext) = src.extent(name) else {
+        // Decoded whole by the source, into f32 on the host (GGUF).
+        let elems = src.shape(name)?.iter().product::<usize>() as u64;
+        return Some(slot(Job::Whole, Form::Stored, elems * 4, 1));
+    };
+    let size = crate::weights::header::dtype_size(ext.dtype)?;
+    let elems: usize = ext.shape.iter().product();
+    // A tensor whose extent does not hold its shape is the source's to refuse, when asked.
+    if ext.bytes == 0 || elems.checked_mul(size) != Some(ext.bytes) {
+        return None;
+    }
+    let widen = match ext.dtype {
+        "BF16" => Some(true),
+        "F16" => Some(false),
+        _ => None,
+    }
+    .filter(|_| dtype == DType::F32 && device.is_cpu());
+    if device.is_cuda() && !device::holds(ext.dtype) {
+        return None;
+    }
+    let (form, bytes) = match widen {
+        Some(_) => (Form::F32, ext.bytes as u64 * 2),
+        None => (Form::Stored, ext.bytes as u64),
+    };
+    let pieces = ext.bytes.div_ceil(piece_bytes);
+    Some(slot(Job::Extent { ext, widen }, form, bytes, pieces))
+}
+
+/// A reader's own buffers: the stored bits of a piece to widen, and its pinned staging.
+#[derive(Default)]
+struct Scratch {
+    bits: Vec<u16>,
+    #[cfg(feature = "cuda")]
+    pinned: device::Staging,
+}
+
+impl Scratch {
+    fn bits(&mut self, n: usize) -> &mut [u16] {
+        if self.bits.len() < n {
+            self.bits.resize(n, 0);
+        }
+        &mut self.bits[..n]
+    }
+}
+
+fn as_bytes(v: &mut [u16]) -> &mut [u8] {
+    // SAFETY: u16 has no padding and every byte pattern is valid; u8 has alignment 1.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+impl WeightSource for ReadAhead<'_> {
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.src.shape(name)
+    }
+
+    fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
+        match self.take(name, Form::Stored, device) {
+            Some(t) => t,
+            None => self.src.load(name, device),
+        }
+    }
+
+    fn load_rows(&self, name: &str, ids: &[u32], device: &Device) -> Result<Tensor> {
+        self.src.load_rows(name, ids, device)
+    }
+
+    fn load_row_range(
+        &self,
+        name: &str,
+        start: usize,
+        len: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
+        self.src.load_row_range(name, start, len, device)
+    }
+
+    fn origin(&self) -> &Path {
+        self.src.origin()
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.src.names()
+    }
+
+    fn bytes_read(&self) -> u64 {
+        self.src.bytes_read()
+    }
+
+    fn load_f32(&self, name: &str, rows: Rows, device: &Device) -> Result<Option<Tensor>> {
+        if matches!(rows, Rows::All)
+            && let Some(t) = self.take(name, Form::F32, device)
+        {
+            return t.map(Some);
+        }
+        self.src.load_f32(name, rows, device)
+    }
+
+    fn extent(&self, name: &str) -> Option<Extent<'_>> {
+        self.src.extent(name)
+    }
+}
+
+/// The GPU side: device buffers and pinned staging.
+#[cfg(feature = "cuda")]
+mod device {
+    use crate::error::{Error, Result};
+    use crate::model::source::Extent;
+    use candle_core::backend::BackendDevice;
+    use candle_core::cuda_backend::CudaDevice;
+    use candle_core::{CudaStorage, DType, Shape};
+    use cudarc::driver::{CudaEvent, result, sys};
+    use std::sync::Mutex;
+
+    /// Bytes of one pinned staging buffer (a piece is at most this; larger pieces go in parts).
+    const STAGE_BYTES: usize = 8 << 20;
+
+    /// Whether a stored dtype is read straight into a device buffer.
+    pub(super) fn holds(dtype: &str) -> bool {
+        self::dtype(dtype).is_some()
+    }
+
+    fn dtype(dtype: &str) -> Option<DType> {
+        Some(match dtype {
+            "F32" => DType::F32,
+            "F64" => DType::F64,
+            "I64" => DType::I64,
+            "I32" => DType::I32,
+            "U32" => DType::U32,
+            "BF16" => DType::BF16,
+            "F16" => DType::F16,
+            "U8" | "BOOL" => DType::U8,
+            "F8_E4M3" => DType::F8E4M3,
+            _ => return None,
+        })
+    }
+
+    /// An uninitialised device buffer for `elems` elements of the stored dtype; every byte is
+    /// written by the pieces before the tensor is handed over.
+    pub(super) fn alloc(
+        dev: &CudaDevice,
+        stored: &str,
+        elems: usize,
+    ) -> candle_core::Result<CudaStorage> {
+        let dtype = dtype(stored)
+            .ok_or_else(|| candle_core::Error::Msg(format!("no device buffer of {stored}")))?;
+        // SAFETY: the pieces write all `elems` elements before the tensor is read (the copies
+        // are ordered before any use on the device's one stream).
+        unsafe { dev.alloc_uninit(&Shape::from(elems), dtype) }
+    }
+
+    /// A page-locked host buffer and the event after its last copy to the device.
+    struct Pinned {
+        ptr: *mut u8,
+        event: CudaEvent,
+    }
+
+    // SAFETY: the buffer is owned by whichever reader holds the `Pinned`; the event is a driver
+    // handle usable from any thread of its context.
+    unsafe impl Send for Pinned {}
+
+    /// Staging buffers left by readers that finished, for the next load (pinning memory costs
+    /// about as much as copying it once).
+    static FREE: Mutex<Vec<Pinned>> = Mutex::new(Vec::new());
+
+    /// A reader's two staging buffers: it reads into one while the other's copy runs.
+    #[derive(Default)]
+    pub(super) struct Staging {
+        bufs: Vec<Pinned>,
+        next: usize,
+    }
+
+    impl Drop for Staging {
+        fn drop(&mut self) {
+            if let Ok(mut free) = FREE.lock() {
+                free.append(&mut self.bufs);
+            }
+        }
+    }
+
+    impl Staging {
+        fn buffer(&mut self, dev: &CudaDevice) -> Result<&mut Pinned> {
+            while self.bufs.len() < 2 {
+                let ctx = dev.cuda_stream().context().clone();
+                let reused = FREE.lock().ok().and_then(|mut free| {
+                    let i = free.iter().position(|b| *b.event.context() == ctx)?;
+                    Some(free.swap_remove(i))
+                });
+                let buf = match reused {
+                    Some(b) => b,
+                    None => pin(dev)?,
+                };
+                self.bufs.push(buf);
+            }
+            self.next = (self.next + 1) % self.bufs.len();
+            Ok(&mut self.bufs[self.next])
+        }
+    }
+
+    fn driver(what: &str, e: cudarc::driver::DriverError) -> Error {
+        Error::Device(format!("{what}: {e:?}"))
+    }
+
+    fn pin(dev: &CudaDevice) -> Result<Pinned> {
+        let ctx = dev.cuda_stream().context().clone();
+        ctx.bind_to_thread()
+            .map_err(|e| driver("binding the context", e))?;
+        let event = ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| driver("a staging event", e))?;
+        // SAFETY: a plain page-locked allocation of STAGE_BYTES, freed never (kept for reuse
+        // in `FREE` for the life of the process); portable to every context.
+        let ptr = unsafe { result::malloc_host(STAGE_BYTES, sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(|e| driver("pinning a staging buffer", e))?;
+        Ok(Pinned {
+            ptr: ptr.cast(),
+            event,
+        })
+    }
+
+    /// Reads `len` bytes at `at` of `ext` into the device buffer at `base + at`, through the
+    /// reader's staging: each part is read into a pinned buffer whose previous copy is done, and
+    /// its copy queued on the device's stream (ordered with every use of the tensor).
+    pub(super) fn upload(
+        dev: &CudaDevice,
+        ext: &Extent,
+        base: u64,
+        at: usize,
+        len: usize,
+        staging: &mut Staging,
+    ) -> Result<()> {
+        let stream = dev.cuda_stream();
+        let mut done = 0;
+        while done < len {
+            let n = STAGE_BYTES.min(len - done);
+            let buf = staging.buffer(dev)?;
+            buf.event
+                .synchronize()
+                .map_err(|e| driver("waiting for a staging copy", e))?;
+            // SAFETY: the buffer holds STAGE_BYTES >= n bytes, and its last copy is done.
+            let host = unsafe { std::slice::from_raw_parts_mut(buf.ptr, n) };
+            ext.read_at(host, at + done)?;
+            stream
+                .context()
+                .bind_to_thread()
+                .map_err(|e| driver("binding the context", e))?;
+            // SAFETY: `base + at + done .. + n` lies in the tensor's device buffer, alive until
+            // its tensor is dropped, which orders its free after this copy on the same stream;
+            // `host` stays untouched until the event recorded after the copy has completed.
+            unsafe {
+                result::memcpy_htod_async(base + (at + done) as u64, &*host, stream.cu_stream())
+            }
+            .map_err(|e| driver("copying a piece to the device", e))?;
+            buf.event
+                .record(&stream)
+                .map_err(|e| driver("recording a staging copy", e))?;
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+/// Without CUDA no tensor is read onto a device.
+#[cfg(not(feature = "cuda"))]
+mod device {
+    pub(super) fn holds(_dtype: &str) -> bool {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::source::{SafetensorsSource, Vb};
+
+    /// A safetensors file of every dtype the readers copy, sized so that pieces end inside
+    /// elements' runs, and values that differ everywhere (a piece in the wrong place shows).
+    fn checkpoint() -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("ec-io-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut x: u32 = 12345;
+        let mut values = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                    (x >> 8) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0
+                })
+                .collect()
+        };
+        let dev = Device::Cpu;
+        let t = |v: Vec<f32>, shape: &[usize], dtype: DType| {
+            Tensor::from_vec(v, shape, &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let mut tensors = HashMap::new();
+        for (name, shape, dtype) in [
+            ("a.f32", vec![101, 37], DType::F32),
+            ("b.bf16", vec![300, 301], DType::BF16),
+            ("c.f16", vec![777], DType::F16),
+            ("d.f64", vec![13], DType::F64),
+            ("e.u8", vec![1001], DType::U8),
+            ("f.i64", vec![17, 3], DType::I64),
+            ("g.u32", vec![33], DType::U32),
+            ("h.f8", vec![129, 130], DType::F8E4M3),
+            ("i.bf16", vec![5], DType::BF16),
+        ] {
+            let n = shape.iter().product();
+            let v = match dtype {
+                DType::U8 | DType::I64 | DType::U32 => (0..n).map(|i| (i % 251) as f32).collect(),
+                _ => values(n),
+            };
+            tensors.insert(name.to_string(), t(v, &shape, dtype));
+        }
+        let path = dir.join("model.safetensors");
+        candle_core::safetensors::save(&tensors, &path).unwrap();
+        path
+    }
+
+    /// Every element's bits, as stored.
+    fn bits(t: &Tensor) -> (Vec<usize>, DType, Vec<u64>) {
+        use candle_core::CpuStorage as C;
+        let flat = t.flatten_all().unwrap();
+        let (storage, layout) = flat.storage_and_layout();
+        let candle_core::Storage::Cpu(c) = &*storage else {
+            panic!("a CPU tensor")
+        };
+        let (start, n) = (layout.start_offset(), flat.elem_count());
+        let v: Vec<u64> = match c {
+            C::U8(v) => v[start..start + n].iter().map(|&x| x as u64).collect(),
+            C::U32(v) => v[start..start + n].iter().map(|&x| x as u64).collect(),
+            C::I64(v) => v[start..start + n].iter().map(|&x| x as u64).collect(),
+            C::BF16(v) => v[start..start + n]
+                .iter()
+                .map(|x| x.to_bits() as u64)
+                .collect(),
+            C::F16(v) => v[start..start + n]
+                .iter()
+                .map(|x| x.to_bits() as u64)
+                .collect(),
+            C::F32(v) => v[start..start + n]
+                .iter()
+                .map(|x| x.to_bits() as u64)
+                .collect(),
+            C::F64(v) => v[start..start + n].iter().map(|x| x.to_bits()).collect(),
+            C::F8E4M3(v) => v[start..start + n]
+                .iter()
+                .map(|x| x.to_bits() as u64)
+                .collect(),
+            _ => panic!("no test of {:?}", t.dtype()),
+        };
+        (t.dims().to_vec(), t.dtype(), v)
+    }
+
+    /// The tensors `load` gets through `ahead`, in `order`, in both Vb forms (`get` in the
+    /// compute dtype, then `get_raw` as stored), against the source read alone.
+    fn check(
+        src: &SafetensorsSource,
+        names: &[String],
+        order: &[String],
+        dtype: DType,
+        opts: ReadOptions,
+    ) -> u64 {
+        let dev = Device::Cpu;
+        let alone = Vb::new(src, dtype, &dev);
+        let ahead = ReadAhead::new(src, names, dtype, &dev, &opts);
+        ahead
+            .run(|s| {
+                let vb = Vb::new(s, dtype, &dev);
+                for name in order {
+                    let shape = src.shape(name).unwrap();
+                    let what = format!("{name} in {dtype:?}, {opts:?}");
+                    let got = vb.get(name, &shape).unwrap();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&alone.get(name, &shape).unwrap()),
+                        "{what}"
+                    );
+                    let got = vb.get_raw(name).unwrap();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&alone.get_raw(name).unwrap()),
+                        "{what}, raw"
+                    );
+                }
+                Ok(())
+            })
+            .unwrap();
+        ahead.lock().most_ahead
+    }
+
+    #[test]
+    fn tensors_read_ahead_in_pieces_equal_the_source_read_alone() {
+        let path = checkpoint();
+        let src = SafetensorsSource::open(&path).unwrap();
+        let names = in_file_order(&src, &src.names());
+        let mut reversed = names.clone();
+        reversed.reverse();
+        // Asked out of order, and one never asked for.
+        let mut mixed = vec!["h.f8".to_string()];
+        mixed.extend(
+            names
+                .iter()
+                .filter(|n| *n != "h.f8" && *n != "c.f16")
+                .cloned(),
+        );
+        for readers in [1, 3, 8] {
+            for piece_bytes in [64, 1000, 1 << 20] {
+                for window in [0, 10_000, READ_WINDOW] {
+                    let opts = ReadOptions {
+                        readers,
+                        piece_bytes,
+                        window,
+                    };
+                    for dtype in [DType::F32, DType::BF16] {
+                        for order in [&names, &reversed, &mixed] {
+                            check(&src, &names, order, dtype, opts);
+                        }
+                        // Some names not read ahead at all.
+                        check(&src, &names[..3], &names, dtype, opts);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Taken in the order read, no more than the window (or one tensor, when a tensor is
+    /// larger) is ever read and not yet taken; every byte is counted as read once.
+    #[test]
+    fn the_window_bounds_what_is_read_ahead_and_reads_are_counted_once() {
+        let path = checkpoint();
+        let src = SafetensorsSource::open(&path).unwrap();
+        let names = in_file_order(&src, &src.names());
+        let largest = names
+            .iter()
+            .map(|n| src.extent(n).unwrap().bytes as u64 * 2)
+            .max()
+            .unwrap();
+        for window in [0, 50_000, 200_000] {
+            let opts = ReadOptions {
+                readers: 4,
+                piece_bytes: 256,
+                window,
+            };
+            let dev = Device::Cpu;
+            let before = src.bytes_read();
+            let ahead = ReadAhead::new(&src, &names, DType::F32, &dev, &opts);
+            ahead
+                .run(|s| {
+                    let vb = Vb::new(s, DType::F32, &dev);
+                    for name in &names {
+                        std::thread::sleep(std::time::Duration::from_millis(2));
+                        vb.get(name, &src.shape(name).unwrap())?;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            let most = ahead.lock().most_ahead;
+            assert!(
+                most <= window.max(largest),
+                "window {window}: {most} bytes read ahead"
+            );
+            let stored: u64 = names
+                .iter()
+                .map(|n| src.extent(n).unwrap().bytes as u64)
+                .sum();
+            assert_eq!(src.bytes_read() - before, stored, "window {window}");
+        }
+    }
+}
