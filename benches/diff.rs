@@ -86,6 +86,58 @@ fn write_target(dir: &Path) {
     candle_core::safetensors::save(&w, dir.join("model.safetensors")).unwrap();
 }
 
+/// `distinct` random sequences of `t` tokens (seeded by `seed`) with `target`'s own boundaries
+/// `bs` as their aux states, written to `dir` as safetensors captures and hard-linked up to
+/// `samples` files; returns the sequences.
+fn write_captures(
+    target: &eagle_check::model::LoadedTarget,
+    dir: &Path,
+    bs: &[usize],
+    t: usize,
+    distinct: usize,
+    samples: usize,
+    seed: u64,
+) -> Vec<Vec<u32>> {
+    std::fs::create_dir_all(dir).unwrap();
+    let vocab = target.cfg.vocab_size;
+    let mut rng = Lcg(seed);
+    let mut sets = Vec::with_capacity(distinct);
+    for d in 0..distinct {
+        let ids: Vec<u32> = (0..t)
+            .map(|_| ((rng.next() + 0.5) * vocab as f32) as u32 % vocab as u32)
+            .collect();
+        let want = CaptureRequest {
+            boundaries: Some(bs.to_vec()),
+            final_pre_norm: false,
+            logits: false,
+            layer_outputs: false,
+        };
+        let cap = target
+            .model
+            .forward(&ids, &want, &mut Progress::hidden())
+            .unwrap();
+        let parts: Vec<&Tensor> = bs.iter().map(|b| &cap.hidden[b]).collect();
+        let aux = Tensor::cat(&parts, 1).unwrap();
+        let ids64: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
+        let mut out: HashMap<String, Tensor> = HashMap::new();
+        out.insert(
+            "input_ids".into(),
+            Tensor::new(ids64.as_slice(), &Device::Cpu).unwrap(),
+        );
+        out.insert("aux_hidden_states".into(), aux);
+        candle_core::safetensors::save(&out, dir.join(format!("s{d:04}.safetensors"))).unwrap();
+        sets.push(ids);
+    }
+    for i in distinct..samples {
+        std::fs::hard_link(
+            dir.join(format!("s{:04}.safetensors", i % distinct)),
+            dir.join(format!("s{i:04}.safetensors")),
+        )
+        .unwrap();
+    }
+    sets
+}
+
 fn main() {
     if let Some(model) = std::env::var_os("EAGLE_CHECK_BENCH_STREAM") {
         stream_bench(Path::new(&model));
@@ -108,41 +160,7 @@ fn main() {
 
     // 10 distinct sequences with their true boundaries [1, 2, 3] as aux states.
     let captures = root.join("captures");
-    std::fs::create_dir_all(&captures).unwrap();
-    let distinct = 10.min(samples);
-    let mut rng = Lcg(11);
-    for d in 0..distinct {
-        let ids: Vec<u32> = (0..T)
-            .map(|_| ((rng.next() + 0.5) * VOCAB as f32) as u32 % VOCAB as u32)
-            .collect();
-        let want = CaptureRequest {
-            boundaries: Some(vec![1, 2, 3]),
-            final_pre_norm: false,
-            logits: false,
-            layer_outputs: false,
-        };
-        let cap = loaded
-            .model
-            .forward(&ids, &want, &mut Progress::hidden())
-            .unwrap();
-        let aux = Tensor::cat(&[&cap.hidden[&1], &cap.hidden[&2], &cap.hidden[&3]], 1).unwrap();
-        let ids64: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
-        let mut out: HashMap<String, Tensor> = HashMap::new();
-        out.insert(
-            "input_ids".into(),
-            Tensor::new(ids64.as_slice(), &Device::Cpu).unwrap(),
-        );
-        out.insert("aux_hidden_states".into(), aux);
-        candle_core::safetensors::save(&out, captures.join(format!("s{d:04}.safetensors")))
-            .unwrap();
-    }
-    for i in distinct..samples {
-        std::fs::hard_link(
-            captures.join(format!("s{:04}.safetensors", i % distinct)),
-            captures.join(format!("s{i:04}.safetensors")),
-        )
-        .unwrap();
-    }
+    write_captures(&loaded, &captures, &[1, 2, 3], T, 10.min(samples), samples, 11);
     let spec_path = root.join("spec.yaml");
     std::fs::write(&spec_path, format!("name: bench\ntarget: {{ num_hidden_layers: {L}, hidden_size: {H} }}\ncapture: {{ boundaries: [1, 2, 3] }}\n")).unwrap();
     let spec = Spec::load(&spec_path).unwrap();
@@ -259,58 +277,11 @@ fn stream_bench(model: &Path) {
         });
     let _ = std::fs::remove_dir_all(&root);
     let captures = root.join("captures");
-    std::fs::create_dir_all(&captures).unwrap();
     let resident = open_target(model, DType::F32, &Device::Cpu).unwrap();
-    let (l, h, vocab) = (
-        resident.cfg.num_layers,
-        resident.cfg.hidden_size,
-        resident.cfg.vocab_size,
-    );
+    let (l, h) = (resident.cfg.num_layers, resident.cfg.hidden_size);
     let bs = [2, l / 2, l - 3];
     let distinct = 8.min(samples);
-    let mut rng = Lcg(13);
-    let mut sets: Vec<Vec<u32>> = Vec::new();
-    for d in 0..distinct {
-        let ids: Vec<u32> = (0..t)
-            .map(|_| ((rng.next() + 0.5) * vocab as f32) as u32 % vocab as u32)
-            .collect();
-        let want = CaptureRequest {
-            boundaries: Some(bs.to_vec()),
-            final_pre_norm: false,
-            logits: false,
-            layer_outputs: false,
-        };
-        let cap = resident
-            .model
-            .forward(&ids, &want, &mut Progress::hidden())
-            .unwrap();
-        let aux = Tensor::cat(
-            &[
-                &cap.hidden[&bs[0]],
-                &cap.hidden[&bs[1]],
-                &cap.hidden[&bs[2]],
-            ],
-            1,
-        )
-        .unwrap();
-        let ids64: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
-        let mut out: HashMap<String, Tensor> = HashMap::new();
-        out.insert(
-            "input_ids".into(),
-            Tensor::new(ids64.as_slice(), &Device::Cpu).unwrap(),
-        );
-        out.insert("aux_hidden_states".into(), aux);
-        candle_core::safetensors::save(&out, captures.join(format!("s{d:04}.safetensors")))
-            .unwrap();
-        sets.push(ids);
-    }
-    for i in distinct..samples {
-        std::fs::hard_link(
-            captures.join(format!("s{:04}.safetensors", i % distinct)),
-            captures.join(format!("s{i:04}.safetensors")),
-        )
-        .unwrap();
-    }
+    let sets = write_captures(&resident, &captures, &bs, t, distinct, samples, 13);
     let spec_path = root.join("spec.yaml");
     std::fs::write(
         &spec_path,

@@ -584,16 +584,7 @@ impl Judge<'_> {
                 let Some((slots, tokens)) = self.slots(sample)? else {
                     return Ok(Some(Vec::new()));
                 };
-                let found = identify(
-                    sample,
-                    &slots,
-                    tokens,
-                    reference,
-                    self.spec,
-                    self.hidden,
-                    self.l,
-                    &mut self.stats,
-                )?;
+                let found = self.identify_alone(sample, &slots, tokens, reference)?;
                 Ok(Some(self.judge(sample, found)))
             })
             .collect()
@@ -661,6 +652,18 @@ impl Judge<'_> {
             self.record(unit, results);
         }
         Ok(())
+    }
+
+    /// A sample against the reference states of its own forward (or a dump's).
+    fn identify_alone(
+        &mut self,
+        sample: &Sample,
+        slots: &Slots,
+        tokens: &[i64],
+        reference: &mut dyn ReferenceSource,
+    ) -> Result<Identified> {
+        let (spec, hidden, l) = (self.spec, self.hidden, self.l);
+        identify(sample, slots, tokens, reference, spec, hidden, l, &mut self.stats)
     }
 
     /// A sample's slots and its identification, set up before its pass; `None` (after a
@@ -739,16 +742,7 @@ impl Judge<'_> {
             _ => {
                 self.stats.rerun += 1;
                 let tokens = sample.token_ids.as_deref().unwrap_or_default();
-                identify(
-                    sample,
-                    &ready.slots,
-                    tokens,
-                    reference,
-                    self.spec,
-                    self.hidden,
-                    self.l,
-                    &mut self.stats,
-                )?
+                self.identify_alone(sample, &ready.slots, tokens, reference)?
             }
         };
         Ok(self.judge(sample, found))
