@@ -160,7 +160,15 @@ fn main() {
 
     // 10 distinct sequences with their true boundaries [1, 2, 3] as aux states.
     let captures = root.join("captures");
-    write_captures(&loaded, &captures, &[1, 2, 3], T, 10.min(samples), samples, 11);
+    write_captures(
+        &loaded,
+        &captures,
+        &[1, 2, 3],
+        T,
+        10.min(samples),
+        samples,
+        11,
+    );
     let spec_path = root.join("spec.yaml");
     std::fs::write(&spec_path, format!("name: bench\ntarget: {{ num_hidden_layers: {L}, hidden_size: {H} }}\ncapture: {{ boundaries: [1, 2, 3] }}\n")).unwrap();
     let spec = Spec::load(&spec_path).unwrap();

@@ -663,7 +663,16 @@ impl Judge<'_> {
         reference: &mut dyn ReferenceSource,
     ) -> Result<Identified> {
         let (spec, hidden, l) = (self.spec, self.hidden, self.l);
-        identify(sample, slots, tokens, reference, spec, hidden, l, &mut self.stats)
+        identify(
+            sample,
+            slots,
+            tokens,
+            reference,
+            spec,
+            hidden,
+            l,
+            &mut self.stats,
+        )
     }
 
     /// A sample's slots and its identification, set up before its pass; `None` (after a
