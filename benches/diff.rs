@@ -358,7 +358,7 @@ fn stream_bench(model: &Path) {
         let (report, stats) = diff(
             &DiffInput {
                 spec: &spec,
-                captures: &[captures.clone()],
+                captures: std::slice::from_ref(&captures),
                 feed: None,
                 arch: None,
                 batching: Batching {
