@@ -375,7 +375,7 @@ fn stream_bench(model: &Path) {
         let cost = reference.target.model.stream_stats().unwrap();
         let floor = (bytes as f64 / (bytes as f64 / dd_s)).max(forwards_s);
         println!(
-            "  {:<25} {wall:>8.2} s   wall / max(dd, resident forwards) = {:.2} (forwards {:.2} s, scoring {:.2} s, reading {:.2} s); {} layers loaded, {:.2} GB read ({:.2}x the weights)",
+            "  {:<25} {wall:>8.2} s   wall / max(dd, resident forwards) = {:.2} (forwards {:.2} s, scoring {:.2} s, reading {:.2} s; {} passes, {} re-run alone); {} layers loaded, {:.2} GB read ({:.2}x the weights)",
             if per_sample {
                 "one sample at a time:"
             } else {
@@ -385,6 +385,8 @@ fn stream_bench(model: &Path) {
             stats.reference_seconds,
             stats.scoring_seconds,
             stats.read_seconds,
+            stats.passes,
+            stats.rerun,
             cost.layers_loaded,
             cost.bytes_read as f64 / 1e9,
             cost.bytes_read as f64 / bytes as f64
