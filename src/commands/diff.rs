@@ -8,7 +8,7 @@ use crate::config::{DraftConfig, TargetInfo};
 use crate::diff::dump_ref::DumpReference;
 use crate::diff::names::NameMap;
 use crate::diff::reference::{Counted, ReferenceOptions, ReferenceSource, RunnerReference};
-use crate::diff::{DiffInput, check_captures, check_spec_layers, diff};
+use crate::diff::{Batching, DiffInput, check_captures, check_spec_layers, diff};
 use crate::engine::{EngineSel, Feed, resolve};
 use crate::error::{Error, Result};
 use crate::model::TargetOptions;
@@ -155,7 +155,12 @@ fn compare(opts: &DiffOptions, setup: &Setup, source: &mut dyn ReferenceSource) 
             captures: &opts.captures,
             feed: feed.as_ref(),
             arch: setup.arch.as_deref(),
-            batching: Default::default(),
+            // --max-memory bounds the runner's weights and the pass's samples together:
+            // half of it for the samples, as half the memory available without it.
+            batching: Batching {
+                per_sample: false,
+                budget: opts.max_memory.map(|b| b / 2),
+            },
         },
         &mut counted,
     )?;
