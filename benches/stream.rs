@@ -27,7 +27,8 @@
 //!    bit, wall time and peak of each; and in-process, the logits of both (the streamed head
 //!    runs in row chunks) compared bit for bit.
 //!
-//! `EAGLE_CHECK_BENCH_SKIP_8B=1` runs only steps 4 and 5.
+//! `EAGLE_CHECK_BENCH_SKIP_8B=1` runs only steps 4 and 5; `EAGLE_CHECK_BENCH_WRITE_ONLY=1` only
+//! step 1 (and prints the checkpoint's folder, for `EAGLE_CHECK_BENCH_STREAM` of the diff bench).
 
 use candle_core::{DType, Device, Tensor};
 use eagle_check::config::ModelConfig;
@@ -488,6 +489,12 @@ fn main() {
             .unwrap_or_default()
     );
 
+    if std::env::var_os("EAGLE_CHECK_BENCH_WRITE_ONLY").is_some() {
+        let dir = scratch.join(LLAMA_8B.name);
+        write_checkpoint(&LLAMA_8B, &dir);
+        println!("{}", dir.display());
+        return;
+    }
     if std::env::var_os("EAGLE_CHECK_BENCH_SKIP_8B").is_none() {
         let dir = scratch.join(LLAMA_8B.name);
         let files = write_checkpoint(&LLAMA_8B, &dir);
