@@ -266,8 +266,7 @@ fn cuda_device() -> Device {
 /// and the resident forwards of the same samples. The captures hold the target's own states
 /// at b = [2, L/2, L-3] (EAGLE_CHECK_BENCH_DISTINCT distinct sequences, default 8,
 /// hard-linked). EAGLE_CHECK_BENCH_RESIDENT=0: the target is never held whole (its captures
-/// are written streamed; the floor is then the disk alone). EAGLE_CHECK_MAX_MEMORY-style
-/// budgets come from the streamed target's own default (half the memory available).
+/// are written streamed; the floor is then the disk alone).
 fn stream_bench(model: &Path) {
     use eagle_check::diff::Batching;
     use eagle_check::model::{ManyOptions, Produced, TargetOptions};
@@ -291,8 +290,15 @@ fn stream_bench(model: &Path) {
     // A target too large to hold (EAGLE_CHECK_BENCH_RESIDENT=0: the 8B shape in f32 on a
     // 24 GiB machine) writes its captures streamed and has no resident forwards to compare.
     let fits = std::env::var("EAGLE_CHECK_BENCH_RESIDENT").map_or(true, |v| v != "0");
+    // EAGLE_CHECK_BENCH_MAX_MEMORY_GIB: the CLI's --max-memory (the streamed layers and,
+    // half of it, a pass's samples).
+    let max_memory = std::env::var("EAGLE_CHECK_BENCH_MAX_MEMORY_GIB")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .map(|g| g << 30);
     let streamed = TargetOptions {
         stream_layers: true,
+        max_memory,
         ..TargetOptions::new(DType::F32, &Device::Cpu)
     };
     let resident = if fits {
@@ -381,7 +387,7 @@ fn stream_bench(model: &Path) {
                 arch: None,
                 batching: Batching {
                     per_sample,
-                    budget: None,
+                    budget: max_memory.map(|b| b / 2),
                 },
             },
             &mut reference,
