@@ -335,7 +335,15 @@ def main() -> None:
                 p.normal_(0.0, min(0.02, 0.8 / p.shape[-1] ** 0.5))
     model.eval()
     params = sum(p.numel() for p in model.parameters())
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model" / "model.safetensors"))
+    # Tied weights (Gemma-3's lm_head is its embedding) are saved once, under the first name,
+    # as save_pretrained does: safetensors refuses two names over one storage.
+    tensors, seen = {}, set()
+    for k, v in model.state_dict().items():
+        if v.data_ptr() in seen:
+            continue
+        seen.add(v.data_ptr())
+        tensors[k] = v.contiguous()
+    save_file(tensors, str(out / "model" / "model.safetensors"))
     cfg.save_pretrained(out / "model")
     print(f"hf_peer: {args.shape}: {params / 1e9:.2f}B params, built and saved in {time.time() - t0:.1f} s", flush=True)
 
