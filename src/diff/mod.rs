@@ -538,7 +538,8 @@ fn unit_bytes(samples: &[Sample], hidden: usize, l: usize) -> u64 {
             } else {
                 0
             };
-            let kept = (slots + 1 + online::RING as u64 + online::DEVICE_BATCH as u64) * rows * h;
+            let batch = online::batch_for(rows as usize, hidden) as u64;
+            let kept = (slots + 1 + online::RING as u64 + batch) * rows * h;
             let edges = 2 * online::EDGE as u64 * h * (2 * l + 2);
             // Stored and widened, then what the identification keeps.
             4 * (2 * captured + kept + edges)

@@ -40,11 +40,22 @@ const MIN_ROWS: usize = 2 * EDGE;
 /// States made before a new best candidate that are still kept when it arrives: its
 /// boundary's neighbours (the layer before, what that layer added, the one before that).
 pub(crate) const RING: usize = 4;
-/// States scored together: on a GPU one launch and one read-back for all of them, where one
-/// each would wait on the device per state; on the CPU one pass that copies the slots once
-/// for all of them (one state at a time scored SmolLM2's samples in 2.2x the time: the copies
-/// and the slot norms were most of it).
+/// States scored together at most: on a GPU one launch and one read-back for all of them,
+/// where one each would wait on the device per state; on the CPU one pass that copies the
+/// slots once for all of them (one state at a time scored SmolLM2's samples in 2.2x the time:
+/// the copies and the slot norms were most of it). See [`batch_for`].
 pub(crate) const DEVICE_BATCH: usize = 8;
+
+/// Values (T x H) of the states one batch holds: [`DEVICE_BATCH`] states of 512 x 4096.
+const BATCH_VALUES: usize = DEVICE_BATCH * 512 * 4096;
+
+/// How many states of `rows` x `hidden` are scored together: [`DEVICE_BATCH`] while they are
+/// small, fewer as they grow (down to one), so that a batch holds at most [`BATCH_VALUES`].
+/// In a layer-major pass every sample holds its own batch, so this bounds what each sample
+/// keeps waiting; a large state is enough work to pay for its own launch and read-back.
+pub(crate) fn batch_for(rows: usize, hidden: usize) -> usize {
+    (BATCH_VALUES / (rows * hidden).max(1)).clamp(1, DEVICE_BATCH)
+}
 /// Radians of rounding allowed in the angles the bound is built from (sums of f32 products).
 const ANGLE_SLACK: f64 = 1e-5;
 /// Cosine a bounded candidate must stay below the nearest exact one by.
@@ -184,7 +195,7 @@ pub struct OnlineSample {
     seen: Vec<bool>,
     /// States taken and not scored yet, in the order they were made.
     pending: Vec<(usize, Data)>,
-    /// How many states are scored together ([`DEVICE_BATCH`]; the tests vary it).
+    /// How many states are scored together ([`batch_for`]; the tests vary it).
     batch: usize,
     /// Something the batched identification does not decide exactly (non-finite values, rows
     /// that do not pair one to one): the sample goes back to a forward of its own.
@@ -216,7 +227,7 @@ impl OnlineSample {
             near: BTreeMap::new(),
             seen: vec![false; layout.states()],
             pending: Vec::new(),
-            batch: DEVICE_BATCH,
+            batch: batch_for(rows, hidden),
             undecided: false,
         }
     }
@@ -303,7 +314,7 @@ impl OnlineSample {
     }
 
     /// Takes one reference state of this sample as the forward makes it. The states are
-    /// scored [`DEVICE_BATCH`] at a time (on a GPU one launch and one read-back for all of
+    /// scored [`batch_for`] at a time (on a GPU one launch and one read-back for all of
     /// them); the decisions do not depend on how many.
     pub fn take(&mut self, what: Produced, xs: &Tensor) -> Result<()> {
         let Some(q) = self.layout.state_of(what) else {
@@ -1228,6 +1239,28 @@ mod tests {
     /// The device's f64 rescoring is `score_all`'s: the same rows paired at every shift, the
     /// non-finite captured values left out with their partners (run here on the CPU's tensors,
     /// the same candle ops a GPU runs).
+    /// The batch shrinks as states grow, so a pass's samples each keep at most
+    /// [`BATCH_VALUES`] waiting: eight 8B-shape states at T = 512, one DeepSeek-V3 state at
+    /// T = 2048; never zero.
+    #[test]
+    fn the_batch_holds_at_most_its_values() {
+        assert_eq!(batch_for(128, 4096), DEVICE_BATCH);
+        assert_eq!(batch_for(512, 4096), DEVICE_BATCH);
+        assert_eq!(batch_for(2048, 4096), 2);
+        assert_eq!(batch_for(2048, 7168), 1);
+        assert_eq!(batch_for(0, 0), DEVICE_BATCH);
+        for rows in [1, 17, 300, 1000, 4096, 100_000] {
+            for hidden in [64, 576, 4096, 7168] {
+                let b = batch_for(rows, hidden);
+                assert!((1..=DEVICE_BATCH).contains(&b));
+                assert!(
+                    b == 1 || b * rows * hidden <= BATCH_VALUES,
+                    "{rows} x {hidden}: {b}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn the_device_rescoring_is_score_alls() {
         let (t, h) = (12, 8);

@@ -1396,6 +1396,20 @@ mod tests {
             realistic_cases(&gpu, |_, _| None);
         }
 
+        /// Llama-4-Scout's heads (40 query heads of 128 over 8 KV heads: five queries a group,
+        /// where the other realistic cases have four or one) on the default path against the
+        /// reference, at T = 128 and 2048. Run 27 saw the full-width Scout forward stall on an
+        /// H100; this and `moe::tests::device_llama4_scout_experts_agree` isolate its kernels.
+        #[test]
+        fn device_llama4_scout_heads_match_reference() {
+            let Some(gpu) = crate::kernels::testing::cuda_device() else {
+                return;
+            };
+            for t in [128, 2048] {
+                check(&gpu, DType::BF16, (t, t, 40, 8, 128, 128, None), None);
+            }
+        }
+
         /// gpt-oss's attention sinks on every path against the CPU reference with sinks: the
         /// generic kernel (f32, bf16), every tensor-core tile and, on an sm_90 device, every
         /// Hopper kernel; full and sliding-window rows (gpt-oss alternates them, window 128),

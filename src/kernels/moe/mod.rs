@@ -1199,6 +1199,48 @@ mod tests {
             }
         }
     }
+    /// Llama-4-Scout's experts (16 of H 5120, I 8192; top-1 over T = 128 tokens, unevenly):
+    /// the default path (the Hopper kernel on sm_90) and grouped cuBLAS agree. The weights are
+    /// drawn on the device (4 GB in bf16: too slow to draw and to reference on the host).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_llama4_scout_experts_agree() {
+        let Some(gpu) = crate::kernels::testing::cuda_device() else {
+            return;
+        };
+        let (e, h, inter) = (16, 5120, 8192);
+        let counts: Vec<u32> = (0..e as u32)
+            .map(|i| [19, 0, 7, 3][i as usize % 4])
+            .collect();
+        let offsets = offsets_of(&counts);
+        let rows = *offsets.last().unwrap() as usize;
+        let draw = |shape: &[usize], std: f64| {
+            Tensor::randn(0f32, std as f32, shape, &gpu)
+                .and_then(|t| t.to_dtype(DType::BF16))
+                .unwrap()
+        };
+        let w = StackedExperts::new(
+            e,
+            draw(&[e * 2 * inter, h], 0.02),
+            draw(&[e * h, inter], 0.02),
+        );
+        let x = draw(&[rows, h], 1.0);
+        let goff = Tensor::new(offsets.as_slice(), &gpu).unwrap();
+        let (got, path) = moe_experts(&x, &goff, &w).unwrap();
+        gpu.synchronize().unwrap();
+        eprintln!("llama4-scout experts: {rows} rows on {path:?}");
+        let grouped = grouped_experts(&x, &goff, &w).unwrap();
+        let want = values(&grouped);
+        let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        assert_close(
+            &values(&got),
+            &want,
+            1e-2 * scale,
+            1.0 / 64.0,
+            "llama4-scout experts",
+        );
+    }
+
     /// gpt-oss's experts in transformers' layout (`GptOssExperts`): `[E, H, 2I]`, `[E, 2I]`,
     /// `[E, I, H]`, `[E, H]` f32, the weights scaled by `w_scale` so that gate/up values pass
     /// the clamp limit 7, biases of size ~1.
