@@ -7,7 +7,8 @@
 #   STEPS: which steps to run (default: kernels gpu throughput bench; also bench-deepseek,
 #     bench-qwen3moe (Qwen3-30B-A3B, 48 layers), bench-gptoss (gpt-oss-20b),
 #     moe-gemm (MOE_EXPERTS=384 for Kimi-K2), score, stream, diff, bench-diff (issue 30's diff,
-#     streaming and torch.compile benches), bench-gemma3 / bench-llama4 (Gemma-3-27B and
+#     streaming and torch.compile benches), bench-diff-deepseek (the same on the DeepSeek-V3
+#     3-layer shape at T = 512, streamed under DS_MAX_MEMORY, default 48GiB), bench-gemma3 / bench-llama4 (Gemma-3-27B and
 #     Llama-4-Scout shapes, GEMMA_LAYERS / LLAMA4_LAYERS of them), load (benches/gpu/load.py:
 #     the 8B-shape resident load against dd and transformers' from_pretrained, `run` at T = 2048
 #     as a whole process against transformers' load + forward; about 4 minutes));
@@ -52,6 +53,7 @@ for s in ${STEPS:-kernels gpu throughput bench}; do
     bench-gptoss) step bench-gptoss env SHAPE=gpt-oss-20b F32_TRUTH=${F32_TRUTH:-1} TOKENS=${MOE_BENCH_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-gptoss" ;;
     stream) step stream bash benches/gpu/stream.sh "$out/stream" ;;
     bench-diff) step bench-diff bash benches/gpu/diff.sh "$out/bench-diff" ;;
+    bench-diff-deepseek) step bench-diff-deepseek env SHAPE=deepseek-v3-3l TOKENS=512 MAX_MEMORY=${DS_MAX_MEMORY:-48GiB} bash benches/gpu/diff.sh "$out/bench-diff-deepseek" ;;
     bench-gemma3) step bench-gemma3 env SHAPE=gemma3-27b LAYERS=${GEMMA_LAYERS:-30} TOKENS=${FAMILY_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-gemma3" ;;
     bench-llama4) step bench-llama4 env SHAPE=llama4-scout LAYERS=${LLAMA4_LAYERS:-10} TOKENS=${FAMILY_TOKENS:-128,512,2048} bash benches/gpu/run.sh "$out/bench-llama4" ;;
     load) step load python3 benches/gpu/load.py "$out/load" ;;

@@ -11,17 +11,21 @@
 #     against the disk's rate (dd of the checkpoint in the same run) and the resident diff of
 #     the same samples.
 #   bash benches/gpu/diff.sh [OUT_DIR]     (TOKENS=128,512,2048 by default)
+#   SHAPE=deepseek-v3-3l TOKENS=512 MAX_MEMORY=48GiB: the DeepSeek-V3 3-layer full-width shape
+#   (a MoE layer is about 23 GB in bf16: the budget holds two, not the model)
 set -euo pipefail
 out=${1:-${TMPDIR:-/tmp}/eagle-check-gpu-diff}
 tokens=${TOKENS:-128,512,2048}
+shape=${SHAPE:-llama3.1-8b}
+max_memory=${MAX_MEMORY:-4GiB}
 mkdir -p "$out"
-python3 benches/gpu/hf_peer.py --shape llama3.1-8b --out "$out" --tokens "$tokens" --reps 5 \
+python3 benches/gpu/hf_peer.py --shape "$shape" --out "$out" --tokens "$tokens" --reps 5 \
     --compile --captures "$out/captures" --capture-tokens "$tokens" --capture-samples 256
 bins/gpu-bench "$out/model" "$out/hf_states.safetensors" "$tokens" 5 | tee "$out/ours.jsonl"
 python3 benches/gpu/table.py "$out"
 bins/gpu-bench diff "$out/model" "$out/captures" "$tokens" | tee "$out/diff.jsonl"
 
-# 64 samples at T = 512, streamed under 4 GiB and resident, through the binary.
+# 64 samples at T = 512, streamed under $max_memory and resident, through the binary.
 s64=$out/s64/rows_0-64
 mkdir -p "$s64"
 src=$(ls -d "$out"/captures/t512/rows_*)
@@ -34,7 +38,7 @@ disk_s=$(python3 -c "print($(now) - $start)")
 bytes=$(stat -c %s "$out/model/model.safetensors")
 for mode in resident streamed; do
     extra=()
-    [ "$mode" = streamed ] && extra=(--stream-layers --max-memory 4GiB)
+    [ "$mode" = streamed ] && extra=(--stream-layers --max-memory "$max_memory")
     start=$(now)
     rc=0
     bins/eagle-check diff --spec "$out/s64/spec.yaml" --target "$out/model" --captures "$out/s64" \

@@ -240,12 +240,15 @@ def compiled_times(model, ids, warmup: int, reps: int) -> dict:
 
 def write_captures(model, cfg, root: Path, args) -> None:
     """SpecForge's offline files (`rows_0-N/data_i.ckpt`: `input_ids`, `loss_mask`,
-    `aux_hidden_state` [1, S, 3H] at b = [2, L//2, L-3], SpecForge's default
-    `[1, L//2-1, L-4]` read OUT, and `hidden_state` [1, S, H] after the final norm, bf16) of the
+    `aux_hidden_state` [1, S, 3H] at b = [2, L//2, L-3] (every inner boundary below 6 layers),
+    SpecForge's default `[1, L//2-1, L-4]` read OUT, and `hidden_state` [1, S, H] after the
+    final norm, bf16) of the
     model's own states for `--capture-distinct` random sequences per length, hard-linked up to
     `--capture-samples` files, and the spec they follow."""
     L, vocab = cfg.num_hidden_layers, cfg.vocab_size
-    bs = [2, L // 2, L - 3]
+    # A shape of a few layers (DeepSeek-V3's 3) has no three distinct inner boundaries: it
+    # captures every inner one.
+    bs = [2, L // 2, L - 3] if L >= 6 else list(range(1, L))
     gen = torch.Generator().manual_seed(1234)
     for t in [int(x) for x in args.capture_tokens.split(",")]:
         d = root / f"t{t}"
