@@ -42,7 +42,7 @@ const MIN_ROWS: usize = 2 * EDGE;
 pub(crate) const RING: usize = 4;
 /// States scored together at most: on a GPU one launch and one read-back for all of them,
 /// where one each would wait on the device per state; on the CPU one pass that copies the
-/// slots once for all of them (one state at a time scored SmolLM2's samples in 2.2x the time:
+/// slots once for all of them (one state at a time scored SmolLM2's samples in 2.4x the time:
 /// the copies and the slot norms were most of it). See [`batch_for`].
 pub(crate) const DEVICE_BATCH: usize = 8;
 
