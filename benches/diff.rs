@@ -270,15 +270,10 @@ fn cuda_device() -> Device {
 fn stream_bench(model: &Path) {
     use eagle_check::diff::Batching;
     use eagle_check::model::{ManyOptions, Produced, TargetOptions};
-    let env = |k: &str, d: usize| -> usize {
-        std::env::var(k)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(d)
-    };
+    let env = |k: &str| -> Option<usize> { std::env::var(k).ok().and_then(|s| s.parse().ok()) };
     let (samples, t) = (
-        env("EAGLE_CHECK_BENCH_SAMPLES", 64),
-        env("EAGLE_CHECK_BENCH_T", 512),
+        env("EAGLE_CHECK_BENCH_SAMPLES").unwrap_or(64),
+        env("EAGLE_CHECK_BENCH_T").unwrap_or(512),
     );
     let root = std::env::var_os("EAGLE_CHECK_BENCH_DIR")
         .map(PathBuf::from)
@@ -289,13 +284,10 @@ fn stream_bench(model: &Path) {
     let captures = root.join("captures");
     // A target too large to hold (EAGLE_CHECK_BENCH_RESIDENT=0: the 8B shape in f32 on a
     // 24 GiB machine) writes its captures streamed and has no resident forwards to compare.
-    let fits = std::env::var("EAGLE_CHECK_BENCH_RESIDENT").map_or(true, |v| v != "0");
+    let fits = env("EAGLE_CHECK_BENCH_RESIDENT") != Some(0);
     // EAGLE_CHECK_BENCH_MAX_MEMORY_GIB: the CLI's --max-memory (the streamed layers and,
     // half of it, a pass's samples).
-    let max_memory = std::env::var("EAGLE_CHECK_BENCH_MAX_MEMORY_GIB")
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .map(|g| g << 30);
+    let max_memory = env("EAGLE_CHECK_BENCH_MAX_MEMORY_GIB").map(|g| (g as u64) << 30);
     let streamed = TargetOptions {
         stream_layers: true,
         max_memory,
@@ -308,7 +300,7 @@ fn stream_bench(model: &Path) {
     };
     let (l, h) = (resident.cfg.num_layers, resident.cfg.hidden_size);
     let bs = [2, l / 2, l - 3];
-    let distinct = env("EAGLE_CHECK_BENCH_DISTINCT", 8).min(samples);
+    let distinct = env("EAGLE_CHECK_BENCH_DISTINCT").unwrap_or(8).min(samples);
     let sets = write_captures(&resident, &captures, &bs, t, distinct, samples, 13);
     let spec_path = root.join("spec.yaml");
     std::fs::write(

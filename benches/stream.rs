@@ -489,15 +489,15 @@ fn main() {
             .unwrap_or_default()
     );
 
+    let dir_8b = scratch.join(LLAMA_8B.name);
     if std::env::var_os("EAGLE_CHECK_BENCH_WRITE_ONLY").is_some() {
-        let dir = scratch.join(LLAMA_8B.name);
-        write_checkpoint(&LLAMA_8B, &dir);
-        println!("{}", dir.display());
+        write_checkpoint(&LLAMA_8B, &dir_8b);
+        println!("{}", dir_8b.display());
         return;
     }
     if std::env::var_os("EAGLE_CHECK_BENCH_SKIP_8B").is_none() {
-        let dir = scratch.join(LLAMA_8B.name);
-        let files = write_checkpoint(&LLAMA_8B, &dir);
+        let dir = &dir_8b;
+        let files = write_checkpoint(&LLAMA_8B, dir);
         let on_disk: u64 = files.iter().map(|f| f.metadata().unwrap().len()).sum();
         drop_from_cache(&files);
         let secs = dd(&files);
@@ -521,7 +521,7 @@ fn main() {
             if label.starts_with("cold") {
                 drop_from_cache(&files);
             }
-            let r = run_with(&dir, LLAMA_8B.vocab, &flags, env);
+            let r = run_with(dir, LLAMA_8B.vocab, &flags, env);
             let rate = weights as f64 / r.seconds;
             println!(
                 "8B-shape bf16 ({:.2} GB on disk; f32 resident estimate: {}), T = {T}, {label}: \

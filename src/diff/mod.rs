@@ -204,8 +204,7 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     } else {
         budget.min(RESIDENT_PASS_BYTES)
     };
-    let ahead = ReadAhead::new(budget);
-    let _ = ahead.shape.set((hidden, l));
+    let ahead = ReadAhead::new(budget, hidden, l);
     let read = std::thread::scope(|scope| -> Result<ReadStats> {
         let reader = scope.spawn(|| read_units(input.captures, &ahead));
         let _closed = ahead.closer();
@@ -433,7 +432,8 @@ struct ReadAhead {
     changed: std::sync::Condvar,
     budget: u64,
     /// The hidden size and layer count [`unit_bytes`] sizes a unit by.
-    shape: std::sync::OnceLock<(usize, usize)>,
+    hidden: usize,
+    l: usize,
 }
 
 #[derive(Default)]
@@ -447,19 +447,21 @@ struct AheadState {
 }
 
 impl ReadAhead {
-    fn new(budget: u64) -> ReadAhead {
+    fn new(budget: u64, hidden: usize, l: usize) -> ReadAhead {
         ReadAhead {
             state: Default::default(),
             changed: Default::default(),
             budget,
-            shape: Default::default(),
+            hidden,
+            l,
         }
     }
 
     /// Queues a unit; false once the diff has stopped taking them.
     fn push(&self, unit: Result<Unit>) -> bool {
-        let (hidden, l) = self.shape.get().copied().unwrap_or((0, 0));
-        let bytes = unit.as_ref().map_or(0, |u| unit_bytes(&u.1, hidden, l));
+        let bytes = unit
+            .as_ref()
+            .map_or(0, |u| unit_bytes(&u.1, self.hidden, self.l));
         let Ok(mut s) = self.state.lock() else {
             return false;
         };
@@ -705,17 +707,9 @@ impl Judge<'_> {
             slots.width,
             slots.count,
         )?;
-        let target = match (sample.format, final_hidden_rows(sample, self.hidden)) {
-            (Format::SpecForge | Format::ModelOpt, Some(rows)) => {
-                let data = sample
-                    .final_hidden
-                    .as_ref()
-                    .map(HostTensor::to_f32_vec)
-                    .unwrap_or_default();
-                Some(online.group(Arc::new(data), rows, self.hidden, self.hidden, 1)?)
-            }
-            _ => None,
-        };
+        let target = training_tensor(sample, self.hidden)
+            .map(|(data, rows)| online.group(Arc::new(data), rows, self.hidden, self.hidden, 1))
+            .transpose()?;
         Ok(Some(Prepared {
             slots,
             online,
@@ -867,10 +861,15 @@ fn capture_tolerance(sample: &Sample) -> CaptureTolerance {
     CaptureTolerance::for_dtype(dtype.unwrap_or(crate::readers::DType::F32))
 }
 
-/// The rows of the training target the sample carries, when it is `[S, H]` (or `[1, S, H]`).
-fn final_hidden_rows(sample: &Sample, hidden: usize) -> Option<usize> {
-    match sample.final_hidden.as_ref()?.dims() {
-        [s, h] | [1, s, h] if *h == hidden => Some(*s),
+/// The training target a SpecForge or Model-Optimizer sample carries as its own tensor, when
+/// it is `[S, H]` (or `[1, S, H]`): its values in f32 and its rows.
+fn training_tensor(sample: &Sample, hidden: usize) -> Option<(Vec<f32>, usize)> {
+    if !matches!(sample.format, Format::SpecForge | Format::ModelOpt) {
+        return None;
+    }
+    let t = sample.final_hidden.as_ref()?;
+    match t.dims() {
+        [s, h] | [1, s, h] if *h == hidden => Some((t.to_f32_vec(), *s)),
         _ => None,
     }
 }
@@ -949,23 +948,15 @@ fn identify(
     let views: Vec<View> = (0..slots.count).map(|i| slots.view(i)).collect();
     let mut ids: Vec<SlotId> = identify_slots(&views, &refs, &deltas, &tol, &device);
     let vllm_last = vllm_target(sample, spec, l, &mut ids);
-    let final_id = match (sample.format, final_hidden_rows(sample, hidden)) {
-        (Format::SpecForge | Format::ModelOpt, Some(rows)) => {
-            let data = sample
-                .final_hidden
-                .as_ref()
-                .map(HostTensor::to_f32_vec)
-                .unwrap_or_default();
-            Some(identify_slot(
-                slots.count,
-                View::full(&data, rows, hidden),
-                &refs,
-                &deltas,
-                &tol,
-            ))
-        }
-        _ => None,
-    };
+    let final_id = training_tensor(sample, hidden).map(|(data, rows)| {
+        identify_slot(
+            slots.count,
+            View::full(&data, rows, hidden),
+            &refs,
+            &deltas,
+            &tol,
+        )
+    });
     let target = training_target(sample, vllm_last, final_id);
     stats.scoring_seconds += start.elapsed().as_secs_f64();
     let sides_known =

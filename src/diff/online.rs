@@ -44,18 +44,19 @@ pub(crate) const RING: usize = 4;
 /// where one each would wait on the device per state; on the CPU one pass that copies the
 /// slots once for all of them (one state at a time scored SmolLM2's samples in 2.4x the time:
 /// the copies and the slot norms were most of it). See [`batch_for`].
-pub(crate) const DEVICE_BATCH: usize = 8;
+pub(crate) const MAX_BATCH: usize = 8;
 
-/// Values (T x H) of the states one batch holds: [`DEVICE_BATCH`] states of 512 x 4096.
-const BATCH_VALUES: usize = DEVICE_BATCH * 512 * 4096;
+/// Values (T x H) of the states one batch holds: [`MAX_BATCH`] states of 512 x 4096.
+const BATCH_VALUES: usize = MAX_BATCH * 512 * 4096;
 
-/// How many states of `rows` x `hidden` are scored together: [`DEVICE_BATCH`] while they are
+/// How many states of `rows` x `hidden` are scored together: [`MAX_BATCH`] while they are
 /// small, fewer as they grow (down to one), so that a batch holds at most [`BATCH_VALUES`].
 /// In a layer-major pass every sample holds its own batch, so this bounds what each sample
 /// keeps waiting; a large state is enough work to pay for its own launch and read-back.
 pub(crate) fn batch_for(rows: usize, hidden: usize) -> usize {
-    (BATCH_VALUES / (rows * hidden).max(1)).clamp(1, DEVICE_BATCH)
+    (BATCH_VALUES / (rows * hidden).max(1)).clamp(1, MAX_BATCH)
 }
+
 /// Radians of rounding allowed in the angles the bound is built from (sums of f32 products).
 const ANGLE_SLACK: f64 = 1e-5;
 /// Cosine a bounded candidate must stay below the nearest exact one by.
@@ -1079,7 +1080,7 @@ mod tests {
                 .collect();
             let deltas = no_residual_deltas(&refs);
             let want = identify_slots(&views, &refs, &deltas, &tol, &Device::Cpu);
-            for batch in [1, DEVICE_BATCH] {
+            for batch in [1, MAX_BATCH] {
                 let mut online =
                     OnlineSample::new(l, h, t, tol, &Device::Cpu).scored_in_batches_of(batch);
                 let g = online
@@ -1131,7 +1132,7 @@ mod tests {
         let deltas = no_residual_deltas(refs);
         let want = identify_slots(&[view], refs, &deltas, &tol, &Device::Cpu).remove(0);
         let mut got = None;
-        for batch in [1, DEVICE_BATCH] {
+        for batch in [1, MAX_BATCH] {
             let mut online =
                 OnlineSample::new(l, h, t, tol, &Device::Cpu).scored_in_batches_of(batch);
             let g = online.group(Arc::new(x.to_vec()), t, h, h, 1).unwrap();
@@ -1244,15 +1245,15 @@ mod tests {
     /// T = 2048; never zero.
     #[test]
     fn the_batch_holds_at_most_its_values() {
-        assert_eq!(batch_for(128, 4096), DEVICE_BATCH);
-        assert_eq!(batch_for(512, 4096), DEVICE_BATCH);
+        assert_eq!(batch_for(128, 4096), MAX_BATCH);
+        assert_eq!(batch_for(512, 4096), MAX_BATCH);
         assert_eq!(batch_for(2048, 4096), 2);
         assert_eq!(batch_for(2048, 7168), 1);
-        assert_eq!(batch_for(0, 0), DEVICE_BATCH);
+        assert_eq!(batch_for(0, 0), MAX_BATCH);
         for rows in [1, 17, 300, 1000, 4096, 100_000] {
             for hidden in [64, 576, 4096, 7168] {
                 let b = batch_for(rows, hidden);
-                assert!((1..=DEVICE_BATCH).contains(&b));
+                assert!((1..=MAX_BATCH).contains(&b));
                 assert!(
                     b == 1 || b * rows * hidden <= BATCH_VALUES,
                     "{rows} x {hidden}: {b}"

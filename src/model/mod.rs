@@ -827,11 +827,15 @@ impl<'a, 's, D: Decoder> ManyRun<'a, 's, D> {
         head: impl FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
     ) -> Result<()> {
         let n = self.dec.config().num_layers;
-        let normed = self
-            .xs
-            .iter()
-            .map(|x| norm.forward(x).ctx(|| "final norm".to_string()))
-            .collect::<Result<Vec<_>>>()?;
+        // The final norm only where the logits or b = L are asked for.
+        let normed = if self.want.logits || self.want.wants(n) {
+            self.xs
+                .iter()
+                .map(|x| norm.forward(x).ctx(|| "final norm".to_string()))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
         if self.want.final_pre_norm {
             for p in 0..self.xs.len() {
                 self.hand(p, Produced::FinalPreNorm, &self.xs[p].clone())?;
