@@ -610,24 +610,15 @@ impl Judge<'_> {
             }
             prepared.push(unit);
         }
-        let tokens: Vec<&[i64]> = pass
+        // Each prepared sample's tokens beside its identification (a prepared sample has
+        // tokens: `sample_slots` checked them), in the order the sink numbers them.
+        let (tokens, mut online): (Vec<&[i64]>, Vec<&mut OnlineSample>) = pass
             .units
             .iter()
-            .zip(&prepared)
-            .flat_map(|((_, samples), ready)| {
-                samples
-                    .iter()
-                    .zip(ready)
-                    .filter(|(_, r)| r.is_some())
-                    .filter_map(|(s, _)| s.token_ids.as_deref())
-            })
-            .collect();
-        let mut online: Vec<&mut OnlineSample> = prepared
-            .iter_mut()
-            .flatten()
-            .flatten()
-            .map(|p| &mut p.online)
-            .collect();
+            .zip(prepared.iter_mut())
+            .flat_map(|((_, samples), ready)| samples.iter().zip(ready.iter_mut()))
+            .filter_map(|(s, r)| Some((s.token_ids.as_deref()?, &mut r.as_mut()?.online)))
+            .unzip();
         let start = Instant::now();
         let mut scoring = 0.0;
         if !tokens.is_empty() {
