@@ -9,9 +9,11 @@
 //! form of a tensor is a plain conversion it is done by the readers, piece by piece:
 //! - bf16 or f16 weights for an f32 forward on the CPU are widened as each piece arrives (the
 //!   source's [`WeightSource::load_f32`]);
-//! - on a GPU each piece goes through a pinned (page-locked) staging buffer, and its copy to
-//!   the tensor's device buffer runs while the reader reads its next piece into a second one; a
-//!   checkpoint in the compute dtype needs no host conversion at all;
+//! - for a GPU the readers read into host memory and the loader's thread copies each tensor
+//!   to the device as it takes it: every CUDA call stays on that one thread. (Readers that
+//!   copied their own pieces to the device through pinned staging buffers, from several
+//!   threads at once, left loads of full-width checkpoints stalled on an H100, every reader
+//!   spinning in the driver: BENCHMARKS.md, runs 28-30.)
 //! - a tensor that has no plain extent (a GGUF tensor is decoded) is read and decoded whole by
 //!   one reader, several tensors at once.
 //!
@@ -168,8 +170,6 @@ enum Job<'a> {
 enum Dest {
     Host(HostBuf),
     Widened(Vec<f32>),
-    #[cfg(feature = "cuda")]
-    Device(candle_core::CudaStorage),
 }
 
 /// The address a piece writes to (a raw pointer: the pieces of one buffer are written by
@@ -178,8 +178,6 @@ enum Dest {
 enum Target {
     Host(*mut u8),
     Widened(*mut f32),
-    #[cfg(feature = "cuda")]
-    Device(u64),
     Whole,
 }
 
@@ -318,6 +316,16 @@ impl<'a> ReadAhead<'a> {
         })
     }
 
+    /// Where the readers make their tensors: the host for a GPU (the loader's thread copies
+    /// them over in [`Self::take`], so that no reader calls the driver), else the device.
+    fn readers_device(&self) -> Device {
+        if self.device.is_cuda() {
+            Device::Cpu
+        } else {
+            self.device.clone()
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State<'a>> {
         // A reader never panics holding the lock; were one to, the state is still whole.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -454,19 +462,13 @@ impl<'a> ReadAhead<'a> {
         let what = || format!("{}: buffer for {name}", ext.path.display());
         // The targets point into the buffers' heap memory, which stays where it is when the
         // buffers move into their slot.
-        Ok(match (widen, &self.device) {
-            (Some(_), _) => {
+        Ok(match widen {
+            Some(_) => {
                 let mut v = vec![0f32; elems];
                 let target = Target::Widened(v.as_mut_ptr());
                 (Dest::Widened(v), target)
             }
-            #[cfg(feature = "cuda")]
-            (None, Device::Cuda(dev)) => {
-                let s = device::alloc(dev, ext.dtype, elems).ctx(what)?;
-                let target = Target::Device(crate::kernels::cuda::storage_ptr(&s, 0).ctx(what)?);
-                (Dest::Device(s), target)
-            }
-            _ => {
+            None => {
                 let mut buf = HostBuf::zeroed(ext.dtype, elems).ok_or_else(|| {
                     Error::weights(ext.path, format!("{}: dtype {}", what(), ext.dtype))
                 })?;
@@ -490,7 +492,7 @@ impl<'a> ReadAhead<'a> {
             )
         };
         let Some((ext, widen_bf16)) = job else {
-            return self.src.load(&name, &self.device).map(Some);
+            return self.src.load(&name, &self.readers_device()).map(Some);
         };
         match piece.target {
             Target::Host(base) => {
@@ -508,13 +510,6 @@ impl<'a> ReadAhead<'a> {
                 // piece's elements start at `at / 2`.
                 let dst = unsafe { std::slice::from_raw_parts_mut(base.add(piece.at / 2), n) };
                 widen(dst, bits, widen_bf16.unwrap_or(true));
-            }
-            #[cfg(feature = "cuda")]
-            Target::Device(base) => {
-                let Device::Cuda(dev) = &self.device else {
-                    return Err(Error::Device("a device piece without a device".into()));
-                };
-                device::upload(dev, &ext, base, piece.at, piece.len, &mut scratch.pinned)?;
             }
             Target::Whole => {}
         }
@@ -551,13 +546,11 @@ impl<'a> ReadAhead<'a> {
             (Some(e), _, _) => Err(e),
             (None, Some(t), _) => Ok(t),
             (None, None, Some(Dest::Host(buf))) => {
-                buf.into_tensor(&shape, &self.device).ctx(|| what)
+                buf.into_tensor(&shape, &self.readers_device()).ctx(|| what)
             }
             (None, None, Some(Dest::Widened(v))) => {
                 Tensor::from_vec(v, shape, &self.device).ctx(|| what)
             }
-            #[cfg(feature = "cuda")]
-            (None, None, Some(Dest::Device(s))) => Ok(crate::kernels::cuda::tensor(s, shape)),
             (None, None, None) => Err(Error::Device(format!("{what}: no buffer was read"))),
         };
         let mut st = self.lock();
@@ -595,7 +588,15 @@ impl<'a> ReadAhead<'a> {
                     };
                     st.ahead -= slot.bytes;
                     self.work.notify_all();
-                    return Some(t);
+                    drop(guard);
+                    return Some(t.and_then(|t| {
+                        t.to_device(&self.device).ctx(|| {
+                            format!(
+                                "{}: copying {name} to the device",
+                                self.src.origin().display()
+                            )
+                        })
+                    }));
                 }
                 Stage::Gone => return None,
             }
@@ -640,7 +641,7 @@ fn plan_slot<'a>(
         _ => None,
     }
     .filter(|_| dtype == DType::F32 && device.is_cpu());
-    if device.is_cuda() && !device::holds(ext.dtype) {
+    if device.is_cuda() && !device_holds(ext.dtype) {
         return None;
     }
     let (form, bytes) = match widen {
@@ -651,12 +652,10 @@ fn plan_slot<'a>(
     Some(slot(Job::Extent { ext, widen }, form, bytes, pieces))
 }
 
-/// A reader's own buffers: the stored bits of a piece to widen, and its pinned staging.
+/// A reader's own buffer: the stored bits of a piece to widen.
 #[derive(Default)]
 struct Scratch {
     bits: Vec<u16>,
-    #[cfg(feature = "cuda")]
-    pinned: device::Staging,
 }
 
 impl Scratch {
@@ -725,171 +724,13 @@ impl WeightSource for ReadAhead<'_> {
     }
 }
 
-/// The GPU side: device buffers and pinned staging.
-#[cfg(feature = "cuda")]
-mod device {
-    use crate::error::{Error, Result};
-    use crate::model::source::Extent;
-    use candle_core::backend::BackendDevice;
-    use candle_core::cuda_backend::CudaDevice;
-    use candle_core::{CudaStorage, DType, Shape};
-    use cudarc::driver::{CudaEvent, result, sys};
-    use std::sync::Mutex;
-
-    /// Bytes of one pinned staging buffer (a piece is at most this; larger pieces go in parts).
-    const STAGE_BYTES: usize = 8 << 20;
-
-    /// Whether a stored dtype is read straight into a device buffer.
-    pub(super) fn holds(dtype: &str) -> bool {
-        self::dtype(dtype).is_some()
-    }
-
-    fn dtype(dtype: &str) -> Option<DType> {
-        Some(match dtype {
-            "F32" => DType::F32,
-            "F64" => DType::F64,
-            "I64" => DType::I64,
-            "I32" => DType::I32,
-            "U32" => DType::U32,
-            "BF16" => DType::BF16,
-            "F16" => DType::F16,
-            "U8" | "BOOL" => DType::U8,
-            "F8_E4M3" => DType::F8E4M3,
-            _ => return None,
-        })
-    }
-
-    /// An uninitialised device buffer for `elems` elements of the stored dtype; every byte is
-    /// written by the pieces before the tensor is handed over.
-    pub(super) fn alloc(
-        dev: &CudaDevice,
-        stored: &str,
-        elems: usize,
-    ) -> candle_core::Result<CudaStorage> {
-        let dtype = dtype(stored)
-            .ok_or_else(|| candle_core::Error::Msg(format!("no device buffer of {stored}")))?;
-        // SAFETY: the pieces write all `elems` elements before the tensor is read (the copies
-        // are ordered before any use on the device's one stream).
-        unsafe { dev.alloc_uninit(&Shape::from(elems), dtype) }
-    }
-
-    /// A page-locked host buffer and the event after its last copy to the device.
-    struct Pinned {
-        ptr: *mut u8,
-        event: CudaEvent,
-    }
-
-    // SAFETY: the buffer is owned by whichever reader holds the `Pinned`; the event is a driver
-    // handle usable from any thread of its context.
-    unsafe impl Send for Pinned {}
-
-    /// Staging buffers left by readers that finished, for the next load (pinning memory costs
-    /// about as much as copying it once).
-    static FREE: Mutex<Vec<Pinned>> = Mutex::new(Vec::new());
-
-    /// A reader's two staging buffers: it reads into one while the other's copy runs.
-    #[derive(Default)]
-    pub(super) struct Staging {
-        bufs: Vec<Pinned>,
-        next: usize,
-    }
-
-    impl Drop for Staging {
-        fn drop(&mut self) {
-            if let Ok(mut free) = FREE.lock() {
-                free.append(&mut self.bufs);
-            }
-        }
-    }
-
-    impl Staging {
-        fn buffer(&mut self, dev: &CudaDevice) -> Result<&mut Pinned> {
-            while self.bufs.len() < 2 {
-                let ctx = dev.cuda_stream().context().clone();
-                let reused = FREE.lock().ok().and_then(|mut free| {
-                    let i = free.iter().position(|b| *b.event.context() == ctx)?;
-                    Some(free.swap_remove(i))
-                });
-                let buf = match reused {
-                    Some(b) => b,
-                    None => pin(dev)?,
-                };
-                self.bufs.push(buf);
-            }
-            self.next = (self.next + 1) % self.bufs.len();
-            Ok(&mut self.bufs[self.next])
-        }
-    }
-
-    fn driver(what: &str, e: cudarc::driver::DriverError) -> Error {
-        Error::Device(format!("{what}: {e:?}"))
-    }
-
-    fn pin(dev: &CudaDevice) -> Result<Pinned> {
-        let ctx = dev.cuda_stream().context().clone();
-        ctx.bind_to_thread()
-            .map_err(|e| driver("binding the context", e))?;
-        let event = ctx
-            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(|e| driver("a staging event", e))?;
-        // SAFETY: a plain page-locked allocation of STAGE_BYTES, freed never (kept for reuse
-        // in `FREE` for the life of the process); portable to every context.
-        let ptr = unsafe { result::malloc_host(STAGE_BYTES, sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(|e| driver("pinning a staging buffer", e))?;
-        Ok(Pinned {
-            ptr: ptr.cast(),
-            event,
-        })
-    }
-
-    /// Reads `len` bytes at `at` of `ext` into the device buffer at `base + at`, through the
-    /// reader's staging: each part is read into a pinned buffer whose previous copy is done, and
-    /// its copy queued on the device's stream (ordered with every use of the tensor).
-    pub(super) fn upload(
-        dev: &CudaDevice,
-        ext: &Extent,
-        base: u64,
-        at: usize,
-        len: usize,
-        staging: &mut Staging,
-    ) -> Result<()> {
-        let stream = dev.cuda_stream();
-        let mut done = 0;
-        while done < len {
-            let n = STAGE_BYTES.min(len - done);
-            let buf = staging.buffer(dev)?;
-            buf.event
-                .synchronize()
-                .map_err(|e| driver("waiting for a staging copy", e))?;
-            // SAFETY: the buffer holds STAGE_BYTES >= n bytes, and its last copy is done.
-            let host = unsafe { std::slice::from_raw_parts_mut(buf.ptr, n) };
-            ext.read_at(host, at + done)?;
-            stream
-                .context()
-                .bind_to_thread()
-                .map_err(|e| driver("binding the context", e))?;
-            // SAFETY: `base + at + done .. + n` lies in the tensor's device buffer, alive until
-            // its tensor is dropped, which orders its free after this copy on the same stream;
-            // `host` stays untouched until the event recorded after the copy has completed.
-            unsafe {
-                result::memcpy_htod_async(base + (at + done) as u64, &*host, stream.cu_stream())
-            }
-            .map_err(|e| driver("copying a piece to the device", e))?;
-            buf.event
-                .record(&stream)
-                .map_err(|e| driver("recording a staging copy", e))?;
-            done += n;
-        }
-        Ok(())
-    }
-}
-
-/// Without CUDA no tensor is read onto a device.
-#[cfg(not(feature = "cuda"))]
-mod device {
-    pub(super) fn holds(_dtype: &str) -> bool {
-        false
-    }
+/// The stored dtypes a device tensor holds as they are (a tensor of another is left to the
+/// source, which converts it).
+fn device_holds(dtype: &str) -> bool {
+    matches!(
+        dtype,
+        "F32" | "F64" | "I64" | "I32" | "U32" | "BF16" | "F16" | "U8" | "BOOL" | "F8_E4M3"
+    )
 }
 
 #[cfg(test)]
@@ -942,10 +783,10 @@ mod tests {
         path
     }
 
-    /// Every element's bits, as stored.
+    /// Every element's bits, as stored (a device tensor's, copied to the host).
     fn bits(t: &Tensor) -> (Vec<usize>, DType, Vec<u64>) {
         use candle_core::CpuStorage as C;
-        let flat = t.flatten_all().unwrap();
+        let flat = t.to_device(&Device::Cpu).unwrap().flatten_all().unwrap();
         let (storage, layout) = flat.storage_and_layout();
         let candle_core::Storage::Cpu(c) = &*storage else {
             panic!("a CPU tensor")
@@ -978,7 +819,7 @@ mod tests {
     }
 
     /// The tensors `load` gets through `ahead`, in `order`, in both Vb forms (`get` in the
-    /// compute dtype, then `get_raw` as stored), against the source read alone.
+    /// compute dtype, then `get_raw` as stored), against the source read alone, on the CPU.
     fn check(
         src: &SafetensorsSource,
         names: &[String],
@@ -986,7 +827,19 @@ mod tests {
         dtype: DType,
         opts: ReadOptions,
     ) -> u64 {
-        let dev = Device::Cpu;
+        check_on(src, names, order, dtype, opts, &Device::Cpu)
+    }
+
+    /// [`check`] on `dev`: each tensor on `dev`, the same bits as the source's own load there.
+    fn check_on(
+        src: &SafetensorsSource,
+        names: &[String],
+        order: &[String],
+        dtype: DType,
+        opts: ReadOptions,
+        dev: &Device,
+    ) -> u64 {
+        let dev = dev.clone();
         let alone = Vb::new(src, dtype, &dev);
         let ahead = ReadAhead::new(src, names, dtype, &dev, &opts);
         ahead
@@ -995,13 +848,23 @@ mod tests {
                 for name in order {
                     let shape = src.shape(name).unwrap();
                     let what = format!("{name} in {dtype:?}, {opts:?}");
-                    let got = vb.get(name, &shape).unwrap();
-                    assert_eq!(
-                        bits(&got),
-                        bits(&alone.get(name, &shape).unwrap()),
-                        "{what}"
-                    );
+                    // candle has no CUDA cast from f8 (FP8 weights are dequantised by
+                    // model::fp8 from their raw bits): on a GPU they are compared raw only.
+                    let f8 = src.extent(name).is_some_and(|e| e.dtype == "F8_E4M3");
+                    if !(f8 && dev.is_cuda()) {
+                        let got = vb.get(name, &shape).unwrap();
+                        assert_eq!(
+                            bits(&got),
+                            bits(&alone.get(name, &shape).unwrap()),
+                            "{what}"
+                        );
+                    }
                     let got = vb.get_raw(name).unwrap();
+                    assert!(
+                        got.device().same_device(&dev),
+                        "{what}: on {:?}",
+                        got.device()
+                    );
                     assert_eq!(
                         bits(&got),
                         bits(&alone.get_raw(name).unwrap()),
@@ -1043,6 +906,36 @@ mod tests {
                         }
                         // Some names not read ahead at all.
                         check(&src, &names[..3], &names, dtype, opts);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Onto a GPU, with as many readers and pieces as the CPU test: every tensor arrives on
+    /// the device with the source's own bits, and the load ends (readers that made their own
+    /// device copies from several threads stalled full-width loads on an H100).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_tensors_read_ahead_onto_the_gpu_equal_the_source_read_alone() {
+        let dev = crate::kernels::testing::gpu();
+        let path = checkpoint();
+        let src = SafetensorsSource::open(&path).unwrap();
+        let names = in_file_order(&src, &src.names());
+        let mut reversed = names.clone();
+        reversed.reverse();
+        for readers in [1, 8] {
+            for piece_bytes in [64, 1000, 1 << 20] {
+                for window in [0, READ_WINDOW] {
+                    let opts = ReadOptions {
+                        readers,
+                        piece_bytes,
+                        window,
+                    };
+                    for dtype in [DType::F32, DType::BF16] {
+                        for order in [&names, &reversed] {
+                            check_on(&src, &names, order, dtype, opts, &dev);
+                        }
                     }
                 }
             }
