@@ -10,7 +10,7 @@ On the GPU machine, from the repository root, with scripts/cuda-build.sh's binar
 2. Page cache warm (the file read once first), each measured in this run, in turn:
    - `dd if=FILE of=/dev/null bs=16M`: the peer every load is a ratio to;
    - eagle-check's resident bf16 load onto the GPU alone (`bins/gpu-bench load`, as `run`
-     loads it: the default readers, pinned staging), twice, and once with one read at a time
+     loads it: the default readers), twice, and once with one read at a time
      (`EAGLE_CHECK_READERS=0`: the reader before issue 30);
    - transformers' `from_pretrained(dir, dtype=bfloat16, device_map="cuda")`, synchronised,
      twice (a fresh Python process each; its imports timed apart);
