@@ -17,7 +17,8 @@
 #     $OUT/clocks.csv while the steps run (is a long forward slower than its phases because the
 #     clock drops?)
 #   STEP_TIMEOUT: seconds before a step is killed (default 1200: a hung kernel costs one step,
-#     not the whole device call)
+#     not the whole device call); a step still running then leaves $OUT/<step>.stall: each of
+#     its processes' threads, their state, CPU time, system call and kernel stack
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-${TMPDIR:-/tmp}/eagle-check-gpu}
@@ -34,12 +35,47 @@ if [ "${CLOCKS:-0}" = 1 ]; then
     trap 'kill $clocks_pid 2>/dev/null' EXIT
 fi
 summary=()
+descendants() { # pid: its children, theirs, ...
+    local c
+    for c in $(pgrep -P "$1"); do
+        echo "$c"
+        descendants "$c"
+    done
+}
+# What a step's processes are doing when its time is up (a stall: which threads run, which
+# wait, in which system call), before `timeout` ends it: runs 28-30 in BENCHMARKS.md found a
+# load stalled in its reader threads this way.
+stall_report() { # pid
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+    local p t
+    for p in $(descendants "$1"); do
+        ps -o pid=,stat=,etimes=,time=,args= -p "$p" | cut -c1-200
+        for t in /proc/"$p"/task/*; do
+            echo "  thread ${t##*/}: state, utime, stime $(cut -d' ' -f3,14,15 "$t/stat" 2>/dev/null);" \
+                "syscall $(cut -d' ' -f1 "$t/syscall" 2>/dev/null); $(head -3 "$t/stack" 2>/dev/null | tr '\n' ' ')"
+        done
+    done
+}
 step() { # name, command...
     local name=$1
     shift
-    local start=$SECONDS
-    timeout "${STEP_TIMEOUT:-1200}" "$@" >"$out/$name.log" 2>&1
+    local start=$SECONDS limit=${STEP_TIMEOUT:-1200}
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1 &
+    local pid=$!
+    # A second before the limit, the stall report (when the step is still running).
+    while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - start)) -lt $((limit - 1)) ]; do
+        sleep 1
+    done
+    local stuck=()
+    if kill -0 "$pid" 2>/dev/null; then
+        stall_report "$pid" >"$out/$name.stall" 2>&1
+        stuck=($(descendants "$pid"))
+    fi
+    wait "$pid"
     local rc=$?
+    # `timeout` ends its own child; a grandchild (the bench binary under its script) would go on
+    # holding the GPU through the next steps.
+    [ ${#stuck[@]} -gt 0 ] && kill -9 "${stuck[@]}" 2>/dev/null
     summary+=("$name: exit $rc in $((SECONDS - start)) s (ended $(date +%T)); $(grep -E '^test result' "$out/$name.log" | tr '\n' ' ')")
 }
 for s in ${STEPS:-kernels gpu throughput bench}; do
@@ -67,5 +103,6 @@ for s in ${STEPS:-kernels gpu throughput bench}; do
     echo "== $s (last lines)"
     grep -E "FAILED|panicked|failed|error" "$out/$s.log" | head -20
     tail -n 25 "$out/$s.log"
+    [ -f "$out/$s.stall" ] && { echo "-- still running at the limit ($out/$s.stall):"; head -n 60 "$out/$s.stall"; }
 done
 printf '%s\n' "${summary[@]}"
