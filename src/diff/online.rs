@@ -181,6 +181,9 @@ pub struct OnlineSample {
     rows: usize,
     hidden: usize,
     device: Device,
+    /// States and slots held as tensors on `device` and scored by [`crate::kernels::score`]
+    /// (a GPU's way), else as host vectors (the CPU's).
+    tensors: bool,
     tol: CaptureTolerance,
     groups: Vec<Group>,
     /// Every state when the sequence is short, else the ring and the best candidates' states.
@@ -219,6 +222,7 @@ impl OnlineSample {
             rows,
             hidden,
             device: device.clone(),
+            tensors: !device.is_cpu(),
             tol,
             groups: Vec::new(),
             kept: BTreeMap::new(),
@@ -237,6 +241,13 @@ impl OnlineSample {
     /// that the decisions do not depend on it).
     pub fn scored_in_batches_of(mut self, batch: usize) -> OnlineSample {
         self.batch = batch.max(1);
+        self
+    }
+
+    /// Scores through tensors on this sample's device, as on a GPU, whatever the device: on
+    /// the CPU the tests hold that path to the host one. Before any [`OnlineSample::group`].
+    pub fn scored_through_tensors(mut self) -> OnlineSample {
+        self.tensors = true;
         self
     }
 
@@ -284,13 +295,13 @@ impl OnlineSample {
                     .collect::<Vec<f32>>(),
             )
         });
-        if !self.device.is_cpu() {
+        if self.tensors {
             g.device = Some(self.upload(&g, &g.host)?);
         }
         if let Some(clean) = clean {
-            let on_device = match self.device.is_cpu() {
-                true => None,
-                false => Some(self.upload(&g, &clean)?),
+            let on_device = match self.tensors {
+                false => None,
+                true => Some(self.upload(&g, &clean)?),
             };
             g.clean = Some((clean, on_device));
         }
@@ -332,7 +343,7 @@ impl OnlineSample {
             return Ok(());
         }
         let f32s = xs.to_dtype(DType::F32).ctx(what_s)?;
-        let data = if self.device.is_cpu() {
+        let data = if !self.tensors {
             Data::Host(Arc::new(
                 f32s.flatten_all()
                     .and_then(|t| t.to_vec1::<f32>())
@@ -1044,50 +1055,82 @@ mod tests {
         ]
     }
 
-    /// The batched identification decides every slot as `identify_slots` does, on sequences
-    /// long enough for the bound and short enough to keep every state; how many it sends back
-    /// to a forward of their own is counted, not hidden.
+    /// The cases of the identification tests: (L, T, H, step, seed), sequences long enough for
+    /// the bound and short enough to keep every state.
+    const CASES: [(usize, usize, usize, f32, u64); 7] = [
+        (5, 24, 32, 0.3, 1),
+        (6, 40, 16, 0.05, 2),
+        (4, 12, 16, 0.3, 3),
+        (8, 64, 48, 1.0, 4),
+        (3, 16, 8, 0.01, 5),
+        (24, 32, 32, 0.2, 6),
+        (30, 20, 64, 0.5, 7),
+    ];
+
+    /// One case's reference states, its slots packed `[T, k * H]`, and the per-sample
+    /// identification of them.
+    fn case(
+        l: usize,
+        t: usize,
+        h: usize,
+        step: f32,
+        seed: u64,
+    ) -> (RefStates, Vec<f32>, usize, Vec<SlotId>) {
+        let tol = CaptureTolerance::for_dtype(CaptureDType::F32);
+        let refs = stream(l, t, h, step, seed);
+        let slots = slots(&refs, seed + 100);
+        let k = slots.len();
+        let mut packed = Vec::with_capacity(t * k * h);
+        for row in 0..t {
+            for s in &slots {
+                packed.extend_from_slice(&s[row * h..(row + 1) * h]);
+            }
+        }
+        let views: Vec<View> = (0..k)
+            .map(|i| View {
+                data: &packed,
+                rows: t,
+                stride: k * h,
+                col: i * h,
+                cols: h,
+            })
+            .collect();
+        let deltas = no_residual_deltas(&refs);
+        let want = identify_slots(&views, &refs, &deltas, &tol, &Device::Cpu);
+        (refs, packed, k, want)
+    }
+
+    /// The case's slots identified online (`tensors`: through tensors, as on a GPU) scoring
+    /// `batch` states together; `None` when the sample is sent back to a forward of its own.
+    fn online(
+        refs: &RefStates,
+        packed: &[f32],
+        k: usize,
+        batch: usize,
+        tensors: bool,
+    ) -> Option<Vec<SlotId>> {
+        let tol = CaptureTolerance::for_dtype(CaptureDType::F32);
+        let (l, t, h) = (refs.num_layers, refs.rows(), refs.hidden_size);
+        let mut online = OnlineSample::new(l, h, t, tol, &Device::Cpu).scored_in_batches_of(batch);
+        if tensors {
+            online = online.scored_through_tensors();
+        }
+        let g = online
+            .group(Arc::new(packed.to_vec()), t, k * h, h, k)
+            .unwrap();
+        feed(&mut online, refs);
+        online.finish(g, 0).unwrap()
+    }
+
+    /// The batched identification decides every slot as `identify_slots` does; how many
+    /// samples it sends back to a forward of their own is counted, not hidden.
     #[test]
     fn identifies_each_slot_as_the_per_sample_diff_does() {
-        let tol = CaptureTolerance::for_dtype(CaptureDType::F32);
         let (mut decided, mut sent_back) = (0, 0);
-        for (l, t, h, step, seed) in [
-            (5, 24, 32, 0.3, 1u64),
-            (6, 40, 16, 0.05, 2),
-            (4, 12, 16, 0.3, 3),
-            (8, 64, 48, 1.0, 4),
-            (3, 16, 8, 0.01, 5),
-            (24, 32, 32, 0.2, 6),
-            (30, 20, 64, 0.5, 7),
-        ] {
-            let refs = stream(l, t, h, step, seed);
-            let slots = slots(&refs, seed + 100);
-            let k = slots.len();
-            let mut packed = Vec::with_capacity(t * k * h);
-            for row in 0..t {
-                for s in &slots {
-                    packed.extend_from_slice(&s[row * h..(row + 1) * h]);
-                }
-            }
-            let views: Vec<View> = (0..k)
-                .map(|i| View {
-                    data: &packed,
-                    rows: t,
-                    stride: k * h,
-                    col: i * h,
-                    cols: h,
-                })
-                .collect();
-            let deltas = no_residual_deltas(&refs);
-            let want = identify_slots(&views, &refs, &deltas, &tol, &Device::Cpu);
+        for (l, t, h, step, seed) in CASES {
+            let (refs, packed, k, want) = case(l, t, h, step, seed);
             for batch in [1, MAX_BATCH] {
-                let mut online =
-                    OnlineSample::new(l, h, t, tol, &Device::Cpu).scored_in_batches_of(batch);
-                let g = online
-                    .group(Arc::new(packed.clone()), t, k * h, h, k)
-                    .unwrap();
-                feed(&mut online, &refs);
-                let Some(got) = online.finish(g, 0).unwrap() else {
+                let Some(got) = online(&refs, &packed, k, batch, false) else {
                     sent_back += 1;
                     continue;
                 };
@@ -1121,6 +1164,56 @@ mod tests {
             decided >= 2 * 7 * 8,
             "{decided} slots decided, {sent_back} samples sent back"
         );
+    }
+
+    /// The GPU's way (states and slots as tensors, scored by `kernels::score`, the best pair
+    /// rescored in f64 through tensor ops), run on the CPU: the same decisions as the host
+    /// path, its scores to rounding (the rescoring sums in another order). CI's only check of
+    /// that path's logic; the device tests hold it to the per-sample diff on a GPU.
+    #[test]
+    fn the_tensor_path_decides_as_the_host_path() {
+        let mut decided = 0;
+        for (l, t, h, step, seed) in CASES {
+            let (refs, packed, k, _) = case(l, t, h, step, seed);
+            for batch in [1, 3, MAX_BATCH] {
+                let host = online(&refs, &packed, k, batch, false);
+                let tensors = online(&refs, &packed, k, batch, true);
+                let (Some(host), Some(tensors)) = (host.clone(), tensors.clone()) else {
+                    assert_eq!(
+                        host.is_some(),
+                        tensors.is_some(),
+                        "L {l} T {t} batch {batch}"
+                    );
+                    continue;
+                };
+                for (w, o) in host.iter().zip(&tensors) {
+                    let what = format!("L {l} T {t} batch {batch} slot {}", w.slot);
+                    assert_eq!(
+                        (o.found, o.best, o.runner_up),
+                        (w.found, w.best, w.runner_up),
+                        "{what}"
+                    );
+                    assert_eq!(
+                        (o.scaled, o.exact, o.ambiguous, o.non_finite),
+                        (w.scaled, w.exact, w.ambiguous, w.non_finite),
+                        "{what}"
+                    );
+                    for (a, b, name) in [
+                        (o.score.cosine, w.score.cosine, "cosine"),
+                        (o.score.rel_err, w.score.rel_err, "rel_err"),
+                        (o.score.norm_ratio, w.score.norm_ratio, "norm_ratio"),
+                        (o.margin, w.margin, "margin"),
+                        (o.identify_angle, w.identify_angle, "identify_angle"),
+                    ] {
+                        // O(1) quantities; rel_err comes of a difference of sums, so the
+                        // summation order shows in it at about 1e-12.
+                        assert!((a - b).abs() <= 1e-9, "{what}: {name} {a} vs {b}");
+                    }
+                    decided += 1;
+                }
+            }
+        }
+        assert!(decided >= 3 * 7 * 8, "{decided} slots decided");
     }
 
     /// Slot `x` against `refs` both ways: the per-sample identification, and the batched one
