@@ -1102,7 +1102,7 @@ mod tests {
 
     /// The case's slots identified online (`tensors`: through tensors, as on a GPU) scoring
     /// `batch` states together; `None` when the sample is sent back to a forward of its own.
-    fn online(
+    fn identify_online(
         refs: &RefStates,
         packed: &[f32],
         k: usize,
@@ -1130,7 +1130,7 @@ mod tests {
         for (l, t, h, step, seed) in CASES {
             let (refs, packed, k, want) = case(l, t, h, step, seed);
             for batch in [1, MAX_BATCH] {
-                let Some(got) = online(&refs, &packed, k, batch, false) else {
+                let Some(got) = identify_online(&refs, &packed, k, batch, false) else {
                     sent_back += 1;
                     continue;
                 };
@@ -1176,15 +1176,20 @@ mod tests {
         for (l, t, h, step, seed) in CASES {
             let (refs, packed, k, _) = case(l, t, h, step, seed);
             for batch in [1, 3, MAX_BATCH] {
-                let host = online(&refs, &packed, k, batch, false);
-                let tensors = online(&refs, &packed, k, batch, true);
-                let (Some(host), Some(tensors)) = (host.clone(), tensors.clone()) else {
-                    assert_eq!(
-                        host.is_some(),
-                        tensors.is_some(),
-                        "L {l} T {t} batch {batch}"
-                    );
-                    continue;
+                let (host, tensors) = match (
+                    identify_online(&refs, &packed, k, batch, false),
+                    identify_online(&refs, &packed, k, batch, true),
+                ) {
+                    (Some(host), Some(tensors)) => (host, tensors),
+                    (host, tensors) => {
+                        // Sent back by both paths, or the paths disagree.
+                        assert_eq!(
+                            host.is_some(),
+                            tensors.is_some(),
+                            "L {l} T {t} batch {batch}"
+                        );
+                        continue;
+                    }
                 };
                 for (w, o) in host.iter().zip(&tensors) {
                     let what = format!("L {l} T {t} batch {batch} slot {}", w.slot);
@@ -1330,9 +1335,6 @@ mod tests {
         }
     }
 
-    /// The device's f64 rescoring is `score_all`'s: the same rows paired at every shift, the
-    /// non-finite captured values left out with their partners (run here on the CPU's tensors,
-    /// the same candle ops a GPU runs).
     /// The batch shrinks as states grow, so a pass's samples each keep at most
     /// [`BATCH_VALUES`] waiting: eight 8B-shape states at T = 512, one DeepSeek-V3 state at
     /// T = 2048; never zero.
@@ -1355,6 +1357,9 @@ mod tests {
         }
     }
 
+    /// The device's f64 rescoring is `score_all`'s: the same rows paired at every shift, the
+    /// non-finite captured values left out with their partners (run here on the CPU's tensors,
+    /// the same candle ops a GPU runs).
     #[test]
     fn the_device_rescoring_is_score_alls() {
         let (t, h) = (12, 8);
