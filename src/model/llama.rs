@@ -310,15 +310,15 @@ impl Packed {
         t: usize,
         f: impl Fn(usize, usize, Option<&Tensor>) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
-        if self.spans.is_empty() {
-            return f(0, t, None);
-        }
-        let parts = self
-            .spans
-            .iter()
-            .zip(&self.masks)
-            .map(|(&(a, len), m)| f(a, len, Some(m)))
+        let mut parts = self
+            .spans(t)
+            .into_iter()
+            .enumerate()
+            .map(|(i, (a, len))| f(a, len, self.masks.get(i)))
             .collect::<candle_core::Result<Vec<_>>>()?;
+        if parts.len() == 1 {
+            return Ok(parts.remove(0));
+        }
         Tensor::cat(&parts, 0)
     }
 
