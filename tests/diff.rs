@@ -2,7 +2,7 @@
 //! transformers by gen_corpus.py): every case is named exactly, clean samples give nothing.
 //! One test per finding, so removing a detector fails the test named after it.
 
-use crate::support::{eagle_check, fixture, p, root, scratch};
+use crate::support::{corpus, diff_entry, eagle_check, fixture, p, root, scratch};
 use candle_core::{DType, Device};
 use eagle_check::diff::dump_ref::DumpReference;
 use eagle_check::diff::reference::RunnerReference;
@@ -14,32 +14,9 @@ use eagle_check::spec::Spec;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-fn manifest() -> Vec<serde_json::Value> {
-    let text = std::fs::read_to_string(fixture("captures/corpus/manifest.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
-
 fn run_entry(entry: &serde_json::Value) -> (Report, DiffStats) {
-    let arch = entry["arch"].as_str().unwrap();
-    let target = fixture(&format!("models/{arch}"));
-    let mut reference = RunnerReference {
-        target: open_target(&target, DType::F32, &Device::Cpu).unwrap(),
-        path: target,
-        forward_seconds: 0.0,
-    };
-    let spec = Spec::load(&root().join(entry["spec"].as_str().unwrap())).unwrap();
-    let captures = vec![root().join(entry["path"].as_str().unwrap())];
-    diff(
-        &DiffInput {
-            spec: &spec,
-            captures: &captures,
-            feed: None,
-            arch: None,
-            batching: Default::default(),
-        },
-        &mut reference,
-    )
-    .unwrap()
+    let (report, stats, _) = run_entry_with(entry, false, false, None);
+    (report, stats)
 }
 
 type Names = BTreeSet<(String, Option<u64>)>;
@@ -63,10 +40,7 @@ fn found(report: &Report) -> Names {
 
 /// Runs every corpus entry of `case` and checks the findings are exactly the expected ones.
 fn check_case(case: &str) {
-    let entries: Vec<_> = manifest()
-        .into_iter()
-        .filter(|e| e["case"] == case)
-        .collect();
+    let entries: Vec<_> = corpus().into_iter().filter(|e| e["case"] == case).collect();
     assert!(!entries.is_empty(), "no corpus entries for {case}");
     for entry in &entries {
         let (report, stats) = run_entry(entry);
@@ -231,7 +205,7 @@ fn final_norm_side_is_named() {
 #[test]
 fn adjacent_boundaries_are_told_apart() {
     let mut min_margin = f64::INFINITY;
-    for entry in manifest() {
+    for entry in corpus() {
         let case = entry["case"].as_str().unwrap();
         if !case.starts_with("clean") {
             continue;
@@ -315,7 +289,7 @@ fn three_way_table_through_the_binary() {
 /// The llama SpecForge corpus entry of `case`, and a scratch directory holding eagle-check's own
 /// `run --dump` (`ref_{i}.safetensors`) of each of its samples' tokens.
 fn dump_llama_entry(case: &str, scratch_name: &str) -> (serde_json::Value, PathBuf) {
-    let entry = manifest()
+    let entry = corpus()
         .into_iter()
         .find(|e| e["arch"] == "llama" && e["case"] == case && e["format"] == "specforge")
         .unwrap();
@@ -538,7 +512,7 @@ fn captures_that_cannot_be_checked_exit_2_naming_the_file() {
 #[test]
 fn one_slot_off_is_named_on_that_slot_alone() {
     check_case("one-slot-off");
-    let entry = manifest()
+    let entry = corpus()
         .into_iter()
         .find(|e| e["case"] == "one-slot-off")
         .unwrap();
@@ -575,7 +549,7 @@ fn vllm_trailing_training_target_is_judged_apart_from_the_fc_slots() {
 /// counts, not a slot fault.
 #[test]
 fn rows_and_token_ids_of_different_lengths_cannot_be_checked() {
-    let entry = manifest()
+    let entry = corpus()
         .into_iter()
         .find(|e| e["case"] == "clean-f32" && e["format"] == "vllm")
         .unwrap();
@@ -753,35 +727,19 @@ fn diff_refuses_a_layer_mismatch_or_missing_captures_before_reading_a_weight() {
     diff(five, clean).assert_could_not_check(&["model.safetensors"]);
 }
 
-/// `entry`'s captures against its target opened as `opts` say, batched or one forward per
-/// sample (`per_sample`), with a pass budget of `budget` bytes.
+/// `entry`'s captures against its target (f32 on the CPU, streamed when `stream`), batched or
+/// one forward per sample (`per_sample`), with a pass budget of `budget` bytes.
 fn run_entry_with(
     entry: &serde_json::Value,
     stream: bool,
     per_sample: bool,
     budget: Option<u64>,
 ) -> (Report, DiffStats, RunnerReference) {
-    let arch = entry["arch"].as_str().unwrap();
-    let target = fixture(&format!("models/{arch}"));
     let opts = eagle_check::model::TargetOptions {
         stream_layers: stream,
         ..eagle_check::model::TargetOptions::new(DType::F32, &Device::Cpu)
     };
-    let mut reference = RunnerReference::open(&target, &opts).unwrap();
-    let spec = Spec::load(&root().join(entry["spec"].as_str().unwrap())).unwrap();
-    let captures = vec![root().join(entry["path"].as_str().unwrap())];
-    let (report, stats) = diff(
-        &DiffInput {
-            spec: &spec,
-            captures: &captures,
-            feed: None,
-            arch: None,
-            batching: eagle_check::diff::Batching { per_sample, budget },
-        },
-        &mut reference,
-    )
-    .unwrap();
-    (report, stats, reference)
+    diff_entry(entry, &opts, per_sample, budget)
 }
 
 /// What a diff found, as JSON: every finding (name, slot, message, count, file, sample) and
@@ -801,7 +759,7 @@ fn verdicts(report: &Report) -> (serde_json::Value, serde_json::Value) {
 #[test]
 fn batched_diff_reads_each_layer_once_and_finds_what_the_per_sample_diff_finds() {
     let mut passes = 0;
-    for entry in manifest() {
+    for entry in corpus() {
         let label = format!("{} {} {}", entry["arch"], entry["case"], entry["format"]);
         let (alone, alone_stats, _) = run_entry_with(&entry, false, true, None);
         let (batched, stats, _) = run_entry_with(&entry, false, false, None);

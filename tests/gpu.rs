@@ -522,36 +522,12 @@ fn gpu_packed_forwards_equal_each_samples_own() {
 /// on every corpus entry.
 #[test]
 fn gpu_batched_diff_equals_the_per_sample_diff() {
-    use eagle_check::diff::reference::RunnerReference;
-    use eagle_check::diff::{Batching, DiffInput, diff};
     use eagle_check::model::TargetOptions;
-    use eagle_check::spec::Spec;
     let dev = gpu();
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(fixture("captures/corpus/manifest.json")).unwrap())
-            .unwrap();
-    for entry in manifest.as_array().unwrap() {
-        let target = fixture(&format!("models/{}", entry["arch"].as_str().unwrap()));
-        let spec =
-            Spec::load(&crate::support::root().join(entry["spec"].as_str().unwrap())).unwrap();
-        let captures = vec![crate::support::root().join(entry["path"].as_str().unwrap())];
+    for entry in crate::support::corpus() {
         let run = |per_sample: bool| {
-            let mut reference =
-                RunnerReference::open(&target, &TargetOptions::new(DType::F32, &dev)).unwrap();
-            let (report, _) = diff(
-                &DiffInput {
-                    spec: &spec,
-                    captures: &captures,
-                    feed: None,
-                    arch: None,
-                    batching: Batching {
-                        per_sample,
-                        budget: None,
-                    },
-                },
-                &mut reference,
-            )
-            .unwrap();
+            let opts = TargetOptions::new(DType::F32, &dev);
+            let (report, _, _) = crate::support::diff_entry(&entry, &opts, per_sample, None);
             let findings: Vec<(String, Option<usize>)> = report
                 .findings
                 .iter()

@@ -19,6 +19,45 @@ pub fn fixture(rel: &str) -> PathBuf {
     root().join("fixtures").join(rel)
 }
 
+/// The capture corpus's entries (fixtures/captures/corpus/manifest.json).
+pub fn corpus() -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(fixture("captures/corpus/manifest.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Corpus `entry`'s captures diffed against its target opened as `opts` says, batched or one
+/// forward per sample (`per_sample`), with a pass budget of `budget` bytes.
+pub fn diff_entry(
+    entry: &serde_json::Value,
+    opts: &eagle_check::model::TargetOptions,
+    per_sample: bool,
+    budget: Option<u64>,
+) -> (
+    eagle_check::report::Report,
+    eagle_check::diff::DiffStats,
+    eagle_check::diff::reference::RunnerReference,
+) {
+    use eagle_check::diff::{Batching, DiffInput, diff};
+    let arch = entry["arch"].as_str().unwrap();
+    let target = fixture(&format!("models/{arch}"));
+    let mut reference = eagle_check::diff::reference::RunnerReference::open(&target, opts).unwrap();
+    let spec =
+        eagle_check::spec::Spec::load(&root().join(entry["spec"].as_str().unwrap())).unwrap();
+    let captures = vec![root().join(entry["path"].as_str().unwrap())];
+    let (report, stats) = diff(
+        &DiffInput {
+            spec: &spec,
+            captures: &captures,
+            feed: None,
+            arch: None,
+            batching: Batching { per_sample, budget },
+        },
+        &mut reference,
+    )
+    .unwrap();
+    (report, stats, reference)
+}
+
 pub struct Output {
     pub code: i32,
     pub stdout: String,
