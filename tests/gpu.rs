@@ -284,10 +284,7 @@ fn gpu_verdicts_equal_cpu_verdicts() {
         let (cpu, gpu) = (on("cpu"), on("cuda"));
         assert_eq!(summary(&gpu), summary(&cpu), "{bundle}: {}", gpu.stderr);
     }
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(fixture("captures/corpus/manifest.json")).unwrap())
-            .unwrap();
-    for entry in manifest.as_array().unwrap() {
+    for entry in crate::support::corpus() {
         let target = p(&fixture(&format!(
             "models/{}",
             entry["arch"].as_str().unwrap()
