@@ -279,8 +279,8 @@ mod gpu {
     /// the kernel's time (the finish pass included), timed over 20 back-to-back launches.
     fn score(reps: usize) {
         use eagle_check::kernels::cuda::{self, tensor_ptr};
-        use eagle_check::kernels::score::ScoreKernel;
-        use eagle_check::kernels::score::launch::{self, ScoreArgs, score_workspace_len};
+        use eagle_check::kernels::score::launch::{self, Table, score_workspace_len};
+        use eagle_check::kernels::score::{Job, Precision, ScoreKernel};
         let dev = cuda::open_device(0).unwrap();
         let device = Device::Cuda(dev.clone());
         let k = 3usize;
@@ -290,38 +290,31 @@ mod gpu {
             (2048, 4096, 32),
         ] {
             let n_states = 2 * l + 2;
-            let mut cands: Vec<(i32, i32)> = Vec::new();
-            for q in 0..(l + 2) as i32 {
+            let mut cands: Vec<(usize, isize)> = Vec::new();
+            for q in 0..l + 2 {
                 cands.extend([(q, 0), (q, 1), (q, -1)]);
             }
-            cands.extend(((l + 2) as i32..n_states as i32).map(|q| (q, 0)));
-            let n = cands.len();
+            cands.extend((l + 2..n_states).map(|q| (q, 0)));
             let x = Tensor::randn(0f32, 1.0, (t, k * h), &device).unwrap();
             let refs = Tensor::randn(0f32, 1.0, (n_states, t, h), &device).unwrap();
-            let states: Vec<i32> = cands.iter().map(|c| c.0).collect();
-            let shifts: Vec<i32> = cands.iter().map(|c| c.1).collect();
-            let states = Tensor::new(states.as_slice(), &device).unwrap();
-            let shifts = Tensor::new(shifts.as_slice(), &device).unwrap();
-            let ws = Tensor::zeros(score_workspace_len(t, k, n), DType::F64, &device).unwrap();
-            let out = Tensor::zeros(k * n * 3, DType::F64, &device).unwrap();
-            let rows_out = Tensor::zeros(k * n, DType::U32, &device).unwrap();
-            let args = ScoreArgs {
-                x: tensor_ptr(&x).unwrap(),
-                x_stride: k * h,
-                rows: t,
-                cols: h,
-                slots: k,
-                refs: tensor_ptr(&refs).unwrap(),
-                n_states,
-                ref_rows: t,
-                ref_stride: h,
-                cand_state: tensor_ptr(&states).unwrap(),
-                cand_shift: tensor_ptr(&shifts).unwrap(),
-                n_cand: n,
-                workspace: tensor_ptr(&ws).unwrap(),
-                out: tensor_ptr(&out).unwrap(),
-                rows_out: tensor_ptr(&rows_out).unwrap(),
+            let states: Vec<Tensor> = (0..n_states).map(|q| refs.get(q).unwrap()).collect();
+            let job = Job {
+                x: &x,
+                states: states.iter().collect(),
+                candidates: cands,
             };
+            let table = Table::of(std::slice::from_ref(&job), k, h).unwrap();
+            let n = table.n_cand;
+            let uploaded = Tensor::new(table.values.as_slice(), &device).unwrap();
+            let ws = Tensor::zeros(score_workspace_len(t, k, n), DType::F64, &device).unwrap();
+            let out = Tensor::zeros(k * n * 4, DType::F64, &device).unwrap();
+            let args = table.args(
+                tensor_ptr(&uploaded).unwrap(),
+                k,
+                h,
+                tensor_ptr(&ws).unwrap(),
+                tensor_ptr(&out).unwrap(),
+            );
             let bytes = ((t * k * h) + n_states * t * h) as f64 * 4.0;
             let floor_ms = bytes / COPY_BYTES_PER_S * 1e3;
             let mut line = serde_json::json!({
@@ -332,14 +325,14 @@ mod gpu {
                 ("per_slot", ScoreKernel::PerSlot),
                 ("vec4", ScoreKernel::Vec4),
             ] {
-                let ran = launch::score(&dev, &args, kernel).unwrap();
+                let ran = launch::score(&dev, &args, Precision::F32, kernel).unwrap();
                 assert_eq!(ran, kernel, "{name}: another kernel ran");
                 let launches = 20;
                 let time = || {
                     device.synchronize().unwrap();
                     let s = Instant::now();
                     for _ in 0..launches {
-                        launch::score(&dev, &args, kernel).unwrap();
+                        launch::score(&dev, &args, Precision::F32, kernel).unwrap();
                     }
                     device.synchronize().unwrap();
                     s.elapsed().as_secs_f64() * 1e3 / launches as f64

@@ -612,7 +612,7 @@ impl Judge<'_> {
         }
         // Each prepared sample's tokens beside its identification (a prepared sample has
         // tokens: `sample_slots` checked them), in the order the sink numbers them.
-        let (tokens, mut online): (Vec<&[i64]>, Vec<&mut OnlineSample>) = pass
+        let (tokens, online): (Vec<&[i64]>, Vec<&mut OnlineSample>) = pass
             .units
             .iter()
             .zip(prepared.iter_mut())
@@ -622,12 +622,18 @@ impl Judge<'_> {
         let start = Instant::now();
         let mut scoring = 0.0;
         if !tokens.is_empty() {
+            // Every sample of the pass scored together: a flush scores all their waiting
+            // states at once, and the best candidates are rescored together at the end.
+            let mut batch = online::Batch::new(online);
             reference.run_many(&tokens, &mut |s, what, t| {
                 let at = Instant::now();
-                let taken = online[s].take(what, t);
+                let taken = batch.take(s, what, t);
                 scoring += at.elapsed().as_secs_f64();
                 taken
             })?;
+            let at = Instant::now();
+            batch.finish()?;
+            scoring += at.elapsed().as_secs_f64();
             self.stats.passes += 1;
         }
         self.stats.reference_seconds += start.elapsed().as_secs_f64() - scoring;

@@ -21,10 +21,12 @@
 
 use super::identify::{Candidate, SlotId, State};
 use crate::error::{CandleContext, Result};
+use crate::kernels::score::{Job, Precision, score_jobs};
 use crate::model::Produced;
 use crate::score::{PairSums, Pairing, Score, View, non_finite, pair_sums, score_all};
 use crate::tolerance::{CaptureTolerance, identification_angle};
 use candle_core::{DType, Device, Tensor};
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
@@ -160,6 +162,8 @@ struct Group {
     inner: Vec<PairSums>,
     /// Per slot, the best candidate so far.
     best: Vec<Option<usize>>,
+    /// Per slot, its best candidate and their f64 score, when rescored with a batch.
+    rescored: Vec<Option<(usize, Score)>>,
     non_finite: Vec<usize>,
 }
 
@@ -277,6 +281,7 @@ impl OnlineSample {
             sums: vec![PairSums::default(); k * n],
             inner: vec![PairSums::default(); k * n],
             best: vec![None; k],
+            rescored: vec![None; k],
             non_finite: Vec::new(),
         };
         g.non_finite = (0..k).map(|i| non_finite(g.view(i, x_rows))).collect();
@@ -359,71 +364,16 @@ impl OnlineSample {
         Ok(())
     }
 
-    /// Scores the states waiting, in the order they were made: their edge rows, every slot's
-    /// sums and best candidate, the best candidates' separations; then drops what no decision
-    /// needs any more.
+    /// Scores the states waiting, in the order they were made (see [`flush_all`]).
     fn flush(&mut self) -> Result<()> {
-        let pending = std::mem::take(&mut self.pending);
-        if pending.is_empty() {
-            return Ok(());
-        }
-        if !self.keep_all {
-            for (q, edges) in self.edge_rows(&pending)? {
-                self.edges[q] = Some(edges);
-            }
-        }
-        self.score_states(&pending)?;
-        let made: Vec<usize> = pending.iter().map(|(q, _)| *q).collect();
-        self.kept.extend(pending);
-        self.follow_bests(&made)?;
-        self.ring.extend(made);
-        if !self.keep_all {
-            while self.ring.len() > RING {
-                self.ring.pop_front();
-            }
-            self.drop_unneeded();
-        }
-        Ok(())
+        flush_all(&mut [self])
     }
 
-    /// Rows `0..EDGE` and `rows - EDGE..rows` of each state, on the host (`[2 * EDGE, H]`).
-    fn edge_rows(&self, states: &[(usize, Data)]) -> Result<Vec<(usize, Vec<f32>)>> {
-        let (h, t) = (self.hidden, self.rows);
-        let what = || "the edge rows of a reference state".to_string();
-        let mut out = Vec::with_capacity(states.len());
-        let mut on_device = Vec::new();
-        for (q, data) in states {
-            match data {
-                Data::Host(v) => {
-                    let mut e = v[..EDGE * h].to_vec();
-                    e.extend_from_slice(&v[(t - EDGE) * h..t * h]);
-                    out.push((*q, e));
-                }
-                Data::Device(d) => {
-                    on_device.push(d.narrow(0, 0, EDGE).ctx(what)?);
-                    on_device.push(d.narrow(0, t - EDGE, EDGE).ctx(what)?);
-                }
-            }
-        }
-        if !on_device.is_empty() {
-            // One read-back for every state's edges.
-            let all = Tensor::cat(&on_device, 0)
-                .and_then(|e| e.flatten_all())
-                .and_then(|e| e.to_vec1::<f32>())
-                .ctx(what)?;
-            for ((q, _), e) in states.iter().zip(all.chunks(2 * EDGE * h)) {
-                out.push((*q, e.to_vec()));
-            }
-        }
-        Ok(out)
-    }
-
-    /// Every group's slots against the candidates on `states`: the sums over all rows and
-    /// over the interior, then each slot's best candidate, state by state as they were made.
-    fn score_states(&mut self, states: &[(usize, Data)]) -> Result<()> {
+    /// The candidates on `states` as (state's place in `states`, candidate, shift), in the
+    /// order the states were made and each state's candidates in list order.
+    fn candidates_on(&self, states: &[(usize, Data)]) -> Vec<(usize, usize, isize)> {
         let layout = self.layout;
-        // (state's place in `states`, candidate, shift)
-        let cands: Vec<(usize, usize, isize)> = states
+        states
             .iter()
             .enumerate()
             .flat_map(|(p, (q, _))| {
@@ -432,113 +382,166 @@ impl OnlineSample {
                     .into_iter()
                     .map(move |j| (p, j, layout.candidate(j).2))
             })
-            .collect();
-        let pairs: Vec<(usize, isize)> = cands.iter().map(|&(p, _, d)| (p, d)).collect();
-        let datas: Vec<&Data> = states.iter().map(|(_, d)| d).collect();
-        let n = layout.candidates();
-        let (rows, h, keep_all) = (self.rows, self.hidden, self.keep_all);
-        for g in &mut self.groups {
-            let full = sums_against(g, &datas, rows, h, &pairs, false)?;
-            let inner = if keep_all {
-                Vec::new()
-            } else {
-                sums_against(g, &datas, rows, h, &pairs, true)?
-            };
-            let m = cands.len();
-            for i in 0..g.k {
-                for (c, &(_, j, _)) in cands.iter().enumerate() {
-                    g.sums[i * n + j] = full[i * m + c];
-                    if !keep_all {
-                        g.inner[i * n + j] = inner[i * m + c];
-                    }
+            .collect()
+    }
+
+    /// Group `g`'s slots against `pairs` (`(state, shift)`, the state indexing `datas`): over
+    /// every row (`interior` false, the diff's sums) or over the interior rows only.
+    fn slots_ask(
+        &self,
+        g: &Group,
+        datas: &[Data],
+        pairs: &[(usize, isize)],
+        interior: bool,
+    ) -> Ask {
+        // The interior: captured rows INNER.., the states from row INNER - 1 on, so that
+        // shift s becomes s + 1 and every pairing stays inside them.
+        let (x0, r0, len, extra) = if interior {
+            (INNER, INNER - 1, self.rows - 2 * INNER, 1)
+        } else {
+            (0, 0, self.rows, 0)
+        };
+        let (host, device) = match (&g.clean, interior) {
+            (Some((clean, on_device)), true) => (clean, on_device.as_ref()),
+            _ => (&g.host, g.device.as_ref()),
+        };
+        let (x, stride, spacing) = match device {
+            Some(d) => (Data::Device(d.clone()), g.k * g.cols, g.cols),
+            None => (Data::Host(host.clone()), g.stride, g.width),
+        };
+        Ask {
+            x,
+            stride,
+            col0: 0,
+            spacing,
+            x0,
+            rows: len,
+            k: g.k,
+            cols: g.cols,
+            states: datas.to_vec(),
+            r0,
+            ref_rows: if interior { len + 2 } else { self.rows },
+            hidden: self.hidden,
+            pairs: pairs.iter().map(|&(p, s)| (p, s + extra)).collect(),
+        }
+    }
+
+    /// Every group's sums against the candidates on `states` (`full`, and `inner` over the
+    /// interior rows unless every state is kept), then each slot's best candidate, state by
+    /// state as they were made.
+    fn take_sums(
+        &mut self,
+        states: &[(usize, Data)],
+        g: usize,
+        full: &[PairSums],
+        inner: Option<&[PairSums]>,
+    ) {
+        let cands = self.candidates_on(states);
+        let n = self.layout.candidates();
+        let m = cands.len();
+        let g = &mut self.groups[g];
+        for i in 0..g.k {
+            for (c, &(_, j, _)) in cands.iter().enumerate() {
+                g.sums[i * n + j] = full[i * m + c];
+                if let Some(inner) = inner {
+                    g.inner[i * n + j] = inner[i * m + c];
                 }
-                // In the order the states were made (the candidates of each in list order).
-                for &(_, j, _) in &cands {
-                    let better = match g.best[i] {
-                        None => true,
-                        Some(b) => {
-                            let (cj, cb) = (
-                                g.sums[i * n + j].score().cosine,
-                                g.sums[i * n + b].score().cosine,
-                            );
-                            // The diff's stable sort, best first: the higher cosine, and of
-                            // equal ones the earlier candidate.
-                            cj.total_cmp(&cb).then(b.cmp(&j)).is_gt()
-                        }
-                    };
-                    if better {
-                        g.best[i] = Some(j);
+            }
+            for &(_, j, _) in &cands {
+                let better = match g.best[i] {
+                    None => true,
+                    Some(b) => {
+                        let (cj, cb) = (
+                            g.sums[i * n + j].score().cosine,
+                            g.sums[i * n + b].score().cosine,
+                        );
+                        // The diff's stable sort, best first: the higher cosine, and of
+                        // equal ones the earlier candidate.
+                        cj.total_cmp(&cb).then(b.cmp(&j)).is_gt()
                     }
+                };
+                if better {
+                    g.best[i] = Some(j);
                 }
             }
         }
-        Ok(())
     }
 
-    /// The best candidates' exact cosines with the candidates on the states just `made`, and
-    /// a new best candidate's with every state still kept.
-    fn follow_bests(&mut self, made: &[usize]) -> Result<()> {
+    /// The exact cosines the best candidates still need after the states `made`: with the
+    /// candidates on those, and a new best candidate's with every state still kept. Each is
+    /// (best candidate, columns), the other candidates it is paired with, and the scoring
+    /// (j's state as the slot, every other candidate at its shift relative to j's).
+    fn nearest_asks(&mut self, made: &[usize]) -> Vec<((usize, usize), Vec<usize>, Ask)> {
         let wanted: Vec<(usize, usize)> = self
             .groups
             .iter()
             .flat_map(|g| g.best.iter().flatten().map(move |&j| (j, g.cols)))
             .collect();
         self.near.retain(|key, _| wanted.contains(key));
-        for key in wanted {
-            let states: Vec<usize> = if self.near.contains_key(&key) {
-                made.to_vec()
-            } else {
-                self.near.insert(key, vec![None; self.layout.candidates()]);
-                self.kept.keys().copied().collect()
-            };
-            self.nearest_on(key, &states)?;
-        }
-        Ok(())
-    }
-
-    /// The exact cosines of best candidate `j` (over `cols` columns) with the candidates on
-    /// `states`, as the diff computes them: j's state as the slot, every other candidate at
-    /// its shift relative to j's.
-    fn nearest_on(&mut self, (j, cols): (usize, usize), states: &[usize]) -> Result<()> {
         let layout = self.layout;
-        let (best, qj, sj) = layout.candidate(j);
-        let Some(dj) = self.kept.get(&qj) else {
-            return Ok(());
-        };
-        let mut datas: Vec<&Data> = Vec::new();
-        let mut others: Vec<(usize, usize, isize)> = Vec::new();
-        for &p in states {
-            let Some(dp) = self.kept.get(&p) else {
+        let mut asks = Vec::new();
+        for key in wanted {
+            let states: Vec<usize> = match self.near.entry(key) {
+                Entry::Occupied(_) => made.to_vec(),
+                Entry::Vacant(new) => {
+                    new.insert(vec![None; layout.candidates()]);
+                    self.kept.keys().copied().collect()
+                }
+            };
+            let (j, cols) = key;
+            let (best, qj, sj) = layout.candidate(j);
+            let Some(dj) = self.kept.get(&qj) else {
                 continue;
             };
-            let at = datas.len();
-            datas.push(dp);
-            others.extend(
-                layout
-                    .on_state(p)
-                    .into_iter()
-                    .filter(|&i| i != j && layout.candidate(i).0 != best)
-                    .map(|i| (at, i, layout.candidate(i).2 - sj)),
-            );
+            let mut datas: Vec<Data> = Vec::new();
+            let mut others: Vec<usize> = Vec::new();
+            let mut pairs: Vec<(usize, isize)> = Vec::new();
+            for p in states {
+                let Some(dp) = self.kept.get(&p) else {
+                    continue;
+                };
+                let at = datas.len();
+                datas.push(dp.clone());
+                for i in layout.on_state(p) {
+                    if i != j && layout.candidate(i).0 != best {
+                        others.push(i);
+                        pairs.push((at, layout.candidate(i).2 - sj));
+                    }
+                }
+            }
+            if others.is_empty() {
+                continue;
+            }
+            let ask = Ask {
+                x: dj.clone(),
+                stride: self.hidden,
+                col0: 0,
+                spacing: cols,
+                x0: 0,
+                rows: self.rows,
+                k: 1,
+                cols,
+                states: datas,
+                r0: 0,
+                ref_rows: self.rows,
+                hidden: self.hidden,
+                pairs,
+            };
+            asks.push((key, others, ask));
         }
-        if others.is_empty() {
-            return Ok(());
-        }
-        let pairs: Vec<(usize, isize)> = others.iter().map(|&(p, _, d)| (p, d)).collect();
-        let sums = state_sums(dj, &datas, self.rows, self.hidden, cols, &pairs)?;
-        let near = self.near.entry((j, cols)).or_default();
-        for (&(_, i, _), s) in others.iter().zip(sums) {
-            near[i] = Some(if s.rows > 0 {
-                s.score().cosine
-            } else {
-                f64::NAN
-            });
-        }
-        Ok(())
+        asks
     }
 
-    /// Drops the states neither the ring nor a best candidate holds.
-    fn drop_unneeded(&mut self) {
+    /// After a flush: the ring holds the states made last, and the states neither it nor a
+    /// best candidate holds are dropped.
+    fn keep_made(&mut self, made: Vec<usize>) {
+        self.ring.extend(made);
+        if self.keep_all {
+            return;
+        }
+        while self.ring.len() > RING {
+            self.ring.pop_front();
+        }
         let layout = self.layout;
         let bests: Vec<usize> = self
             .groups
@@ -581,8 +584,9 @@ impl OnlineSample {
         Ok(Some(out))
     }
 
-    /// Slot `i` of `group`, as `identify_slots` would decide it.
-    fn identify(&self, group: &Group, i: usize) -> Result<Option<SlotId>> {
+    /// Slot `i`'s scores against every candidate, and the candidates best first (the
+    /// diff's stable sort).
+    fn ranked(&self, group: &Group, i: usize) -> (Vec<Score>, Vec<usize>) {
         let n = self.layout.candidates();
         let scores: Vec<Score> = group.sums[i * n..(i + 1) * n]
             .iter()
@@ -590,6 +594,37 @@ impl OnlineSample {
             .collect();
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by(|&a, &b| scores[b].cosine.total_cmp(&scores[a].cosine));
+        (scores, order)
+    }
+
+    /// On a device: slot `i` of `group` against candidate `j` in f64, as a scoring to run
+    /// (`None` on the host, or when j's state is not kept).
+    fn rescore_ask(&self, group: &Group, i: usize, j: usize) -> Option<Ask> {
+        let (_, qj, sj) = self.layout.candidate(j);
+        let (Some(x), Some(state)) = (&group.device, self.kept.get(&qj)) else {
+            return None;
+        };
+        Some(Ask {
+            x: Data::Device(x.clone()),
+            stride: group.k * group.cols,
+            col0: i * group.cols,
+            spacing: group.cols,
+            x0: 0,
+            rows: self.rows,
+            k: 1,
+            cols: group.cols,
+            states: vec![state.clone()],
+            r0: 0,
+            ref_rows: self.rows,
+            hidden: self.hidden,
+            pairs: vec![(0, sj)],
+        })
+    }
+
+    /// Slot `i` of `group`, as `identify_slots` would decide it.
+    fn identify(&self, group: &Group, i: usize) -> Result<Option<SlotId>> {
+        let n = self.layout.candidates();
+        let (scores, order) = self.ranked(group, i);
         let Some(&j) = order.first() else {
             return Ok(None);
         };
@@ -599,13 +634,14 @@ impl OnlineSample {
             // decision: let the sample's own forward decide.
             return Ok(None);
         };
-        let score = match (state, &group.device) {
-            (Data::Device(c), Some(x)) => {
-                let what = || "rescoring the best candidate".to_string();
-                let x = x.narrow(1, i * group.cols, group.cols).ctx(what)?;
-                rescore_on_device(&x, c, group.cols, sj).ctx(what)?
+        let score = match (group.rescored[i], self.rescore_ask(group, i, j)) {
+            // Rescored with every sample of its batch (`Batch::finish`).
+            (Some((rj, score)), _) if rj == j => score,
+            (_, Some(ask)) => {
+                let sums = run_asks(&[ask], Precision::F64, "rescoring the best candidate")?;
+                sums[0][0].score()
             }
-            _ => {
+            (_, None) => {
                 let x = group.view(i, self.rows);
                 rescore(x, state, self.rows, self.hidden, group.cols, sj)?
             }
@@ -756,160 +792,317 @@ struct Separation {
     upper: f64,
 }
 
-/// Group `g`'s slots against `pairs` (`(state, shift)`, the state indexing `datas`),
-/// slot-major `[k, pairs]`: over every row (`interior` false, the diff's sums) or over the
-/// interior rows only.
-fn sums_against(
-    g: &Group,
-    datas: &[&Data],
-    rows: usize,
-    h: usize,
-    pairs: &[(usize, isize)],
-    interior: bool,
-) -> Result<Vec<PairSums>> {
-    let what = || "scoring a reference state".to_string();
-    // The interior: captured rows INNER.., the states from row INNER - 1 on, so that shift s
-    // becomes s + 1 and every pairing stays inside them.
-    let (x0, r0, len, extra) = if interior {
-        (INNER, INNER - 1, rows - 2 * INNER, 1)
-    } else {
-        (0, 0, rows, 0)
-    };
-    let ref_rows = if interior { len + 2 } else { rows };
-    let shifted: Vec<(usize, isize)> = pairs.iter().map(|&(p, s)| (p, s + extra)).collect();
-    let (host, device) = match (&g.clean, interior) {
-        (Some((clean, on_device)), true) => (clean.as_slice(), on_device.as_ref()),
-        _ => (g.host.as_slice(), g.device.as_ref()),
-    };
-    if let Some(x) = device {
-        let refs = stack(datas, r0, ref_rows)?;
-        let x = x.narrow(0, x0, len).ctx(what)?;
-        return crate::kernels::score::score_slots(&x, g.k, g.cols, &refs, &shifted).ctx(what);
-    }
-    let xs: Vec<View> = (0..g.k)
-        .map(|i| {
-            let full = View {
-                data: host,
-                ..g.view(i, rows)
-            };
-            View {
-                data: &full.data[x0 * g.stride..],
-                rows: len,
-                ..full
-            }
-        })
+/// Scores the states every sample has waiting, together: on a GPU one read-back for all their
+/// edge rows, one launch and read-back per slot shape for every sample's sums, and one for the
+/// best candidates' exact cosines; then each sample drops what no decision needs any more. A
+/// sample's decisions are those of scoring it alone, in any grouping of its states.
+pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
+    let pending: Vec<Vec<(usize, Data)>> = samples
+        .iter_mut()
+        .map(|s| std::mem::take(&mut s.pending))
         .collect();
-    let states = host_views(datas, r0, ref_rows, h, g.cols)?;
-    Ok(pair_sums(&xs, &states, &shifted))
+    if pending.iter().all(Vec::is_empty) {
+        return Ok(());
+    }
+    // Their edge rows, for the bound.
+    let wanting: Vec<(usize, &(usize, Data))> = samples
+        .iter()
+        .zip(&pending)
+        .enumerate()
+        .filter(|(_, (s, _))| !s.keep_all)
+        .flat_map(|(i, (_, p))| p.iter().map(move |st| (i, st)))
+        .collect();
+    let rows: Vec<usize> = wanting.iter().map(|&(i, _)| samples[i].rows).collect();
+    let edges = edge_rows(
+        &wanting.iter().map(|(_, st)| &st.1).collect::<Vec<_>>(),
+        &rows,
+    )?;
+    for ((i, (q, _)), e) in wanting.iter().zip(edges) {
+        samples[*i].edges[*q] = Some(e);
+    }
+    // Every group's sums against the new states.
+    let mut asks = Vec::new();
+    let mut whose = Vec::new();
+    for (i, (s, p)) in samples.iter().zip(&pending).enumerate() {
+        if p.is_empty() {
+            continue;
+        }
+        let pairs: Vec<(usize, isize)> = s
+            .candidates_on(p)
+            .iter()
+            .map(|&(at, _, d)| (at, d))
+            .collect();
+        let datas: Vec<Data> = p.iter().map(|(_, d)| d.clone()).collect();
+        for (g, group) in s.groups.iter().enumerate() {
+            asks.push(s.slots_ask(group, &datas, &pairs, false));
+            if !s.keep_all {
+                asks.push(s.slots_ask(group, &datas, &pairs, true));
+            }
+            whose.push((i, g));
+        }
+    }
+    let mut sums = run_asks(&asks, Precision::F32, "scoring reference states")?.into_iter();
+    for (i, g) in whose {
+        let s = &mut *samples[i];
+        let full = sums.next().unwrap_or_default();
+        let inner = if s.keep_all { None } else { sums.next() };
+        s.take_sums(&pending[i], g, &full, inner.as_deref());
+    }
+    // The best candidates' separations, then what is kept.
+    let mut made = Vec::with_capacity(samples.len());
+    for (s, p) in samples.iter_mut().zip(pending) {
+        made.push(p.iter().map(|(q, _)| *q).collect::<Vec<_>>());
+        s.kept.extend(p);
+    }
+    let mut asks = Vec::new();
+    let mut whose = Vec::new();
+    for (i, (s, m)) in samples.iter_mut().zip(&made).enumerate() {
+        for (key, others, ask) in s.nearest_asks(m) {
+            asks.push(ask);
+            whose.push((i, key, others));
+        }
+    }
+    let sums = run_asks(&asks, Precision::F32, "separating two states")?;
+    for ((i, key, others), sums) in whose.into_iter().zip(sums) {
+        let near = samples[i].near.entry(key).or_default();
+        for (c, s) in others.into_iter().zip(sums) {
+            near[c] = Some(if s.rows > 0 {
+                s.score().cosine
+            } else {
+                f64::NAN
+            });
+        }
+    }
+    for (s, m) in samples.iter_mut().zip(made) {
+        s.keep_made(m);
+    }
+    Ok(())
 }
 
-/// Rows `r0..r0 + rows` of each host state, as views of their first `cols` columns.
-fn host_views<'a>(
-    datas: &[&'a Data],
+/// Several samples identified together: the states each takes wait until their values reach
+/// what the samples' own batches would hold (at most [`FLUSH_VALUES`]), then all are scored
+/// in one [`flush_all`], and the best candidates of all are rescored together at the end.
+pub struct Batch<'a> {
+    samples: Vec<&'a mut OnlineSample>,
+    waiting: usize,
+    limit: usize,
+}
+
+/// Values waiting across the samples of a [`Batch`] at most (f32: 512 MiB): what a pass holds
+/// beside its forward, enough for several 8B-shape samples' every state at T = 128.
+pub const FLUSH_VALUES: usize = 1 << 27;
+
+impl<'a> Batch<'a> {
+    pub fn new(mut samples: Vec<&'a mut OnlineSample>) -> Batch<'a> {
+        let own: usize = samples
+            .iter()
+            .map(|s| s.batch.saturating_mul(s.rows * s.hidden))
+            .fold(0, usize::saturating_add);
+        for s in &mut samples {
+            s.batch = usize::MAX;
+        }
+        Batch {
+            samples,
+            waiting: 0,
+            limit: own.clamp(1, FLUSH_VALUES),
+        }
+    }
+
+    /// Sample `s` takes a state (see [`OnlineSample::take`]).
+    pub fn take(&mut self, s: usize, what: Produced, xs: &Tensor) -> Result<()> {
+        let sample = &mut *self.samples[s];
+        let before = sample.pending.len();
+        sample.take(what, xs)?;
+        self.waiting += (sample.pending.len() - before) * sample.rows * sample.hidden;
+        if self.waiting >= self.limit {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.waiting = 0;
+        flush_all(&mut self.samples)
+    }
+
+    /// Scores what is still waiting and rescores every slot's best candidate (on a GPU one
+    /// launch for all): each sample is then ready for [`OnlineSample::finish`].
+    pub fn finish(mut self) -> Result<()> {
+        self.flush()?;
+        rescore_all(&mut self.samples)
+    }
+}
+
+/// Every slot's best candidate again in f64 throughout (`score_all`'s arithmetic), kept for
+/// [`OnlineSample::finish`]: on a GPU in one launch for every sample.
+fn rescore_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
+    let mut asks = Vec::new();
+    let mut whose = Vec::new();
+    for (i, s) in samples.iter().enumerate() {
+        if !s.tensors || s.undecided {
+            continue;
+        }
+        for (g, group) in s.groups.iter().enumerate() {
+            for slot in 0..group.k {
+                let j = s.ranked(group, slot).1[0];
+                if let Some(ask) = s.rescore_ask(group, slot, j) {
+                    asks.push(ask);
+                    whose.push((i, g, slot, j));
+                }
+            }
+        }
+    }
+    let sums = run_asks(&asks, Precision::F64, "rescoring the best candidate")?;
+    for ((i, g, slot, j), s) in whose.into_iter().zip(sums) {
+        if let Some(s) = s.first() {
+            samples[i].groups[g].rescored[slot] = Some((j, s.score()));
+        }
+    }
+    Ok(())
+}
+
+/// One scoring a flush asks for: `k` slots of `cols` columns, `spacing` apart from column
+/// `col0` in rows of `stride`, rows `x0..x0 + rows` of `x`, against rows `r0..r0 + ref_rows` of `states` (rows
+/// of `hidden`) for each `(state, shift)` of `pairs`.
+struct Ask {
+    x: Data,
+    stride: usize,
+    col0: usize,
+    spacing: usize,
+    x0: usize,
+    rows: usize,
+    k: usize,
+    cols: usize,
+    states: Vec<Data>,
     r0: usize,
-    rows: usize,
-    h: usize,
-    cols: usize,
-) -> Result<Vec<View<'a>>> {
-    datas
-        .iter()
-        .map(|d| match d {
-            Data::Host(v) => Ok(View {
-                data: &v[r0 * h..],
-                rows,
-                stride: h,
-                col: 0,
-                cols,
-            }),
-            Data::Device(_) => Err(crate::error::Error::Device(
-                "a reference state on the device among host ones".into(),
-            )),
-        })
-        .collect()
+    ref_rows: usize,
+    hidden: usize,
+    pairs: Vec<(usize, isize)>,
 }
 
-/// Rows `r0..r0 + rows` of each device state, stacked `[states, rows, H]`.
-fn stack(datas: &[&Data], r0: usize, rows: usize) -> Result<Tensor> {
-    let what = || "stacking reference states".to_string();
-    let parts = datas
-        .iter()
-        .map(|d| match d {
-            Data::Device(t) => t.narrow(0, r0, rows).ctx(what),
-            Data::Host(_) => Err(crate::error::Error::Device(
-                "a reference state on the host among device ones".into(),
-            )),
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Tensor::stack(&parts, 0).ctx(what)
-}
-
-/// State `a` (its first `cols` columns, as one slot) against `pairs` of the states `bs`.
-fn state_sums(
-    a: &Data,
-    bs: &[&Data],
-    rows: usize,
-    h: usize,
-    cols: usize,
-    pairs: &[(usize, isize)],
-) -> Result<Vec<PairSums>> {
-    match a {
-        Data::Host(x) => {
-            let x = View {
-                data: x,
-                rows,
-                stride: h,
-                col: 0,
-                cols,
+/// Every ask's sums, slot-major (`[k, pairs]`): host asks by [`pair_sums`], device ones by
+/// [`crate::kernels::score::score_jobs`], one launch per slot shape.
+/// In `precision` F64 the device asks' sums are `score_all`'s arithmetic (the rescoring); the
+/// host asks are always [`pair_sums`]'s.
+fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<PairSums>>> {
+    let ctx = || what.to_string();
+    let mut out: Vec<Vec<PairSums>> = vec![Vec::new(); asks.len()];
+    // Device asks by slot shape: (k, cols) -> the asks' indices.
+    let mut shapes: BTreeMap<(usize, usize), Vec<usize>> = BTreeMap::new();
+    for (i, a) in asks.iter().enumerate() {
+        match &a.x {
+            Data::Host(x) => {
+                let xs: Vec<View> = (0..a.k)
+                    .map(|s| View {
+                        data: &x[a.x0 * a.stride..],
+                        rows: a.rows,
+                        stride: a.stride,
+                        col: a.col0 + s * a.spacing,
+                        cols: a.cols,
+                    })
+                    .collect();
+                let states = a
+                    .states
+                    .iter()
+                    .map(|d| match d {
+                        Data::Host(v) => Ok(View {
+                            data: &v[a.r0 * a.hidden..],
+                            rows: a.ref_rows,
+                            stride: a.hidden,
+                            col: 0,
+                            cols: a.cols,
+                        }),
+                        Data::Device(_) => Err(crate::error::Error::Device(
+                            "a reference state on the device among host ones".into(),
+                        )),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                out[i] = pair_sums(&xs, &states, &a.pairs);
+            }
+            Data::Device(_) => shapes.entry((a.k, a.cols)).or_default().push(i),
+        }
+    }
+    for ((k, cols), which) in shapes {
+        let mut xs = Vec::with_capacity(which.len());
+        let mut states = Vec::with_capacity(which.len());
+        for &i in &which {
+            let a = &asks[i];
+            let Data::Device(x) = &a.x else {
+                unreachable!("sorted by where x is")
             };
-            let states = host_views(bs, 0, rows, h, cols)?;
-            Ok(pair_sums(&[x], &states, pairs))
+            xs.push(
+                x.narrow(0, a.x0, a.rows)
+                    .and_then(|x| x.narrow(1, a.col0, x.dim(1)? - a.col0))
+                    .ctx(ctx)?,
+            );
+            let st = a
+                .states
+                .iter()
+                .map(|d| match d {
+                    Data::Device(t) => t.narrow(0, a.r0, a.ref_rows).ctx(ctx),
+                    Data::Host(_) => Err(crate::error::Error::Device(
+                        "a reference state on the host among device ones".into(),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            states.push(st);
         }
-        Data::Device(x) => {
-            let refs = stack(bs, 0, rows)?;
-            crate::kernels::score::score_slots(x, 1, cols, &refs, pairs)
-                .ctx(|| "separating two states".to_string())
+        let jobs: Vec<Job> = which
+            .iter()
+            .zip(&xs)
+            .zip(&states)
+            .map(|((&i, x), st)| Job {
+                x,
+                states: st.iter().collect(),
+                candidates: asks[i].pairs.clone(),
+            })
+            .collect();
+        let sums = score_jobs(&jobs, k, cols, precision).ctx(ctx)?;
+        for (i, s) in which.into_iter().zip(sums) {
+            out[i] = s;
         }
     }
+    Ok(out)
 }
 
-/// [`rescore`] on the device: `x` `[T, cols]` against rows `t + shift` of `state`'s first
-/// `cols` columns, in f64, non-finite captured values left out with the reference values
-/// beside them (as `score_all` does); only the three sums come back.
-fn rescore_on_device(
-    x: &Tensor,
-    state: &Tensor,
-    cols: usize,
-    shift: isize,
-) -> candle_core::Result<Score> {
-    let t = x.dim(0)?;
-    let (x0, c0) = if shift >= 0 {
-        (0, shift as usize)
-    } else {
-        ((-shift) as usize, 0)
-    };
-    let n = t.saturating_sub(x0.max(c0));
-    if n == 0 {
-        return Ok(Score::from_sums(0.0, 0.0, 0.0, 0));
+/// Rows `0..EDGE` and `rows - EDGE..rows` of each state, on the host (`[2 * EDGE, H]`): one
+/// read-back for every device state.
+fn edge_rows(states: &[&Data], rows: &[usize]) -> Result<Vec<Vec<f32>>> {
+    let what = || "the edge rows of a reference state".to_string();
+    let mut out: Vec<Option<Vec<f32>>> = vec![None; states.len()];
+    let mut on_device = Vec::new();
+    let mut device_at = Vec::new();
+    for (i, (data, &t)) in states.iter().zip(rows).enumerate() {
+        match data {
+            Data::Host(v) => {
+                let h = v.len() / t.max(1);
+                let mut e = v[..EDGE * h].to_vec();
+                e.extend_from_slice(&v[(t - EDGE) * h..t * h]);
+                out[i] = Some(e);
+            }
+            Data::Device(d) => {
+                for r0 in [0, t - EDGE] {
+                    on_device.push(
+                        d.narrow(0, r0, EDGE)
+                            .and_then(|e| e.flatten_all())
+                            .ctx(what)?,
+                    );
+                }
+                device_at.push((i, 2 * EDGE * d.dim(1).ctx(what)?));
+            }
+        }
     }
-    let xs = x.narrow(0, x0, n)?.to_dtype(DType::F64)?;
-    let cs = state
-        .narrow(0, c0, n)?
-        .narrow(1, 0, cols)?
-        .to_dtype(DType::F64)?;
-    let finite = xs.abs()?.lt(f64::INFINITY)?;
-    let zeros = xs.zeros_like()?;
-    let xs = finite.where_cond(&xs, &zeros)?;
-    let cs = finite.where_cond(&cs, &zeros)?;
-    let sums = Tensor::stack(
-        &[
-            (&xs * &xs)?.sum_all()?,
-            (&xs * &cs)?.sum_all()?,
-            (&cs * &cs)?.sum_all()?,
-        ],
-        0,
-    )?
-    .to_vec1::<f64>()?;
-    Ok(Score::from_sums(sums[0], sums[1], sums[2], n))
+    if !on_device.is_empty() {
+        let all = Tensor::cat(&on_device, 0)
+            .and_then(|e| e.to_vec1::<f32>())
+            .ctx(what)?;
+        let mut at = 0;
+        for (i, len) in device_at {
+            out[i] = Some(all[at..at + len].to_vec());
+            at += len;
+        }
+    }
+    Ok(out.into_iter().flatten().collect())
 }
 
 /// The best pair again in f64 throughout (`score_all`), the state read on the host.
@@ -1009,22 +1202,29 @@ mod tests {
         }
     }
 
-    /// Feeds `refs` to `online` in a layer-major forward's order.
-    fn feed(online: &mut OnlineSample, refs: &RefStates) {
+    /// `refs` as a layer-major forward makes them.
+    fn sequence(refs: &RefStates) -> Vec<(Produced, Tensor)> {
         let (t, h, l) = (refs.rows(), refs.hidden_size, refs.num_layers);
-        let tensor = |v: &Vec<f32>| Tensor::from_slice(v, (t, h), &Device::Cpu).unwrap();
-        let mut take = |what, v: &Option<Vec<f32>>| {
-            online.take(what, &tensor(v.as_ref().unwrap())).unwrap();
+        let tensor = |v: &Option<Vec<f32>>| {
+            Tensor::from_slice(v.as_ref().unwrap(), (t, h), &Device::Cpu).unwrap()
         };
-        take(Produced::Boundary(0), &refs.boundaries[0]);
+        let mut out = vec![(Produced::Boundary(0), tensor(&refs.boundaries[0]))];
         for i in 0..l {
-            take(Produced::LayerOutput(i), &refs.no_residual[i + 1]);
+            out.push((Produced::LayerOutput(i), tensor(&refs.no_residual[i + 1])));
             if i + 1 < l {
-                take(Produced::Boundary(i + 1), &refs.boundaries[i + 1]);
+                out.push((Produced::Boundary(i + 1), tensor(&refs.boundaries[i + 1])));
             }
         }
-        take(Produced::FinalPreNorm, &refs.final_pre_norm);
-        take(Produced::Boundary(l), &refs.boundaries[l]);
+        out.push((Produced::FinalPreNorm, tensor(&refs.final_pre_norm)));
+        out.push((Produced::Boundary(l), tensor(&refs.boundaries[l])));
+        out
+    }
+
+    /// Feeds `refs` to `online` in a layer-major forward's order.
+    fn feed(online: &mut OnlineSample, refs: &RefStates) {
+        for (what, t) in sequence(refs) {
+            online.take(what, &t).unwrap();
+        }
     }
 
     /// Slots made from `refs`: boundary b exactly, shifted by a token, what a layer added, a
@@ -1109,6 +1309,19 @@ mod tests {
         batch: usize,
         tensors: bool,
     ) -> Option<Vec<SlotId>> {
+        let (mut online, g) = sample_of(refs, packed, k, batch, tensors);
+        feed(&mut online, refs);
+        online.finish(g, 0).unwrap()
+    }
+
+    /// A sample for the case's slots, before its states, and its group.
+    fn sample_of(
+        refs: &RefStates,
+        packed: &[f32],
+        k: usize,
+        batch: usize,
+        tensors: bool,
+    ) -> (OnlineSample, usize) {
         let tol = CaptureTolerance::for_dtype(CaptureDType::F32);
         let (l, t, h) = (refs.num_layers, refs.rows(), refs.hidden_size);
         let mut online = OnlineSample::new(l, h, t, tol, &Device::Cpu).scored_in_batches_of(batch);
@@ -1118,8 +1331,70 @@ mod tests {
         let g = online
             .group(Arc::new(packed.to_vec()), t, k * h, h, k)
             .unwrap();
-        feed(&mut online, refs);
-        online.finish(g, 0).unwrap()
+        (online, g)
+    }
+
+    /// Every case's sample in one [`Batch`], their states interleaved as a layer-major pass
+    /// over all of them makes them and flushed together at several limits: each sample's
+    /// decisions are its own alone (on the host path; through tensors, scored by one job per
+    /// sample in one call, its scores to rounding).
+    #[test]
+    fn samples_scored_together_decide_as_each_alone() {
+        let cases: Vec<_> = CASES
+            .iter()
+            .map(|&(l, t, h, step, seed)| case(l, t, h, step, seed))
+            .collect();
+        let alone: Vec<Option<Vec<SlotId>>> = cases
+            .iter()
+            .map(|(refs, packed, k, _)| identify_online(refs, packed, *k, 1, false))
+            .collect();
+        let seqs: Vec<Vec<(Produced, Tensor)>> =
+            cases.iter().map(|(refs, ..)| sequence(refs)).collect();
+        let longest = seqs.iter().map(Vec::len).max().unwrap();
+        let mut decided = 0;
+        for tensors in [false, true] {
+            for limit in [1, 3000, 40_000, usize::MAX] {
+                let mut samples: Vec<(OnlineSample, usize)> = cases
+                    .iter()
+                    .map(|(refs, packed, k, _)| sample_of(refs, packed, *k, 1, tensors))
+                    .collect();
+                let mut batch = Batch::new(samples.iter_mut().map(|(s, _)| s).collect());
+                batch.limit = limit;
+                for step in 0..longest {
+                    for (s, seq) in seqs.iter().enumerate() {
+                        if let Some((what, t)) = seq.get(step) {
+                            batch.take(s, *what, t).unwrap();
+                        }
+                    }
+                }
+                batch.finish().unwrap();
+                for (i, ((online, g), want)) in samples.iter_mut().zip(&alone).enumerate() {
+                    let got = online.finish(*g, 0).unwrap();
+                    let what = format!("case {i} limit {limit} tensors {tensors}");
+                    assert_eq!(got.is_some(), want.is_some(), "{what}");
+                    let (Some(got), Some(want)) = (got, want) else {
+                        continue;
+                    };
+                    for (o, w) in got.iter().zip(want) {
+                        assert_eq!(
+                            (o.found, o.best, o.runner_up, o.scaled, o.exact, o.ambiguous),
+                            (w.found, w.best, w.runner_up, w.scaled, w.exact, w.ambiguous),
+                            "{what} slot {}",
+                            w.slot
+                        );
+                        let close = |a: f64, b: f64| match tensors {
+                            false => a.to_bits() == b.to_bits(),
+                            true => (a - b).abs() <= 1e-9,
+                        };
+                        assert!(close(o.score.cosine, w.score.cosine), "{what}");
+                        assert!(close(o.margin, w.margin), "{what}");
+                        assert!(close(o.identify_angle, w.identify_angle), "{what}");
+                        decided += 1;
+                    }
+                }
+            }
+        }
+        assert!(decided >= 2 * 4 * 7 * 8, "{decided} slots decided");
     }
 
     /// The batched identification decides every slot as `identify_slots` does; how many
@@ -1358,8 +1633,9 @@ mod tests {
     }
 
     /// The device's f64 rescoring is `score_all`'s: the same rows paired at every shift, the
-    /// non-finite captured values left out with their partners (run here on the CPU's tensors,
-    /// the same candle ops a GPU runs).
+    /// non-finite captured values left out with their partners, the slot read from its own
+    /// columns of the group's packing (run here on the CPU's tensors through the same asks a
+    /// GPU runs).
     #[test]
     fn the_device_rescoring_is_score_alls() {
         let (t, h) = (12, 8);
@@ -1368,7 +1644,17 @@ mod tests {
         x[9] = f32::NAN;
         x[50] = f32::NEG_INFINITY;
         let c = noise.vec(t * h, 1.0);
-        let xt = Tensor::from_slice(&x, (t, h), &Device::Cpu).unwrap();
+        // Two slots packed [t, 2h]: noise, then x.
+        let other = noise.vec(t * h, 1.0);
+        let packed: Vec<f32> = (0..t)
+            .flat_map(|r| {
+                other[r * h..(r + 1) * h]
+                    .iter()
+                    .chain(&x[r * h..(r + 1) * h])
+            })
+            .copied()
+            .collect();
+        let xt = Tensor::from_vec(packed, (t, 2 * h), &Device::Cpu).unwrap();
         let ct = Tensor::from_slice(&c, (t, h), &Device::Cpu).unwrap();
         for shift in [-1isize, 0, 1] {
             let want = score_all(
@@ -1378,7 +1664,22 @@ mod tests {
                     shift,
                 }],
             )[0];
-            let got = rescore_on_device(&xt, &ct, h, shift).unwrap();
+            let ask = Ask {
+                x: Data::Device(xt.clone()),
+                stride: 2 * h,
+                col0: h,
+                spacing: h,
+                x0: 0,
+                rows: t,
+                k: 1,
+                cols: h,
+                states: vec![Data::Device(ct.clone())],
+                r0: 0,
+                ref_rows: t,
+                hidden: h,
+                pairs: vec![(0, shift)],
+            };
+            let got = run_asks(&[ask], Precision::F64, "rescoring").unwrap()[0][0].score();
             assert_eq!(got.rows, want.rows, "shift {shift}");
             for (a, b) in [
                 (got.cosine, want.cosine),

@@ -106,8 +106,26 @@ pub fn score_slots_cpu(
     pair_sums(&xs, &states, candidates)
 }
 
-/// The kernel [`score_slots`] launches.
+/// The kernel [`score_jobs`] launches for f32 sums.
 pub const SCORE_KERNEL: ScoreKernel = ScoreKernel::Vec4;
+
+/// How a launch sums: f32 per thread before a double reduction (the scoring), or f64
+/// products and sums throughout (the exact rescoring of a best candidate, `score_all`'s
+/// arithmetic).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    F32,
+    F64,
+}
+
+/// One set of slots against its own reference states: `x` `[rows, >= slots * cols]` f32 (any
+/// row stride), `states` each `[ref_rows, >= cols]` f32 with one row stride, candidates
+/// `(index into states, shift)`. A batch of samples is one job per sample, scored in one launch.
+pub struct Job<'a> {
+    pub x: &'a Tensor,
+    pub states: Vec<&'a Tensor>,
+    pub candidates: Vec<(usize, isize)>,
+}
 
 /// Scores `slots` slots of `cols` columns of `x`: `[rows, >= slots * cols]` f32 (any row
 /// stride) against `refs`: `[n_states, ref_rows, >= cols]` f32 for every candidate
@@ -122,157 +140,355 @@ pub fn score_slots(
     refs: &Tensor,
     candidates: &[(usize, isize)],
 ) -> Result<Vec<PairSums>> {
-    if x.dtype() != DType::F32 || refs.dtype() != DType::F32 {
-        candle_core::bail!("score_slots: x and refs must be f32");
+    let n_states = refs.dims3()?.0;
+    let states = (0..n_states)
+        .map(|q| refs.get(q))
+        .collect::<Result<Vec<_>>>()?;
+    let job = Job {
+        x,
+        states: states.iter().collect(),
+        candidates: candidates.to_vec(),
+    };
+    let mut out = score_jobs(&[job], slots, cols, Precision::F32)?;
+    Ok(out.pop().unwrap_or_default())
+}
+
+/// Every job's slots against its candidates, in one launch on a GPU (one read-back for all):
+/// per job the sums slot-major (`[slots, candidates]`), on the host.
+pub fn score_jobs(
+    jobs: &[Job],
+    slots: usize,
+    cols: usize,
+    precision: Precision,
+) -> Result<Vec<Vec<PairSums>>> {
+    score_jobs_with(jobs, slots, cols, precision, SCORE_KERNEL).map(|(sums, _)| sums)
+}
+
+/// Where one job's rows sit.
+struct JobShape {
+    x: super::Matrix,
+    ref_rows: usize,
+    ref_stride: usize,
+    states: Vec<super::Matrix>,
+}
+
+/// Checks a job against `slots` x `cols` and reads its layouts.
+fn job_shape(job: &Job, slots: usize, cols: usize) -> Result<JobShape> {
+    let f32s = std::iter::once(job.x).chain(job.states.iter().copied());
+    if f32s.into_iter().any(|t| t.dtype() != DType::F32) {
+        candle_core::bail!("score_jobs: x and the states must be f32");
     }
-    let (rows, x_cols) = x.dims2()?;
-    let (n_states, ref_rows, ref_cols) = refs.dims3()?;
-    if x_cols < slots * cols || ref_cols < cols {
+    let x = super::Matrix::of(job.x.layout(), "score x")?;
+    if job.x.rank() != 2 || x.cols < slots * cols {
         candle_core::bail!(
-            "score_slots: {slots} slots of {cols} need {} columns of x (found {x_cols}) and {cols} \
-             of the references (found {ref_cols})",
-            slots * cols
+            "score_jobs: {slots} slots of {cols} need [rows, >= {}] of x, found {:?}",
+            slots * cols,
+            job.x.dims()
         );
     }
-    if let Some(&(q, _)) = candidates.iter().find(|(q, _)| *q >= n_states) {
-        candle_core::bail!("score_slots: candidate state {q} outside 0..{n_states}");
+    let states = job
+        .states
+        .iter()
+        .map(|s| super::Matrix::of(s.layout(), "score state"))
+        .collect::<Result<Vec<_>>>()?;
+    let (ref_rows, ref_stride) = states.first().map_or((0, cols), |m| (m.rows, m.stride));
+    for (q, (m, t)) in states.iter().zip(&job.states).enumerate() {
+        if t.rank() != 2 || m.rows != ref_rows || m.cols < cols || m.stride != ref_stride {
+            candle_core::bail!(
+                "score_jobs: state {q} is {:?} (row stride {}), where the job's states are \
+                 [{ref_rows}, >= {cols}] with row stride {ref_stride}",
+                t.dims(),
+                m.stride
+            );
+        }
     }
-    let refs = refs.contiguous()?;
-    let xm = super::Matrix::of(x.layout(), "score x")?;
-    let shape = ScoreShape {
-        rows,
-        cols,
-        slots,
-        x_stride: xm.stride,
-        n_states,
+    if let Some(&(q, _)) = job.candidates.iter().find(|(q, _)| *q >= states.len()) {
+        candle_core::bail!(
+            "score_jobs: candidate state {q} outside 0..{}",
+            states.len()
+        );
+    }
+    Ok(JobShape {
+        x,
         ref_rows,
-        ref_stride: ref_cols,
+        ref_stride,
+        states,
+    })
+}
+
+/// [`score_jobs`] with the f32 kernel chosen (the tests run both); returns the kernel that ran
+/// (`None` on the CPU).
+fn score_jobs_with(
+    jobs: &[Job],
+    slots: usize,
+    cols: usize,
+    precision: Precision,
+    kernel: ScoreKernel,
+) -> Result<(Vec<Vec<PairSums>>, Option<ScoreKernel>)> {
+    let Some(first) = jobs.first() else {
+        return Ok((Vec::new(), None));
     };
-    match x.device() {
+    match first.x.device() {
         Device::Cpu => {
-            let (xs, _) = x.storage_and_layout();
-            let xv = match &*xs {
-                candle_core::Storage::Cpu(c) => xm.slice(c.as_slice::<f32>()?, "score x")?.to_vec(),
-                _ => unreachable!("a CPU tensor has CPU storage"),
-            };
-            drop(xs);
-            let rv = refs.flatten_all()?.to_vec1::<f32>()?;
-            Ok(score_slots_cpu(&xv, &rv, &shape, candidates))
+            let _ = kernel; // one CPU pass
+            let sums = jobs
+                .iter()
+                .map(|job| score_job_cpu(job, slots, cols, precision))
+                .collect::<Result<_>>()?;
+            Ok((sums, None))
         }
         #[cfg(feature = "cuda")]
-        Device::Cuda(dev) => Ok(score_on_gpu(dev, x, &refs, &shape, candidates, SCORE_KERNEL)?.0),
-        other => candle_core::bail!("score_slots: no kernel for {:?}", other.location()),
+        Device::Cuda(dev) => {
+            let (sums, ran) = score_on_gpu(dev, jobs, slots, cols, precision, kernel)?;
+            Ok((sums, Some(ran)))
+        }
+        other => candle_core::bail!("score_jobs: no kernel for {:?}", other.location()),
     }
 }
 
+/// The rows of `m` from `t`'s storage on the host, each `stride` apart (`rows * stride`
+/// values, the last row's tail zero).
+fn host_rows(t: &Tensor, m: &super::Matrix, what: &str) -> Result<Vec<f32>> {
+    let (storage, _) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(c) = &*storage else {
+        candle_core::bail!("{what}: expected a CPU tensor");
+    };
+    let mut v = m.slice(c.as_slice::<f32>()?, what)?.to_vec();
+    v.resize(m.rows * m.stride, 0.0);
+    Ok(v)
+}
+
+/// One job on the CPU: [`score_slots_cpu`] (f32) or [`score_slots_ref`] (f64).
+fn score_job_cpu(
+    job: &Job,
+    slots: usize,
+    cols: usize,
+    precision: Precision,
+) -> Result<Vec<PairSums>> {
+    let s = job_shape(job, slots, cols)?;
+    let x = host_rows(job.x, &s.x, "score x")?;
+    let mut refs = Vec::with_capacity(s.states.len() * s.ref_rows * s.ref_stride);
+    for (t, m) in job.states.iter().zip(&s.states) {
+        refs.extend(host_rows(t, m, "score state")?);
+    }
+    let shape = ScoreShape {
+        rows: s.x.rows,
+        cols,
+        slots,
+        x_stride: s.x.stride,
+        n_states: s.states.len(),
+        ref_rows: s.ref_rows,
+        ref_stride: s.ref_stride,
+    };
+    Ok(match precision {
+        Precision::F32 => score_slots_cpu(&x, &refs, &shape, &job.candidates),
+        Precision::F64 => score_slots_ref(&x, &refs, &shape, &job.candidates),
+    })
+}
+
+/// Every job in one launch: the candidate, job and state tables in one upload, the sums in one
+/// read-back.
 #[cfg(feature = "cuda")]
 fn score_on_gpu(
     dev: &candle_core::CudaDevice,
-    x: &Tensor,
-    refs: &Tensor,
-    s: &ScoreShape,
-    candidates: &[(usize, isize)],
+    jobs: &[Job],
+    slots: usize,
+    cols: usize,
+    precision: Precision,
     kernel: ScoreKernel,
-) -> Result<(Vec<PairSums>, ScoreKernel)> {
+) -> Result<(Vec<Vec<PairSums>>, ScoreKernel)> {
     use super::cuda;
-    let n = candidates.len();
-    if n == 0 || s.slots == 0 {
-        return Ok((Vec::new(), kernel));
+    let table = launch::Table::of(jobs, slots, cols)?;
+    let n = table.n_cand;
+    if n == 0 || slots == 0 {
+        return Ok((jobs.iter().map(|_| Vec::new()).collect(), kernel));
     }
     let gpu = Device::Cuda(dev.clone());
-    let states = candidates
-        .iter()
-        .map(|&(q, _)| super::to_i32(q, "candidate state"))
-        .collect::<Result<Vec<_>>>()?;
-    let shifts = candidates
-        .iter()
-        .map(|&(_, d)| {
-            i32::try_from(d).map_err(|_| candle_core::Error::Msg(format!("shift {d} exceeds i32")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let states = Tensor::new(states.as_slice(), &gpu)?;
-    let shifts = Tensor::new(shifts.as_slice(), &gpu)?;
+    let uploaded = Tensor::new(table.values.as_slice(), &gpu)?;
+    let base = cuda::tensor_ptr(&uploaded)?;
     let ws = cuda::alloc(
         dev,
         DType::F64,
-        launch::score_workspace_len(s.rows, s.slots, n),
+        launch::score_workspace_len(table.max_rows, slots, n),
     )?;
-    let out = cuda::alloc(dev, DType::F64, s.slots * n * 3)?;
-    let rows_out = cuda::alloc(dev, DType::I32, s.slots * n)?;
-    let ran = launch::score(
-        dev,
-        &launch::ScoreArgs {
-            x: cuda::tensor_ptr(x)?,
-            x_stride: s.x_stride,
-            rows: s.rows,
-            cols: s.cols,
-            slots: s.slots,
-            refs: cuda::tensor_ptr(refs)?,
-            n_states: s.n_states,
-            ref_rows: s.ref_rows,
-            ref_stride: s.ref_stride,
-            cand_state: cuda::tensor_ptr(&states)?,
-            cand_shift: cuda::tensor_ptr(&shifts)?,
-            n_cand: n,
-            workspace: cuda::storage_ptr(&ws, 0)?,
-            out: cuda::storage_ptr(&out, 0)?,
-            rows_out: cuda::storage_ptr(&rows_out, 0)?,
-        },
-        kernel,
-    )?;
-    let sums = cuda::tensor(out, s.slots * n * 3).to_vec1::<f64>()?;
-    let rows = cuda::tensor(rows_out, s.slots * n).to_vec1::<i32>()?;
-    let sums = sums
-        .chunks(3)
-        .zip(rows)
-        .map(|(v, r)| PairSums {
+    let out = cuda::alloc(dev, DType::F64, slots * n * 4)?;
+    let args = table.args(
+        base,
+        slots,
+        cols,
+        cuda::storage_ptr(&ws, 0)?,
+        cuda::storage_ptr(&out, 0)?,
+    );
+    let ran = launch::score(dev, &args, precision, kernel)?;
+    let sums = cuda::tensor(out, slots * n * 4).to_vec1::<f64>()?;
+    let sums: Vec<PairSums> = sums
+        .chunks(4)
+        .map(|v| PairSums {
             xx: v[0],
             xc: v[1],
             cc: v[2],
-            rows: r.max(0) as usize,
+            rows: v[3].max(0.0) as usize,
         })
         .collect();
-    Ok((sums, ran))
+    // Back from the padded global list to each job's own, slot-major.
+    let per_job = table
+        .place
+        .iter()
+        .zip(jobs)
+        .map(|(&at, job)| {
+            let m = job.candidates.len();
+            (0..slots)
+                .flat_map(|s| sums[s * n + at..][..m].iter().copied())
+                .collect()
+        })
+        .collect();
+    Ok((per_job, ran))
 }
 
-/// The launch of `score_partials`, `score_partials_vec` and `score_finish` (kernels/score.cu) from
-/// raw device pointers: its arguments and the launch on the device's stream. [`score_slots`] calls
-/// it.
+/// The launch of `score_partials`, `score_partials_f64`, `score_partials_vec` and
+/// `score_finish` (kernels/score.cu) from raw device pointers: the tables they read, their
+/// arguments and the launch on the device's stream. [`score_jobs`] calls it.
 #[cfg(feature = "cuda")]
 pub mod launch {
-    use super::ScoreKernel;
+    use super::{Job, Precision, ScoreKernel, job_shape};
     use crate::kernels::cuda::{DevPtr, Module, cfg, function, grid_dim, grid_dim_yz, launch};
     use crate::kernels::{to_i32, to_i64};
     use candle_core::Result;
     use candle_core::cuda_backend::CudaDevice;
 
-    /// `score_partials` + `score_finish`: see kernels/score.cu. `x` `[rows, x_stride]` f32 holds
-    /// `slots` slots of `cols`; `refs` `[n_states, ref_rows, ref_stride]` f32; `cand_state`,
-    /// `cand_shift` `[n_cand]` i32; writes `out` `[slots, n_cand, 3]` f64 and `rows_out`
-    /// `[slots, n_cand]` i32, using `workspace` (`score_workspace_len` doubles).
+    /// Candidates per block (kernels/score.cu `SCORE_GROUP`): each job's candidates start a
+    /// new group.
+    const SCORE_GROUP: usize = 4;
+
+    /// The kernels' tables, as one i64 buffer: `[3, n_cand]` candidates (state, shift, job),
+    /// `[5, n_jobs]` jobs (x address, x stride, rows, ref rows, ref stride), `[n_states]`
+    /// state addresses.
+    pub struct Table {
+        pub values: Vec<i64>,
+        pub n_cand: usize,
+        pub n_jobs: usize,
+        pub n_states: usize,
+        /// Where each job's first candidate sits in the padded list.
+        pub place: Vec<usize>,
+        pub max_rows: usize,
+        /// Every address a 16-byte multiple and every stride a multiple of 4 (float4 reads).
+        pub aligned: bool,
+    }
+
+    fn addr(p: DevPtr) -> Result<i64> {
+        i64::try_from(p).map_err(|_| candle_core::Error::Msg(format!("address {p:#x}")))
+    }
+
+    impl Table {
+        /// The tables of `jobs` (each checked against `slots` x `cols`).
+        pub fn of(jobs: &[Job], slots: usize, cols: usize) -> Result<Table> {
+            let mut cand: [Vec<i64>; 3] = Default::default();
+            let mut state_ptr = Vec::new();
+            let mut job_cols: [Vec<i64>; 5] = Default::default();
+            let mut place = Vec::with_capacity(jobs.len());
+            let (mut aligned, mut max_rows) = (true, 0);
+            for (i, job) in jobs.iter().enumerate() {
+                let s = job_shape(job, slots, cols)?;
+                let base = state_ptr.len() as i64;
+                for t in &job.states {
+                    let p = crate::kernels::cuda::tensor_ptr(t)?;
+                    aligned &= p.is_multiple_of(16);
+                    state_ptr.push(addr(p)?);
+                }
+                place.push(cand[0].len());
+                for &(q, d) in &job.candidates {
+                    cand[0].push(base + q as i64);
+                    cand[1].push(d as i64);
+                    cand[2].push(i as i64);
+                }
+                while !cand[0].len().is_multiple_of(SCORE_GROUP) {
+                    cand[0].push(-1);
+                    cand[1].push(0);
+                    cand[2].push(i as i64);
+                }
+                let x = crate::kernels::cuda::tensor_ptr(job.x)?;
+                aligned &= x.is_multiple_of(16)
+                    && s.x.stride.is_multiple_of(4)
+                    && s.ref_stride.is_multiple_of(4);
+                max_rows = max_rows.max(s.x.rows);
+                for (col, v) in job_cols.iter_mut().zip([
+                    addr(x)?,
+                    to_i64(s.x.stride, "x stride")?,
+                    to_i64(s.x.rows, "rows")?,
+                    to_i64(s.ref_rows, "ref rows")?,
+                    to_i64(s.ref_stride, "ref stride")?,
+                ]) {
+                    col.push(v);
+                }
+            }
+            let (n_cand, n_jobs, n_states) = (cand[0].len(), jobs.len(), state_ptr.len());
+            let values = cand
+                .into_iter()
+                .chain(job_cols)
+                .flatten()
+                .chain(state_ptr)
+                .collect();
+            Ok(Table {
+                values,
+                n_cand,
+                n_jobs,
+                n_states,
+                place,
+                max_rows,
+                aligned,
+            })
+        }
+
+        /// The launch's arguments with the table uploaded at `base`.
+        pub fn args(
+            &self,
+            base: DevPtr,
+            slots: usize,
+            cols: usize,
+            workspace: DevPtr,
+            out: DevPtr,
+        ) -> ScoreArgs {
+            let at = |i: usize| base + 8 * i as u64;
+            ScoreArgs {
+                cand: at(0),
+                n_cand: self.n_cand,
+                jobs: at(3 * self.n_cand),
+                n_jobs: self.n_jobs,
+                state_ptr: at(3 * self.n_cand + 5 * self.n_jobs),
+                n_states: self.n_states,
+                cols,
+                slots,
+                max_rows: self.max_rows,
+                aligned: self.aligned && cols.is_multiple_of(4),
+                workspace,
+                out,
+            }
+        }
+    }
+
+    /// `score_partials*` + `score_finish`: see kernels/score.cu. `cand`, `jobs` and
+    /// `state_ptr` point into the uploaded [`Table`]; writes `out` `[slots, n_cand, 4]` f64,
+    /// using `workspace` (`score_workspace_len` doubles).
     #[derive(Clone, Copy, Debug)]
     pub struct ScoreArgs {
-        pub x: DevPtr,
-        pub x_stride: usize,
-        pub rows: usize,
+        pub cand: DevPtr,
+        pub n_cand: usize,
+        pub jobs: DevPtr,
+        pub n_jobs: usize,
+        pub state_ptr: DevPtr,
+        pub n_states: usize,
         pub cols: usize,
         pub slots: usize,
-        pub refs: DevPtr,
-        pub n_states: usize,
-        pub ref_rows: usize,
-        pub ref_stride: usize,
-        pub cand_state: DevPtr,
-        pub cand_shift: DevPtr,
-        pub n_cand: usize,
+        /// The most rows of any job: the chunks of the grid.
+        pub max_rows: usize,
+        /// The float4 kernel may read every row.
+        pub aligned: bool,
         pub workspace: DevPtr,
         pub out: DevPtr,
-        pub rows_out: DevPtr,
     }
 
     /// Captured rows per block of `score_partials`.
     const SCORE_ROWS_PER_CHUNK: usize = 32;
-    /// Candidates per block (kernels/score.cu `SCORE_GROUP`).
-    const SCORE_GROUP: usize = 4;
 
     /// Doubles of workspace [`score`] needs.
     pub fn score_workspace_len(rows: usize, slots: usize, n_cand: usize) -> usize {
@@ -284,35 +500,34 @@ pub mod launch {
     /// Threads per block of `score_partials_vec`.
     const SCORE_VEC_THREADS: u32 = 128;
 
-    /// Launches the scoring with `kernel`, or with `score_partials` where `Vec4` cannot read the
-    /// rows as float4s (a column count, stride or base not a multiple of 16 bytes). Returns the
-    /// kernel that ran.
-    pub fn score(dev: &CudaDevice, a: &ScoreArgs, kernel: ScoreKernel) -> Result<ScoreKernel> {
+    /// Launches the scoring: f64 through `score_partials_f64`; f32 with `kernel`, or with
+    /// `score_partials` where `Vec4` cannot read the rows as float4s. Returns the f32 kernel
+    /// that ran (`PerSlot` for f64).
+    pub fn score(
+        dev: &CudaDevice,
+        a: &ScoreArgs,
+        precision: Precision,
+        kernel: ScoreKernel,
+    ) -> Result<ScoreKernel> {
         if a.slots == 0 || a.n_cand == 0 {
             return Ok(kernel);
         }
-        let aligned = a.cols.is_multiple_of(4)
-            && a.x_stride.is_multiple_of(4)
-            && a.ref_stride.is_multiple_of(4)
-            && a.x.is_multiple_of(16)
-            && a.refs.is_multiple_of(16);
-        let kernel = match kernel {
-            ScoreKernel::Vec4 if !aligned => ScoreKernel::PerSlot,
-            k => k,
+        let kernel = match (precision, kernel) {
+            (Precision::F64, _) => ScoreKernel::PerSlot,
+            (_, ScoreKernel::Vec4) if !a.aligned => ScoreKernel::PerSlot,
+            (_, k) => k,
         };
-        let chunks = a.rows.div_ceil(SCORE_ROWS_PER_CHUNK).max(1);
+        let chunks = a.max_rows.div_ceil(SCORE_ROWS_PER_CHUNK).max(1);
         let groups = a.n_cand.div_ceil(SCORE_GROUP);
-        let (name, grid, threads) = match kernel {
-            ScoreKernel::PerSlot => (
-                "score_partials",
-                (
-                    grid_dim(chunks, "score_partials")?,
-                    grid_dim_yz(a.slots, "score_partials slots")?,
-                    grid_dim_yz(groups, "score_partials candidates")?,
-                ),
-                256,
-            ),
-            ScoreKernel::Vec4 => (
+        let per_slot = (
+            grid_dim(chunks, "score_partials")?,
+            grid_dim_yz(a.slots, "score_partials slots")?,
+            grid_dim_yz(groups, "score_partials candidates")?,
+        );
+        let (name, grid, threads) = match (precision, kernel) {
+            (Precision::F64, _) => ("score_partials_f64", per_slot, 256),
+            (_, ScoreKernel::PerSlot) => ("score_partials", per_slot, 256),
+            (_, ScoreKernel::Vec4) => (
                 "score_partials_vec",
                 (
                     grid_dim(groups, "score_partials_vec candidates")?,
@@ -324,25 +539,21 @@ pub mod launch {
         };
         let partials = function(dev, Module::Score, name)?;
         let n_cand = to_i32(a.n_cand, "candidates")?;
-        let (rows, ref_rows) = (to_i32(a.rows, "rows")?, to_i32(a.ref_rows, "ref rows")?);
+        let n_jobs = to_i32(a.n_jobs, "jobs")?;
         launch!(
             dev,
             partials,
             name,
             cfg(grid, threads, 0)?,
             [
-                a.x,
-                to_i64(a.x_stride, "x stride")?,
-                rows,
+                a.cand,
+                n_cand,
+                a.jobs,
+                n_jobs,
+                a.state_ptr,
+                to_i32(a.n_states, "states")?,
                 to_i32(a.cols, "cols")?,
                 to_i32(a.slots, "slots")?,
-                a.refs,
-                to_i32(a.n_states, "states")?,
-                ref_rows,
-                to_i64(a.ref_stride, "ref stride")?,
-                a.cand_state,
-                a.cand_shift,
-                n_cand,
                 SCORE_ROWS_PER_CHUNK as i32,
                 a.workspace,
             ]
@@ -364,11 +575,10 @@ pub mod launch {
                 to_i32(chunks, "chunks")?,
                 to_i32(a.slots, "slots")?,
                 n_cand,
-                rows,
-                ref_rows,
-                a.cand_shift,
+                a.cand,
+                a.jobs,
+                n_jobs,
                 a.out,
-                a.rows_out,
             ]
         );
         Ok(kernel)
@@ -541,6 +751,71 @@ mod tests {
         }
     }
 
+    /// Jobs of different rows, states and shifts scored together: each job's sums are its own
+    /// alone, in f32 (the CPU pass) and f64 (the reference's arithmetic, bit for bit).
+    #[test]
+    fn jobs_match_each_job_alone() {
+        jobs_against_each_alone(&Device::Cpu);
+    }
+
+    fn jobs_against_each_alone(device: &Device) {
+        let (cols, slots) = (24, 3);
+        let shapes = [(37, 38, 5), (9, 9, 2), (64, 64, 3), (1, 1, 1)];
+        let cases: Vec<(Tensor, Tensor)> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(rows, ref_rows, n))| {
+                let (x, refs) = case(rows, cols, slots, ref_rows, n, 11 + i as u64);
+                (
+                    x.narrow(1, 1, slots * cols)
+                        .unwrap()
+                        .to_device(device)
+                        .unwrap(),
+                    refs.to_device(device).unwrap(),
+                )
+            })
+            .collect();
+        let states: Vec<Vec<Tensor>> = cases
+            .iter()
+            .map(|(_, r)| (0..r.dim(0).unwrap()).map(|q| r.get(q).unwrap()).collect())
+            .collect();
+        let jobs: Vec<Job> = cases
+            .iter()
+            .zip(&states)
+            .map(|((x, _), st)| Job {
+                x,
+                states: st.iter().collect(),
+                // Not a multiple of four: the next job's candidates start a new group.
+                candidates: candidates(st.len()).into_iter().skip(1).collect(),
+            })
+            .collect();
+        for precision in [Precision::F32, Precision::F64] {
+            let got = score_jobs(&jobs, slots, cols, precision).unwrap();
+            for (i, ((x, refs), job)) in cases.iter().zip(&jobs).enumerate() {
+                let want = reference_of(x, slots, cols, refs, &job.candidates);
+                match precision {
+                    Precision::F32 => assert_sums_close(&got[i], &want),
+                    Precision::F64 if device.is_cpu() => assert_eq!(got[i], want, "job {i}"),
+                    Precision::F64 => {
+                        // f64 products summed in another order: a few f64 ulps.
+                        for (g, w) in got[i].iter().zip(&want) {
+                            assert_eq!(g.rows, w.rows, "job {i}");
+                            for (a, b) in [(g.xx, w.xx), (g.xc, w.xc), (g.cc, w.cc)] {
+                                assert!((a - b).abs() <= 1e-12 * (1.0 + w.xx + w.cc), "job {i}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_jobs_match_each_job_alone() {
+        jobs_against_each_alone(&crate::kernels::testing::gpu());
+    }
+
     #[cfg(feature = "cuda")]
     #[test]
     fn device_matches_reference() {
@@ -576,27 +851,32 @@ mod tests {
             for (xw, rw, aligned) in [windows, packed] {
                 let want = reference_of(&xw, slots, cols, &rw, &cands);
                 let xg = xw.to_device(&gpu).unwrap();
-                let rg = rw.to_device(&gpu).unwrap().contiguous().unwrap();
-                let Device::Cuda(dev) = &gpu else {
-                    unreachable!()
-                };
-                let shape = ScoreShape {
-                    rows,
-                    cols,
-                    slots,
-                    x_stride: crate::kernels::Matrix::of(xg.layout(), "x").unwrap().stride,
-                    n_states,
-                    ref_rows,
-                    ref_stride: rg.dim(2).unwrap(),
+                let rg = rw.to_device(&gpu).unwrap();
+                let states: Vec<Tensor> = (0..n_states).map(|q| rg.get(q).unwrap()).collect();
+                let job = Job {
+                    x: &xg,
+                    states: states.iter().collect(),
+                    candidates: cands.clone(),
                 };
                 for kernel in [ScoreKernel::PerSlot, ScoreKernel::Vec4] {
-                    let (got, ran) = score_on_gpu(dev, &xg, &rg, &shape, &cands, kernel).unwrap();
+                    let (mut got, ran) = score_jobs_with(
+                        std::slice::from_ref(&job),
+                        slots,
+                        cols,
+                        Precision::F32,
+                        kernel,
+                    )
+                    .unwrap();
                     let expected = match kernel {
                         ScoreKernel::Vec4 if !aligned => ScoreKernel::PerSlot,
                         k => k,
                     };
-                    assert_eq!(ran, expected, "rows {rows} slots {slots} aligned {aligned}");
-                    assert_sums_close(&got, &want);
+                    assert_eq!(
+                        ran,
+                        Some(expected),
+                        "rows {rows} slots {slots} aligned {aligned}"
+                    );
+                    assert_sums_close(&got.pop().unwrap(), &want);
                 }
             }
         }
