@@ -641,13 +641,36 @@ mod gpu {
                 .unwrap();
             device.synchronize().unwrap();
             let forwards_s = s.elapsed().as_secs_f64();
+            // The one-sample-at-a-time diff over the first EAGLE_CHECK_BENCH_ALONE samples
+            // (default all), hard-linked into their own folder: its rate is per token, so a
+            // subset measures it in a fraction of the time at long T.
+            let alone_n = std::env::var("EAGLE_CHECK_BENCH_ALONE")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .map_or(samples, |n| n.clamp(1, samples));
+            let alone_root = captures.join(format!("t{t}-alone{alone_n}"));
+            if alone_n < samples && !alone_root.exists() {
+                let rows = alone_root.join("rows");
+                std::fs::create_dir_all(&rows).unwrap();
+                std::fs::copy(root.join("spec.yaml"), alone_root.join("spec.yaml")).unwrap();
+                for f in &files[..alone_n] {
+                    std::fs::hard_link(f, rows.join(f.file_name().unwrap())).unwrap();
+                }
+            }
+            let alone_root = if alone_n < samples {
+                alone_root
+            } else {
+                root.clone()
+            };
             let mut time_diff = |per_sample: bool| {
+                let root = if per_sample { &alone_root } else { &root };
+                let samples = if per_sample { alone_n } else { samples };
                 device.synchronize().unwrap();
                 let s = Instant::now();
                 let (report, stats) = diff(
                     &DiffInput {
                         spec: &spec,
-                        captures: std::slice::from_ref(&root),
+                        captures: std::slice::from_ref(root),
                         feed: None,
                         arch: None,
                         batching: Batching {
@@ -665,6 +688,18 @@ mod gpu {
             };
             let (batched_s, batched_exit, b) = time_diff(false);
             let (alone_s, alone_exit, a) = time_diff(true);
+            // One more batched diff with every phase closed by a synchronisation: where its
+            // time goes (not part of the timings above).
+            let diff_phases = std::env::var_os("EAGLE_CHECK_PHASES").map(|_| {
+                phases::set_enabled(true);
+                time_diff(false);
+                let totals = phases::take();
+                phases::set_enabled(false);
+                totals
+                    .into_iter()
+                    .map(|(name, ms, n)| serde_json::json!({"phase": name, "ms": ms, "marks": n}))
+                    .collect::<Vec<_>>()
+            });
             let tok = (samples * t) as f64;
             println!(
                 "{}",
@@ -677,12 +712,14 @@ mod gpu {
                     "batched_exit": batched_exit, "batched_passes": b.passes, "batched_rerun": b.rerun,
                     "batched_read_s": b.read_seconds, "batched_reference_s": b.reference_seconds,
                     "batched_scoring_s": b.scoring_seconds,
-                    "per_sample_s": alone_s, "per_sample_tok_s": tok / alone_s,
+                    "per_sample_samples": alone_n,
+                    "per_sample_s": alone_s, "per_sample_tok_s": (alone_n * t) as f64 / alone_s,
                     "per_sample_exit": alone_exit, "per_sample_read_s": a.read_seconds,
                     "per_sample_reference_s": a.reference_seconds,
                     "per_sample_scoring_s": a.scoring_seconds,
                     "batched_vs_forward": (tok / batched_s) / (t as f64 / forward_ms * 1e3),
-                    "batched_speedup": alone_s / batched_s,
+                    "batched_speedup": (tok / batched_s) / ((alone_n * t) as f64 / alone_s),
+                    "batched_phases": diff_phases,
                 })
             );
         }

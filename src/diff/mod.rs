@@ -619,6 +619,7 @@ impl Judge<'_> {
             .flat_map(|((_, samples), ready)| samples.iter().zip(ready.iter_mut()))
             .filter_map(|(s, r)| Some((s.token_ids.as_deref()?, &mut r.as_mut()?.online)))
             .unzip();
+        crate::model::phases::mark("diff: preparing samples", &device);
         let start = Instant::now();
         let mut scoring = 0.0;
         if !tokens.is_empty() {
@@ -648,6 +649,7 @@ impl Judge<'_> {
                 } else {
                     Some(Vec::new())
                 });
+                crate::model::phases::mark("diff: deciding and judging", &device);
             }
             self.record(unit, results);
         }

@@ -22,7 +22,7 @@
 use super::identify::{Candidate, SlotId, State};
 use crate::error::{CandleContext, Result};
 use crate::kernels::score::{Job, Precision, score_jobs};
-use crate::model::Produced;
+use crate::model::{Produced, phases};
 use crate::score::{PairSums, Pairing, Score, View, non_finite, pair_sums, score_all};
 use crate::tolerance::{CaptureTolerance, identification_angle};
 use candle_core::{DType, Device, Tensor};
@@ -804,6 +804,7 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
     if pending.iter().all(Vec::is_empty) {
         return Ok(());
     }
+    let device = samples[0].device.clone();
     // Their edge rows, for the bound.
     let wanting: Vec<(usize, &(usize, Data))> = samples
         .iter()
@@ -820,6 +821,7 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
     for ((i, (q, _)), e) in wanting.iter().zip(edges) {
         samples[*i].edges[*q] = Some(e);
     }
+    phases::mark("diff: flush, edge rows", &device);
     // Every group's sums against the new states.
     let mut asks = Vec::new();
     let mut whose = Vec::new();
@@ -848,6 +850,7 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
         let inner = if s.keep_all { None } else { sums.next() };
         s.take_sums(&pending[i], g, &full, inner.as_deref());
     }
+    phases::mark("diff: flush, sums", &device);
     // The best candidates' separations, then what is kept.
     let mut made = Vec::with_capacity(samples.len());
     for (s, p) in samples.iter_mut().zip(pending) {
@@ -873,9 +876,11 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
             });
         }
     }
+    phases::mark("diff: flush, separations", &device);
     for (s, m) in samples.iter_mut().zip(made) {
         s.keep_made(m);
     }
+    phases::mark("diff: flush, keeping", &device);
     Ok(())
 }
 
@@ -911,8 +916,10 @@ impl<'a> Batch<'a> {
     /// Sample `s` takes a state (see [`OnlineSample::take`]).
     pub fn take(&mut self, s: usize, what: Produced, xs: &Tensor) -> Result<()> {
         let sample = &mut *self.samples[s];
+        phases::mark("diff: reference forward", &sample.device);
         let before = sample.pending.len();
         sample.take(what, xs)?;
+        phases::mark("diff: taking a state (f32)", &sample.device);
         self.waiting += (sample.pending.len() - before) * sample.rows * sample.hidden;
         if self.waiting >= self.limit {
             self.flush()?;
@@ -929,7 +936,11 @@ impl<'a> Batch<'a> {
     /// launch for all): each sample is then ready for [`OnlineSample::finish`].
     pub fn finish(mut self) -> Result<()> {
         self.flush()?;
-        rescore_all(&mut self.samples)
+        rescore_all(&mut self.samples)?;
+        if let Some(s) = self.samples.first() {
+            phases::mark("diff: rescoring", &s.device);
+        }
+        Ok(())
     }
 }
 
@@ -1692,5 +1703,36 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    #[ignore]
+    fn tmp_timing() {
+        let (l, t, h) = (32, 128, 4096);
+        let refs = stream(l, t, h, 0.2, 9);
+        let sl = slots(&refs, 10);
+        let k = 4;
+        let mut packed = Vec::with_capacity(t * k * h);
+        for row in 0..t {
+            for s in &sl[..k] {
+                packed.extend_from_slice(&s[row * h..(row + 1) * h]);
+            }
+        }
+        let (mut online, g) = sample_of(&refs, &packed, k, 8, false);
+        let seq = sequence(&refs);
+        let s0 = std::time::Instant::now();
+        for (what, x) in &seq {
+            online.take(*what, x).unwrap();
+        }
+        online.flush().unwrap();
+        let s1 = std::time::Instant::now();
+        let r = online.finish(g, 0).unwrap();
+        let s2 = std::time::Instant::now();
+        eprintln!(
+            "flushes {:?} finish {:?} decided {}",
+            s1 - s0,
+            s2 - s1,
+            r.is_some()
+        );
     }
 }

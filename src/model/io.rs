@@ -848,10 +848,13 @@ mod tests {
                 for name in order {
                     let shape = src.shape(name).unwrap();
                     let what = format!("{name} in {dtype:?}, {opts:?}");
-                    // candle has no CUDA cast from f8 (FP8 weights are dequantised by
-                    // model::fp8 from their raw bits): on a GPU they are compared raw only.
-                    let f8 = src.extent(name).is_some_and(|e| e.dtype == "F8_E4M3");
-                    if !(f8 && dev.is_cuda()) {
+                    // candle's CUDA casts start from float, u8 and u32 storage only (FP8
+                    // weights are dequantised by model::fp8 from their raw bits; integer
+                    // tensors are never converted to a compute dtype): on a GPU the others
+                    // are compared raw only. Run 32 met "converting f.i64" here.
+                    let stored = src.extent(name).map_or("", |e| e.dtype);
+                    let castable = ["F32", "F16", "BF16", "F64", "U8", "U32"].contains(&stored);
+                    if castable || !dev.is_cuda() {
                         let got = vb.get(name, &shape).unwrap();
                         assert_eq!(
                             bits(&got),
