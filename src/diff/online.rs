@@ -208,6 +208,11 @@ pub struct OnlineSample {
     /// Something the batched identification does not decide exactly (non-finite values, rows
     /// that do not pair one to one): the sample goes back to a forward of its own.
     undecided: bool,
+    /// Per group, its identifications decided by [`Batch::finish`] on the host, in parallel
+    /// with the other samples' (slots numbered from 0).
+    decided: Vec<Option<Option<Vec<SlotId>>>>,
+    /// While deciding ahead: no device call (it runs on a worker thread).
+    host_only: bool,
 }
 
 impl OnlineSample {
@@ -238,6 +243,8 @@ impl OnlineSample {
             pending: Vec::new(),
             batch: batch_for(rows, hidden),
             undecided: false,
+            decided: Vec::new(),
+            host_only: false,
         }
     }
 
@@ -556,9 +563,38 @@ impl OnlineSample {
     /// The identifications of group `g`'s slots (numbered from `first_slot`), or `None` when
     /// the sample needs a forward of its own to decide exactly.
     pub fn finish(&mut self, g: usize, first_slot: usize) -> Result<Option<Vec<SlotId>>> {
+        let renumber = |ids: Option<Vec<SlotId>>| {
+            ids.map(|v| {
+                v.into_iter()
+                    .map(|id| SlotId {
+                        slot: first_slot + id.slot,
+                        ..id
+                    })
+                    .collect()
+            })
+        };
+        if let Some(ahead) = self.decided.get_mut(g).and_then(Option::take) {
+            return Ok(renumber(ahead));
+        }
         if !self.undecided {
             self.flush()?;
         }
+        Ok(renumber(self.decide(g)?))
+    }
+
+    /// Every group's identifications, decided on the host alone, kept for
+    /// [`OnlineSample::finish`]; a group that needs the device (a rescoring missing) or fails
+    /// is left to `finish`.
+    fn decide_ahead(&mut self) {
+        self.host_only = true;
+        self.decided = (0..self.groups.len())
+            .map(|g| self.decide(g).ok())
+            .collect();
+        self.host_only = false;
+    }
+
+    /// Group `g`'s identifications, its slots numbered from 0 (the states all scored).
+    fn decide(&self, g: usize) -> Result<Option<Vec<SlotId>>> {
         if self.undecided || self.seen.iter().any(|s| !s) {
             return Ok(None);
         }
@@ -576,10 +612,7 @@ impl OnlineSample {
             let Some(id) = self.identify(group, i)? else {
                 return Ok(None);
             };
-            out.push(SlotId {
-                slot: first_slot + i,
-                ..id
-            });
+            out.push(SlotId { slot: i, ..id });
         }
         Ok(Some(out))
     }
@@ -637,6 +670,12 @@ impl OnlineSample {
         let score = match (group.rescored[i], self.rescore_ask(group, i, j)) {
             // Rescored with every sample of its batch (`Batch::finish`).
             (Some((rj, score)), _) if rj == j => score,
+            // Not decided ahead: `finish` decides it with the device.
+            (_, Some(_)) if self.host_only => {
+                return Err(crate::error::Error::Device(
+                    "a rescoring left to the device".into(),
+                ));
+            }
             (_, Some(ask)) => {
                 let sums = run_asks(&[ask], Precision::F64, "rescoring the best candidate")?;
                 sums[0][0].score()
@@ -932,14 +971,21 @@ impl<'a> Batch<'a> {
         flush_all(&mut self.samples)
     }
 
-    /// Scores what is still waiting and rescores every slot's best candidate (on a GPU one
-    /// launch for all): each sample is then ready for [`OnlineSample::finish`].
+    /// Scores what is still waiting, rescores every slot's best candidate (on a GPU one
+    /// launch for all) and decides every sample's slots: [`OnlineSample::finish`] then
+    /// returns what was decided.
     pub fn finish(mut self) -> Result<()> {
         self.flush()?;
         rescore_all(&mut self.samples)?;
-        if let Some(s) = self.samples.first() {
-            phases::mark("diff: rescoring", &s.device);
-        }
+        let Some(device) = self.samples.first().map(|s| s.device.clone()) else {
+            return Ok(());
+        };
+        phases::mark("diff: rescoring", &device);
+        // The bounds of the separations are host arithmetic over each sample's own edge
+        // rows: the samples decide in parallel.
+        use rayon::prelude::*;
+        self.samples.par_iter_mut().for_each(|s| s.decide_ahead());
+        phases::mark("diff: deciding", &device);
         Ok(())
     }
 }
@@ -1711,6 +1757,12 @@ mod tests {
         let (l, t, h) = (32, 128, 4096);
         let refs = stream(l, t, h, 0.2, 9);
         let sl = slots(&refs, 10);
+        let sl = [
+            sl[7].clone(),
+            refs.boundaries[l].clone().unwrap(),
+            refs.boundaries[30].clone().unwrap(),
+            sl[0].clone(),
+        ];
         let k = 4;
         let mut packed = Vec::with_capacity(t * k * h);
         for row in 0..t {
