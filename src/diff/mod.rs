@@ -597,12 +597,27 @@ impl Judge<'_> {
     /// made; a sample the batched identification cannot decide exactly runs again alone.
     fn pass(&mut self, pass: Pass, reference: &mut dyn ReferenceSource) -> Result<()> {
         let device = reference.device();
+        // The samples' host work (widening, non-finite counts, packing) in parallel, then
+        // their findings, token checks and uploads in order on this thread.
+        let (spec, hidden, l) = (self.spec, self.hidden, self.l);
+        let host: Vec<Vec<Result<HostPrepared>>> = {
+            use rayon::prelude::*;
+            pass.units
+                .par_iter()
+                .map(|(_, samples)| {
+                    samples
+                        .par_iter()
+                        .map(|sample| prepare_host(sample, spec, hidden, l, &device))
+                        .collect()
+                })
+                .collect()
+        };
         let mut prepared: Vec<Vec<Option<Prepared>>> = Vec::with_capacity(pass.units.len());
-        for (_, samples) in &pass.units {
+        for ((_, samples), host) in pass.units.iter().zip(host) {
             let mut unit = Vec::with_capacity(samples.len());
-            for sample in samples {
+            for (sample, host) in samples.iter().zip(host) {
                 let ready = if has_states(sample) {
-                    self.prepare(sample, reference, &device)?
+                    self.prepared(sample, host?, reference)?
                 } else {
                     None
                 };
@@ -677,44 +692,28 @@ impl Judge<'_> {
         )
     }
 
-    /// A sample's slots and its identification, set up before its pass; `None` (after a
-    /// finding says why) when its slots do not fit the spec and the hidden size.
-    fn prepare(
+    /// A sample's host preparation with its findings collected and its tokens checked
+    /// against the target; `None` when its slots do not fit the spec and the hidden size.
+    fn prepared(
         &mut self,
         sample: &Sample,
+        (ready, findings): HostPrepared,
         reference: &dyn ReferenceSource,
-        device: &candle_core::Device,
     ) -> Result<Option<Prepared>> {
-        let Some((slots, tokens)) = self.slots(sample)? else {
+        let label = sample_label(sample);
+        for f in findings {
+            self.collector
+                .add(f.with_file(label.clone()).with_sample(sample.index));
+        }
+        let Some(ready) = ready else {
             return Ok(None);
         };
+        let tokens = sample.token_ids.as_deref().unwrap_or_default();
         reference.check_tokens(tokens).map_err(|e| Error::Capture {
             path: sample.file.clone(),
             message: format!("sample {}: {e}", sample.index),
         })?;
-        let mut online = OnlineSample::new(
-            self.l,
-            self.hidden,
-            tokens.len(),
-            capture_tolerance(sample),
-            device,
-        );
-        let aux = online.group(
-            slots.data.clone(),
-            slots.rows,
-            slots.stride,
-            slots.width,
-            slots.count,
-        )?;
-        let target = training_tensor(sample, self.hidden)
-            .map(|(data, rows)| online.group(Arc::new(data), rows, self.hidden, self.hidden, 1))
-            .transpose()?;
-        Ok(Some(Prepared {
-            slots,
-            online,
-            aux,
-            target,
-        }))
+        Ok(Some(ready))
     }
 
     /// The findings of a sample whose pass is done: its batched identification, else (when
@@ -871,6 +870,46 @@ fn training_tensor(sample: &Sample, hidden: usize) -> Option<(Vec<f32>, usize)> 
         [s, h] | [1, s, h] if *h == hidden => Some((t.to_f32_vec(), *s)),
         _ => None,
     }
+}
+
+/// A sample prepared on the host, and the findings its slots gave.
+type HostPrepared = (Option<Prepared>, Vec<Finding>);
+
+/// A sample's slots and its identification, set up before its pass on any thread (no device
+/// call: the slots are uploaded by its first state); `None` (after a finding says why) when
+/// its slots do not fit the spec and the hidden size.
+fn prepare_host(
+    sample: &Sample,
+    spec: &Spec,
+    hidden: usize,
+    l: usize,
+    device: &candle_core::Device,
+) -> Result<HostPrepared> {
+    let mut findings = Vec::new();
+    if !has_states(sample) {
+        return Ok((None, findings));
+    }
+    let Some((slots, tokens)) = sample_slots(sample, spec, hidden, |f| findings.push(f))? else {
+        return Ok((None, findings));
+    };
+    let mut online = OnlineSample::new(l, hidden, tokens.len(), capture_tolerance(sample), device);
+    let aux = online.group(
+        slots.data.clone(),
+        slots.rows,
+        slots.stride,
+        slots.width,
+        slots.count,
+    )?;
+    let target = training_tensor(sample, hidden)
+        .map(|(data, rows)| online.group(Arc::new(data), rows, hidden, hidden, 1))
+        .transpose()?;
+    let ready = Prepared {
+        slots,
+        online,
+        aux,
+        target,
+    };
+    Ok((Some(ready), findings))
 }
 
 /// A sample's slots and token ids, checked against each other: `None` (after `shape_finding`

@@ -286,10 +286,40 @@ fn score_job_cpu(
     })
 }
 
-/// Every job in one launch: the candidate, job and state tables in one upload, the sums in one
-/// read-back.
+/// Candidate groups of four one launch takes at most (a grid's y and z dimensions).
+#[cfg(feature = "cuda")]
+const MAX_GROUPS: usize = 65_535;
+
+/// The jobs in as few launches as the grid allows (one for a diff's flush): each launch's
+/// candidate, job and state tables in one upload, its sums in one read-back.
 #[cfg(feature = "cuda")]
 fn score_on_gpu(
+    dev: &candle_core::CudaDevice,
+    jobs: &[Job],
+    slots: usize,
+    cols: usize,
+    precision: Precision,
+    kernel: ScoreKernel,
+) -> Result<(Vec<Vec<PairSums>>, ScoreKernel)> {
+    let mut out = Vec::with_capacity(jobs.len());
+    let (mut start, mut groups) = (0, 0);
+    for (i, job) in jobs.iter().enumerate() {
+        let g = job.candidates.len().div_ceil(4);
+        if groups + g > MAX_GROUPS && i > start {
+            out.extend(score_launch(dev, &jobs[start..i], slots, cols, precision, kernel)?.0);
+            (start, groups) = (i, 0);
+        }
+        groups += g;
+    }
+    // The last launch's kernel (every launch chooses by the same alignment rule).
+    let (sums, ran) = score_launch(dev, &jobs[start..], slots, cols, precision, kernel)?;
+    out.extend(sums);
+    Ok((out, ran))
+}
+
+/// Every job in one launch.
+#[cfg(feature = "cuda")]
+fn score_launch(
     dev: &candle_core::CudaDevice,
     jobs: &[Job],
     slots: usize,
