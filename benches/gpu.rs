@@ -554,6 +554,22 @@ mod gpu {
     /// that drops every state, the same packing). Against the capture forward of one sample
     /// timed as the capture bench times it (median of 5 after 2 warm-ups): tokens per second
     /// each way. Prints one JSON object per T.
+    /// With `EAGLE_CHECK_PHASES` set: `run` once more with every phase closed by a
+    /// synchronisation, and each phase's total (milliseconds, marks) as JSON.
+    fn phases_of(run: impl FnOnce()) -> Option<Vec<serde_json::Value>> {
+        std::env::var_os("EAGLE_CHECK_PHASES")?;
+        phases::set_enabled(true);
+        run();
+        let totals = phases::take();
+        phases::set_enabled(false);
+        Some(
+            totals
+                .into_iter()
+                .map(|(name, ms, n)| serde_json::json!({"phase": name, "ms": ms, "marks": n}))
+                .collect(),
+        )
+    }
+
     fn diff_bench(dir: &Path, captures: &Path, ts: &[usize]) {
         use eagle_check::diff::reference::RunnerReference;
         use eagle_check::diff::{Batching, DiffInput, diff};
@@ -690,15 +706,8 @@ mod gpu {
             let (alone_s, alone_exit, a) = time_diff(true);
             // One more batched diff with every phase closed by a synchronisation: where its
             // time goes (not part of the timings above).
-            let diff_phases = std::env::var_os("EAGLE_CHECK_PHASES").map(|_| {
-                phases::set_enabled(true);
+            let diff_phases = phases_of(|| {
                 time_diff(false);
-                let totals = phases::take();
-                phases::set_enabled(false);
-                totals
-                    .into_iter()
-                    .map(|(name, ms, n)| serde_json::json!({"phase": name, "ms": ms, "marks": n}))
-                    .collect::<Vec<_>>()
             });
             let tok = (samples * t) as f64;
             println!(
@@ -893,16 +902,7 @@ mod gpu {
             });
             // One more forward with every phase closed by a synchronisation: where the time
             // goes (not part of the timings above).
-            let phases = std::env::var_os("EAGLE_CHECK_PHASES").map(|_| {
-                phases::set_enabled(true);
-                drop(run());
-                let totals = phases::take();
-                phases::set_enabled(false);
-                totals
-                    .into_iter()
-                    .map(|(name, ms, n)| serde_json::json!({"phase": name, "ms": ms, "marks": n}))
-                    .collect::<Vec<_>>()
-            });
+            let phases = phases_of(|| drop(run()));
             // The same-run peer: the forward's GEMMs alone, timed the same way (Llama family).
             let projections_ms = (cfg.mla.is_none() && cfg.moe.is_none()).then(|| {
                 let p = Projections::new(&cfg, t, &device);
