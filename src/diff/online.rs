@@ -18,6 +18,11 @@
 //! is not, the decision is still exact if the bounds settle it (identified or not, ambiguous
 //! or not); only then does the sample go back to a forward of its own
 //! ([`OnlineSample::finish`] returns `None`).
+//!
+//! A pass's samples are scored together ([`Batch`]): a flush scores every sample's waiting
+//! states in one launch per slot shape (a job per sample, `kernels/score.cu`), and at the end
+//! the best candidates' f64 rescoring and the bounds' edge sums (the edge rows stay on the
+//! device) run in one launch each for the pass, then the samples decide in parallel.
 
 use super::identify::{Candidate, SlotId, State};
 use crate::error::{CandleContext, Result};
@@ -372,8 +377,8 @@ impl OnlineSample {
     }
 
     /// Takes one reference state of this sample as the forward makes it. The states are
-    /// scored [`batch_for`] at a time (on a GPU one launch and one read-back for all of
-    /// them); the decisions do not depend on how many.
+    /// scored [`batch_for`] at a time, or, in a [`Batch`], with every sample's waiting states
+    /// together; the decisions do not depend on how many.
     pub fn take(&mut self, what: Produced, xs: &Tensor) -> Result<()> {
         let Some(q) = self.layout.state_of(what) else {
             return Ok(());
