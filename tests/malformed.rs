@@ -2189,3 +2189,26 @@ fn tokenizer_files_that_are_broken_are_refused() {
         refused(case, &out, &all);
     }
 }
+
+/// Capture files are read several at a time (`diff::read_units`): among good files, the first
+/// broken one in file order is the one named, whichever of them a thread reached first, and
+/// nothing is reported on stdout.
+#[test]
+fn the_first_broken_capture_in_order_is_named_when_files_are_read_together() {
+    let dir = scratch("broken-among-good");
+    let good = fixture("captures/corpus/llama/clean-f32/specforge/rows_0-2/data_0.ckpt");
+    for i in 0..6 {
+        std::fs::copy(&good, dir.join(format!("data_{i}.ckpt"))).unwrap();
+    }
+    // Third and fourth in file order: read together (chunks of 2 on two threads, of 8 on
+    // more).
+    std::fs::write(dir.join("data_1a.ckpt"), b"not a zip").unwrap();
+    std::fs::write(dir.join("data_1b.ckpt"), b"not a zip either").unwrap();
+    let out = diff(&dir);
+    refused(
+        "two broken files among six good ones",
+        &out,
+        &["data_1a.ckpt"],
+    );
+    assert!(!out.stderr.contains("data_1b.ckpt"), "{}", out.stderr);
+}

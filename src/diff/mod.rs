@@ -377,6 +377,11 @@ struct ReadStats {
 
 /// Reads every capture path's units in order into `ahead` (on the reader thread), until they
 /// are all read or the diff stops taking them.
+/// Capture files read at once at most (each on its own thread): enough to keep a GPU's diff
+/// fed from the page cache, few enough that what waits beyond the read-ahead's budget stays
+/// small (eight files of a pass).
+const READ_AT_ONCE: usize = 8;
+
 fn read_units(captures: &[PathBuf], ahead: &ReadAhead) -> ReadStats {
     let mut stats = ReadStats::default();
     let mut read = || -> Result<()> {
@@ -406,13 +411,23 @@ fn read_units(captures: &[PathBuf], ahead: &ReadAhead) -> ReadStats {
                     return Ok(());
                 }
             }
-            for file in files {
+            // A few files at a time, each on its own thread (parsing and widening a large
+            // capture is CPU work), handed on in order; the first failure in file order ends
+            // the read, as one file at a time would.
+            let at_once = rayon::current_num_threads().clamp(1, READ_AT_ONCE);
+            for chunk in files.chunks(at_once) {
                 let start = Instant::now();
-                let samples = read_capture_path(&file)?;
+                let read: Vec<std::result::Result<Vec<Sample>, _>> = {
+                    use rayon::prelude::*;
+                    chunk.par_iter().map(|f| read_capture_path(f)).collect()
+                };
                 stats.seconds += start.elapsed().as_secs_f64();
-                stats.files += 1;
-                if !ahead.push(Ok((file.display().to_string(), samples))) {
-                    return Ok(());
+                for (file, samples) in chunk.iter().zip(read) {
+                    let samples = samples?;
+                    stats.files += 1;
+                    if !ahead.push(Ok((file.display().to_string(), samples))) {
+                        return Ok(());
+                    }
                 }
             }
         }
