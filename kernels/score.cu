@@ -66,7 +66,7 @@ __device__ __forceinline__ Job job_at(const long long *jobs, int n_jobs, long lo
 // group whether it is scored, its state's row 0 and its shift.
 struct Group4 {
     long long job;
-    bool live[SCORE_GROUP], use[SCORE_GROUP];
+    bool use[SCORE_GROUP];
     const float *row0[SCORE_GROUP];
     long shift[SCORE_GROUP];
 };
@@ -79,10 +79,10 @@ __device__ __forceinline__ Group4 group_at(const long long *cand, int n_cand, co
 #pragma unroll
     for (int i = 0; i < SCORE_GROUP; ++i) {
         const int j = j0 + i;
-        g.live[i] = j < n_cand;
-        const long long q = g.live[i] ? cand[j] : 0;
-        g.use[i] = g.live[i] && job_ok && q >= 0 && q < n_states && cand[2 * n_cand + j] == g.job;
-        g.shift[i] = g.live[i] ? (long)cand[n_cand + j] : 0;
+        const bool live = j < n_cand;
+        const long long q = live ? cand[j] : 0;
+        g.use[i] = live && job_ok && q >= 0 && q < n_states && cand[2 * n_cand + j] == g.job;
+        g.shift[i] = live ? (long)cand[n_cand + j] : 0;
         g.row0[i] = reinterpret_cast<const float *>(g.use[i] ? state_ptr[q] : 0);
     }
     if (!job_ok) g.job = 0;

@@ -375,13 +375,13 @@ struct ReadStats {
     junctions: Vec<String>,
 }
 
-/// Reads every capture path's units in order into `ahead` (on the reader thread), until they
-/// are all read or the diff stops taking them.
 /// Capture files read at once at most (each on its own thread): enough to keep a GPU's diff
 /// fed from the page cache, few enough that what waits beyond the read-ahead's budget stays
 /// small (eight files of a pass).
 const READ_AT_ONCE: usize = 8;
 
+/// Reads every capture path's units in order into `ahead` (on the reader thread), until they
+/// are all read or the diff stops taking them.
 fn read_units(captures: &[PathBuf], ahead: &ReadAhead) -> ReadStats {
     let mut stats = ReadStats::default();
     let mut read = || -> Result<()> {
@@ -715,11 +715,7 @@ impl Judge<'_> {
         (ready, findings): HostPrepared,
         reference: &dyn ReferenceSource,
     ) -> Result<Option<Prepared>> {
-        let label = sample_label(sample);
-        for f in findings {
-            self.collector
-                .add(f.with_file(label.clone()).with_sample(sample.index));
-        }
+        self.collect(sample, findings);
         let Some(ready) = ready else {
             return Ok(None);
         };
@@ -767,12 +763,19 @@ impl Judge<'_> {
 
     /// A sample's slots and token ids (shape findings collected).
     fn slots<'s>(&mut self, sample: &'s Sample) -> Result<Option<(Slots, &'s [i64])>> {
+        let mut findings = Vec::new();
+        let slots = sample_slots(sample, self.spec, self.hidden, |f| findings.push(f));
+        self.collect(sample, findings);
+        slots
+    }
+
+    /// Findings about `sample`'s slots, collected with its file and index.
+    fn collect(&mut self, sample: &Sample, findings: Vec<Finding>) {
         let label = sample_label(sample);
-        let index = sample.index;
-        let collector = &mut self.collector;
-        sample_slots(sample, self.spec, self.hidden, |f| {
-            collector.add(f.with_file(label.clone()).with_sample(index))
-        })
+        for f in findings {
+            self.collector
+                .add(f.with_file(label.clone()).with_sample(sample.index));
+        }
     }
 
     /// Every slot's identification with the finding (if any) that names it, and the sample's

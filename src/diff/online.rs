@@ -227,8 +227,6 @@ pub struct OnlineSample {
     /// Per group, its identifications decided by [`Batch::finish`] on the host, in parallel
     /// with the other samples' (slots numbered from 0).
     decided: Vec<Option<Option<Vec<SlotId>>>>,
-    /// While deciding ahead: no device call (it runs on a worker thread).
-    host_only: bool,
 }
 
 impl OnlineSample {
@@ -262,7 +260,6 @@ impl OnlineSample {
             batch: batch_for(rows, hidden),
             undecided: false,
             decided: Vec::new(),
-            host_only: false,
         }
     }
 
@@ -386,9 +383,7 @@ impl OnlineSample {
         if self.undecided {
             return Ok(());
         }
-        if self.groups.iter().any(|g| g.staged.is_some()) {
-            self.upload_staged()?;
-        }
+        self.upload_staged()?;
         self.seen[q] = true;
         let what_s = || format!("reference state {what:?}");
         let dims = xs.dims();
@@ -561,21 +556,7 @@ impl OnlineSample {
             if others.is_empty() {
                 continue;
             }
-            let ask = Ask {
-                x: dj.clone(),
-                stride: self.hidden,
-                col0: 0,
-                spacing: cols,
-                x0: 0,
-                rows: self.rows,
-                k: 1,
-                cols,
-                states: datas,
-                r0: 0,
-                ref_rows: self.rows,
-                hidden: self.hidden,
-                pairs,
-            };
+            let ask = Ask::one_slot(dj.clone(), self.hidden, self.rows, cols, datas, pairs);
             asks.push((key, others, ask));
         }
         asks
@@ -624,22 +605,21 @@ impl OnlineSample {
                 edge_sums_all(&mut [self])?;
             }
         }
-        Ok(renumber(self.decide(g)?))
+        Ok(renumber(self.decide(g, false)?))
     }
 
     /// Every group's identifications, decided on the host alone, kept for
     /// [`OnlineSample::finish`]; a group that needs the device (a rescoring missing) or fails
     /// is left to `finish`.
     fn decide_ahead(&mut self) {
-        self.host_only = true;
         self.decided = (0..self.groups.len())
-            .map(|g| self.decide(g).ok())
+            .map(|g| self.decide(g, true).ok())
             .collect();
-        self.host_only = false;
     }
 
-    /// Group `g`'s identifications, its slots numbered from 0 (the states all scored).
-    fn decide(&self, g: usize) -> Result<Option<Vec<SlotId>>> {
+    /// Group `g`'s identifications, its slots numbered from 0 (the states all scored);
+    /// `host_only` (on a worker thread): an error where a device call would be needed.
+    fn decide(&self, g: usize, host_only: bool) -> Result<Option<Vec<SlotId>>> {
         if self.undecided || self.seen.iter().any(|s| !s) {
             return Ok(None);
         }
@@ -654,7 +634,7 @@ impl OnlineSample {
             {
                 return Ok(None);
             }
-            let Some(id) = self.identify(group, i)? else {
+            let Some(id) = self.identify(group, i, host_only)? else {
                 return Ok(None);
             };
             out.push(SlotId { slot: i, ..id });
@@ -682,25 +662,17 @@ impl OnlineSample {
         let (Some(x), Some(state)) = (&group.device, self.kept.get(&qj)) else {
             return None;
         };
+        let (x, states) = (Data::Device(x.clone()), vec![state.clone()]);
         Some(Ask {
-            x: Data::Device(x.clone()),
             stride: group.k * group.cols,
             col0: i * group.cols,
-            spacing: group.cols,
-            x0: 0,
-            rows: self.rows,
-            k: 1,
-            cols: group.cols,
-            states: vec![state.clone()],
-            r0: 0,
-            ref_rows: self.rows,
-            hidden: self.hidden,
-            pairs: vec![(0, sj)],
+            ..Ask::one_slot(x, self.hidden, self.rows, group.cols, states, vec![(0, sj)])
         })
     }
 
-    /// Slot `i` of `group`, as `identify_slots` would decide it.
-    fn identify(&self, group: &Group, i: usize) -> Result<Option<SlotId>> {
+    /// Slot `i` of `group`, as `identify_slots` would decide it (`host_only`: see
+    /// [`OnlineSample::decide`]).
+    fn identify(&self, group: &Group, i: usize, host_only: bool) -> Result<Option<SlotId>> {
         let n = self.layout.candidates();
         let (scores, order) = self.ranked(group, i);
         let Some(&j) = order.first() else {
@@ -716,7 +688,7 @@ impl OnlineSample {
             // Rescored with every sample of its batch (`Batch::finish`).
             (Some((rj, score)), _) if rj == j => score,
             // Not decided ahead: `finish` decides it with the device.
-            (_, Some(_)) if self.host_only => {
+            (_, Some(_)) if host_only => {
                 return Err(crate::error::Error::Device(
                     "a rescoring left to the device".into(),
                 ));
@@ -920,19 +892,17 @@ impl OnlineSample {
                 let lo = (INNER as isize + sj) as usize;
                 let hi = (t as isize - INNER as isize + sj) as usize;
                 let ask = |x0: usize, rows: usize, r0: usize, shift: isize| Ask {
-                    x: ej.clone(),
-                    stride: h,
-                    col0: 0,
-                    spacing: cols,
                     x0,
-                    rows,
-                    k: 1,
-                    cols,
-                    states: vec![ec.clone()],
                     r0,
                     ref_rows: EDGE,
-                    hidden: h,
-                    pairs: vec![(0, shift)],
+                    ..Ask::one_slot(
+                        ej.clone(),
+                        h,
+                        rows,
+                        cols,
+                        vec![ec.clone()],
+                        vec![(0, shift)],
+                    )
                 };
                 // Edge row e of a state is its row e (e < EDGE) or t - 2 EDGE + e.
                 let top = ask(
@@ -953,10 +923,10 @@ struct Separation {
     upper: f64,
 }
 
-/// Scores the states every sample has waiting, together: on a GPU one read-back for all their
-/// edge rows, one launch and read-back per slot shape for every sample's sums, and one for the
-/// best candidates' exact cosines; then each sample drops what no decision needs any more. A
-/// sample's decisions are those of scoring it alone, in any grouping of its states.
+/// Scores the states every sample has waiting, together: their edge rows kept (on a GPU they
+/// stay there), one launch and read-back per slot shape for every sample's sums, and one for
+/// the best candidates' exact cosines; then each sample drops what no decision needs any
+/// more. A sample's decisions are those of scoring it alone, in any grouping of its states.
 pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
     let pending: Vec<Vec<(usize, Data)>> = samples
         .iter_mut()
@@ -967,16 +937,13 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
     }
     let device = samples[0].device.clone();
     // Their edge rows, for the bound.
-    let wanting: Vec<(usize, &(usize, Data))> = samples
-        .iter()
-        .zip(&pending)
-        .enumerate()
-        .filter(|(_, (s, _))| !s.keep_all)
-        .flat_map(|(i, (_, p))| p.iter().map(move |st| (i, st)))
-        .collect();
-    for (i, (q, data)) in wanting {
-        let e = edge_rows(data, samples[i].rows)?;
-        samples[i].edges[*q] = Some(e);
+    for (s, p) in samples.iter_mut().zip(&pending) {
+        if s.keep_all {
+            continue;
+        }
+        for (q, data) in p {
+            s.edges[*q] = Some(edge_rows(data, s.rows)?);
+        }
     }
     phases::mark("diff: flush, edge rows", &device);
     // Every group's sums against the new states.
@@ -1093,11 +1060,11 @@ impl<'a> Batch<'a> {
     /// launch for all) and decides every sample's slots: [`OnlineSample::finish`] then
     /// returns what was decided.
     pub fn finish(mut self) -> Result<()> {
-        self.flush()?;
-        rescore_all(&mut self.samples)?;
         let Some(device) = self.samples.first().map(|s| s.device.clone()) else {
             return Ok(());
         };
+        self.flush()?;
+        rescore_all(&mut self.samples)?;
         edge_sums_all(&mut self.samples)?;
         phases::mark("diff: rescoring and edge sums", &device);
         // The bounds of the separations are host arithmetic over each sample's own edge
@@ -1179,6 +1146,36 @@ struct Ask {
     ref_rows: usize,
     hidden: usize,
     pairs: Vec<(usize, isize)>,
+}
+
+impl Ask {
+    /// One slot of `cols` columns, `x`'s rows `0..rows` (row stride `hidden`, from column
+    /// 0), against rows `0..rows` of `states`: a reference state read as a slot, the form
+    /// the separations, the rescoring and the bounds' edge sums take (each moves what differs).
+    fn one_slot(
+        x: Data,
+        hidden: usize,
+        rows: usize,
+        cols: usize,
+        states: Vec<Data>,
+        pairs: Vec<(usize, isize)>,
+    ) -> Ask {
+        Ask {
+            x,
+            stride: hidden,
+            col0: 0,
+            spacing: cols,
+            x0: 0,
+            rows,
+            k: 1,
+            cols,
+            states,
+            r0: 0,
+            ref_rows: rows,
+            hidden,
+            pairs,
+        }
+    }
 }
 
 /// Every ask's sums, slot-major (`[k, pairs]`): host asks by [`pair_sums`], device ones by
@@ -1844,20 +1841,11 @@ mod tests {
                     shift,
                 }],
             )[0];
+            let (x, states) = (Data::Device(xt.clone()), vec![Data::Device(ct.clone())]);
             let ask = Ask {
-                x: Data::Device(xt.clone()),
                 stride: 2 * h,
                 col0: h,
-                spacing: h,
-                x0: 0,
-                rows: t,
-                k: 1,
-                cols: h,
-                states: vec![Data::Device(ct.clone())],
-                r0: 0,
-                ref_rows: t,
-                hidden: h,
-                pairs: vec![(0, shift)],
+                ..Ask::one_slot(x, h, t, h, states, vec![(0, shift)])
             };
             let got = run_asks(&[ask], Precision::F64, "rescoring").unwrap()[0][0].score();
             assert_eq!(got.rows, want.rows, "shift {shift}");
