@@ -239,7 +239,14 @@ fn score_jobs_with(
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(dev) => {
-            let (sums, ran) = score_on_gpu(dev, jobs, slots, cols, precision, kernel)?;
+            let counts: Vec<usize> = jobs.iter().map(|j| j.candidates.len()).collect();
+            let (mut sums, mut ran) = (Vec::with_capacity(jobs.len()), kernel);
+            for part in launches(&counts) {
+                // Every launch chooses its kernel by the same alignment rule.
+                let (part, k) = score_on_gpu(dev, &jobs[part], slots, cols, precision, kernel)?;
+                sums.extend(part);
+                ran = k;
+            }
             Ok((sums, Some(ran)))
         }
         other => candle_core::bail!("score_jobs: no kernel for {:?}", other.location()),
@@ -287,39 +294,32 @@ fn score_job_cpu(
 }
 
 /// Candidate groups of four one launch takes at most (a grid's y and z dimensions).
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", test))]
 const MAX_GROUPS: usize = 65_535;
 
-/// The jobs in as few launches as the grid allows (one for a diff's flush): each launch's
-/// candidate, job and state tables in one upload, its sums in one read-back.
-#[cfg(feature = "cuda")]
-fn score_on_gpu(
-    dev: &candle_core::CudaDevice,
-    jobs: &[Job],
-    slots: usize,
-    cols: usize,
-    precision: Precision,
-    kernel: ScoreKernel,
-) -> Result<(Vec<Vec<PairSums>>, ScoreKernel)> {
-    let mut out = Vec::with_capacity(jobs.len());
+/// The jobs (of `candidates[i]` candidates each) split into as few consecutive launches as the
+/// grid allows: one for a diff's flush. A job larger than a launch goes alone (its launch then
+/// refuses the grid).
+#[cfg(any(feature = "cuda", test))]
+fn launches(candidates: &[usize]) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
     let (mut start, mut groups) = (0, 0);
-    for (i, job) in jobs.iter().enumerate() {
-        let g = job.candidates.len().div_ceil(4);
+    for (i, n) in candidates.iter().enumerate() {
+        let g = n.div_ceil(4);
         if groups + g > MAX_GROUPS && i > start {
-            out.extend(score_launch(dev, &jobs[start..i], slots, cols, precision, kernel)?.0);
+            out.push(start..i);
             (start, groups) = (i, 0);
         }
         groups += g;
     }
-    // The last launch's kernel (every launch chooses by the same alignment rule).
-    let (sums, ran) = score_launch(dev, &jobs[start..], slots, cols, precision, kernel)?;
-    out.extend(sums);
-    Ok((out, ran))
+    out.push(start..candidates.len());
+    out
 }
 
-/// Every job in one launch.
+/// Every job in one launch: the candidate, job and state tables in one upload, the sums in one
+/// read-back.
 #[cfg(feature = "cuda")]
-fn score_launch(
+fn score_on_gpu(
     dev: &candle_core::CudaDevice,
     jobs: &[Job],
     slots: usize,
@@ -779,6 +779,32 @@ mod tests {
             let want = reference_of(&xw, slots, cols, &refs, &cands);
             assert_sums_close(&got, &want);
         }
+    }
+
+    /// Launches take every job once, in order, each within the grid (a job alone when it is
+    /// larger than one).
+    #[test]
+    fn launches_cover_the_jobs_within_the_grid() {
+        let cases: [Vec<usize>; 4] = [
+            vec![],
+            vec![3; 10],
+            vec![4 * MAX_GROUPS - 4, 8, 5, 4 * MAX_GROUPS],
+            vec![4 * MAX_GROUPS + 1, 1, 1],
+        ];
+        for counts in cases {
+            let parts = launches(&counts);
+            let flat: Vec<usize> = parts.iter().flat_map(|r| r.clone()).collect();
+            assert_eq!(flat, (0..counts.len()).collect::<Vec<_>>(), "{counts:?}");
+            for r in &parts {
+                let groups: usize = counts[r.clone()].iter().map(|n| n.div_ceil(4)).sum();
+                assert!(groups <= MAX_GROUPS || r.len() == 1, "{counts:?}: {r:?}");
+            }
+        }
+        assert_eq!(launches(&[3; 10]).len(), 1);
+        assert_eq!(
+            launches(&[4 * MAX_GROUPS - 4, 8, 5, 4 * MAX_GROUPS]).len(),
+            3
+        );
     }
 
     /// Jobs of different rows, states and shifts scored together: each job's sums are its own
