@@ -7,11 +7,14 @@
 //              job's captured row t with row t + shift of state `state`, for the t < rows with
 //              0 <= t + shift < ref_rows. Every four candidates 4g..4g+3 belong to one job (the
 //              launcher pads with state -1).
-//   jobs       [5, n_jobs] int64: x (the device address of the job's row 0, f32), x_stride,
+//   jobs       [5, n_jobs] int64: x (the device address of the job's row 0), x_stride,
 //              rows, ref_rows, ref_stride (elements). Slot s of a job is columns
 //              s*cols .. (s+1)*cols of its x rows.
-//   state_ptr  [n_states] int64: the device address of each state's row 0 (f32, rows
-//              ref_stride apart).
+//   state_ptr  [n_states] int64: the device address of each state's row 0 (rows ref_stride
+//              apart).
+// The values are f32 or bf16, one pair of types a launch (the entry points' suffix, below):
+// a bf16 value is widened to f32 as it is read, exactly, so the sums are those of the widened
+// tensors; a forward's bf16 states are scored as it made them, without a widened copy.
 // For every (slot, candidate): xx = sum x*x, xc = sum x*c, cc = sum c*c over those rows and the
 // columns c < cols, skipping non-finite x values (a non-finite reference value is kept: it
 // poisons the sums, as on the CPU). A candidate whose state is outside 0..n_states or whose job
@@ -22,12 +25,13 @@
 //   (chunk, s, group) accumulates rows chunk*rows_per_chunk .. for slot s and four candidates in
 //   Acc per thread, then reduces the block in double in a fixed order into
 //   partials [k, n_cand, chunks, 3] (double).
-// score_partials_vec: the f32 sums and partials with fewer, wider reads, for 16-byte aligned
-//   rows (cols, every stride a multiple of 4, every address of 16 bytes; the launcher checks).
+// score_partials_vec: the f32 sums and partials with fewer, wider reads, four values at once
+//   (cols, every stride a multiple of 4, every address a multiple of four values; the launcher
+//   checks).
 //   Grid (ceil(n_cand / 4), chunks, ceil(k / 4)), 128 threads: block (group, chunk, slot batch)
-//   reads float4s, each reference value once for up to four slots, and the chunk is the slowest
-//   grid index, so the blocks in flight share their chunk's captured rows in L2 (and a state's
-//   shifted candidates share rows in L1). A non-finite captured value contributes nothing, as
+//   reads four values at a time, each reference value once for up to four slots, and the chunk
+//   is the slowest grid index, so the blocks in flight share their chunk's captured rows in L2
+//   (and a state's shifted candidates share rows in L1). A non-finite captured value contributes nothing, as
 //   above, by selecting zeros for it.
 // score_finish: one thread per (slot, candidate) sums its chunks in order into
 //   out [k, n_cand, 4] (double: xx, xc, cc and the pair's row count), so that one read-back
@@ -47,14 +51,15 @@
 #define JOB_REF_ROWS 3
 #define JOB_REF_STRIDE 4
 
-struct Job {
-    const float *x;
+template <typename X> struct Job {
+    const X *x;
     long x_stride, rows, ref_rows, ref_stride;
 };
 
-__device__ __forceinline__ Job job_at(const long long *jobs, int n_jobs, long long j) {
-    Job r;
-    r.x = reinterpret_cast<const float *>(jobs[JOB_X * n_jobs + j]);
+template <typename X>
+__device__ __forceinline__ Job<X> job_at(const long long *jobs, int n_jobs, long long j) {
+    Job<X> r;
+    r.x = reinterpret_cast<const X *>(jobs[JOB_X * n_jobs + j]);
     r.x_stride = jobs[JOB_X_STRIDE * n_jobs + j];
     r.rows = jobs[JOB_ROWS * n_jobs + j];
     r.ref_rows = jobs[JOB_REF_ROWS * n_jobs + j];
@@ -64,16 +69,17 @@ __device__ __forceinline__ Job job_at(const long long *jobs, int n_jobs, long lo
 
 // The job of candidate group starting at j0 (its first candidate's), and per candidate of the
 // group whether it is scored, its state's row 0 and its shift.
-struct Group4 {
+template <typename C> struct Group4 {
     long long job;
     bool use[SCORE_GROUP];
-    const float *row0[SCORE_GROUP];
+    const C *row0[SCORE_GROUP];
     long shift[SCORE_GROUP];
 };
 
-__device__ __forceinline__ Group4 group_at(const long long *cand, int n_cand, const long long *state_ptr,
+template <typename C>
+__device__ __forceinline__ Group4<C> group_at(const long long *cand, int n_cand, const long long *state_ptr,
                                            int n_states, int n_jobs, int j0) {
-    Group4 g;
+    Group4<C> g;
     g.job = cand[2 * n_cand + j0];
     const bool job_ok = g.job >= 0 && g.job < n_jobs;
 #pragma unroll
@@ -83,13 +89,13 @@ __device__ __forceinline__ Group4 group_at(const long long *cand, int n_cand, co
         const long long q = live ? cand[j] : 0;
         g.use[i] = live && job_ok && q >= 0 && q < n_states && cand[2 * n_cand + j] == g.job;
         g.shift[i] = live ? (long)cand[n_cand + j] : 0;
-        g.row0[i] = reinterpret_cast<const float *>(g.use[i] ? state_ptr[q] : 0);
+        g.row0[i] = reinterpret_cast<const C *>(g.use[i] ? state_ptr[q] : 0);
     }
     if (!job_ok) g.job = 0;
     return g;
 }
 
-template <typename Acc>
+template <typename X, typename C, typename Acc>
 __device__ __forceinline__ void score_partials_impl(const long long *cand, int n_cand,
                                                     const long long *jobs, int n_jobs,
                                                     const long long *state_ptr, int n_states,
@@ -99,20 +105,20 @@ __device__ __forceinline__ void score_partials_impl(const long long *cand, int n
     const int chunk = blockIdx.x, slot = blockIdx.y, j0 = blockIdx.z * SCORE_GROUP;
     if (slot >= k) return; // uniform over the block
     const int chunks = gridDim.x;
-    const Group4 g = group_at(cand, n_cand, state_ptr, n_states, n_jobs, j0);
-    const Job job = job_at(jobs, n_jobs, g.job);
+    const Group4<C> g = group_at<C>(cand, n_cand, state_ptr, n_states, n_jobs, j0);
+    const Job<X> job = job_at<X>(jobs, n_jobs, g.job);
     Acc acc[SCORE_GROUP][3] = {};
     const long t_end = min(job.rows, (long)(chunk + 1) * rows_per_chunk);
     for (long t = (long)chunk * rows_per_chunk; t < t_end; ++t) {
-        const float *xr = job.x + t * job.x_stride + (long)slot * cols;
+        const X *xr = job.x + t * job.x_stride + (long)slot * cols;
         for (int c = threadIdx.x; c < cols; c += SCORE_THREADS) {
-            const float xv = xr[c];
+            const float xv = to_f32(xr[c]);
             if (!isfinite(xv)) continue;
 #pragma unroll
             for (int i = 0; i < SCORE_GROUP; ++i) {
                 const long rt = t + g.shift[i];
                 if (!g.use[i] || rt < 0 || rt >= job.ref_rows) continue;
-                const Acc cv = (Acc)g.row0[i][rt * job.ref_stride + c], x = (Acc)xv;
+                const Acc cv = (Acc)to_f32(g.row0[i][rt * job.ref_stride + c]), x = (Acc)xv;
                 acc[i][0] += x * x;
                 acc[i][1] += x * cv;
                 acc[i][2] += cv * cv;
@@ -139,52 +145,61 @@ __device__ __forceinline__ void score_partials_impl(const long long *cand, int n
     }
 }
 
-extern "C" __global__ void score_partials(const long long *cand, int n_cand, const long long *jobs,
-                                          int n_jobs, const long long *state_ptr, int n_states,
-                                          int cols, int k, int rows_per_chunk, double *partials) {
-    score_partials_impl<float>(cand, n_cand, jobs, n_jobs, state_ptr, n_states, cols, k,
-                               rows_per_chunk, partials);
-}
-
-extern "C" __global__ void score_partials_f64(const long long *cand, int n_cand,
-                                              const long long *jobs, int n_jobs,
-                                              const long long *state_ptr, int n_states, int cols,
-                                              int k, int rows_per_chunk, double *partials) {
-    score_partials_impl<double>(cand, n_cand, jobs, n_jobs, state_ptr, n_states, cols, k,
-                                rows_per_chunk, partials);
-}
-
 #define SCORE_SLOTS 4
 #define SCORE_VEC_THREADS 128
 
-extern "C" __global__ void score_partials_vec(const long long *cand, int n_cand,
-                                              const long long *jobs, int n_jobs,
-                                              const long long *state_ptr, int n_states, int cols,
-                                              int k, int rows_per_chunk, double *partials) {
+// Four consecutive values from p (16-byte aligned for f32, 8-byte for bf16), as f32.
+__device__ __forceinline__ void load4(const float *p, float out[4]) {
+    const float4 v = *reinterpret_cast<const float4 *>(p);
+    out[0] = v.x;
+    out[1] = v.y;
+    out[2] = v.z;
+    out[3] = v.w;
+}
+
+__device__ __forceinline__ void load4(const __nv_bfloat16 *p, float out[4]) {
+    union {
+        uint2 raw;
+        __nv_bfloat162 v[2];
+    } u;
+    u.raw = *reinterpret_cast<const uint2 *>(p);
+    const float2 a = __bfloat1622float2(u.v[0]), b = __bfloat1622float2(u.v[1]);
+    out[0] = a.x;
+    out[1] = a.y;
+    out[2] = b.x;
+    out[3] = b.y;
+}
+
+template <typename X, typename C>
+__device__ __forceinline__ void score_partials_vec_impl(const long long *cand, int n_cand,
+                                                        const long long *jobs, int n_jobs,
+                                                        const long long *state_ptr, int n_states,
+                                                        int cols, int k, int rows_per_chunk,
+                                                        double *partials) {
     __shared__ double scratch[SCORE_VEC_THREADS / 32][3 * SCORE_GROUP * SCORE_SLOTS];
     const int j0 = blockIdx.x * SCORE_GROUP, chunk = blockIdx.y, s0 = blockIdx.z * SCORE_SLOTS;
     const int chunks = gridDim.y, ns = min(SCORE_SLOTS, k - s0), cols4 = cols / 4;
-    const Group4 g = group_at(cand, n_cand, state_ptr, n_states, n_jobs, j0);
-    const Job job = job_at(jobs, n_jobs, g.job);
+    const Group4<C> g = group_at<C>(cand, n_cand, state_ptr, n_states, n_jobs, j0);
+    const Job<X> job = job_at<X>(jobs, n_jobs, g.job);
     float acc[SCORE_SLOTS][SCORE_GROUP][3] = {};
     const long t_end = min(job.rows, (long)(chunk + 1) * rows_per_chunk);
     for (long t = (long)chunk * rows_per_chunk; t < t_end; ++t) {
-        const float4 *xr = reinterpret_cast<const float4 *>(job.x + t * job.x_stride + (long)s0 * cols);
-        const float4 *cr[SCORE_GROUP];
+        const X *xr = job.x + t * job.x_stride + (long)s0 * cols;
+        const C *cr[SCORE_GROUP];
         bool in[SCORE_GROUP];
 #pragma unroll
         for (int i = 0; i < SCORE_GROUP; ++i) {
             const long rt = t + g.shift[i];
             in[i] = g.use[i] && rt >= 0 && rt < job.ref_rows;
-            cr[i] = reinterpret_cast<const float4 *>(g.row0[i] + (in[i] ? rt : 0) * job.ref_stride);
+            cr[i] = g.row0[i] + (in[i] ? rt : 0) * job.ref_stride;
         }
         for (int c = threadIdx.x; c < cols4; c += SCORE_VEC_THREADS) {
             float xv[SCORE_SLOTS][4];
             bool ok[SCORE_SLOTS][4];
 #pragma unroll
             for (int s = 0; s < SCORE_SLOTS; ++s) {
-                const float4 v = s < ns ? xr[s * cols4 + c] : make_float4(0.f, 0.f, 0.f, 0.f);
-                const float e[4] = {v.x, v.y, v.z, v.w};
+                float e[4] = {0.f, 0.f, 0.f, 0.f};
+                if (s < ns) load4(xr + (long)s * cols + 4 * c, e);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     ok[s][i] = isfinite(e[i]);
@@ -194,8 +209,8 @@ extern "C" __global__ void score_partials_vec(const long long *cand, int n_cand,
 #pragma unroll
             for (int i = 0; i < SCORE_GROUP; ++i) {
                 if (!in[i]) continue;
-                const float4 v = cr[i][c];
-                const float cv[4] = {v.x, v.y, v.z, v.w};
+                float cv[4];
+                load4(cr[i] + 4 * c, cv);
 #pragma unroll
                 for (int s = 0; s < SCORE_SLOTS; ++s) {
                     if (s >= ns) continue;
@@ -232,6 +247,29 @@ extern "C" __global__ void score_partials_vec(const long long *cand, int n_cand,
         partials[(((long)(s0 + s) * n_cand + j) * chunks + chunk) * 3 + m] = v;
     }
 }
+
+// The entry points, by the element types of the captured rows and of the states: f32 and f32
+// (no suffix), f32 slots against bf16 states (_fb: a forward's states as it made them), bf16
+// against bf16 (_bb: a state read as a slot).
+#define SCORE_ARGS                                                                                 \
+    const long long *cand, int n_cand, const long long *jobs, int n_jobs,                         \
+        const long long *state_ptr, int n_states, int cols, int k, int rows_per_chunk,             \
+        double *partials
+#define SCORE_PASS cand, n_cand, jobs, n_jobs, state_ptr, n_states, cols, k, rows_per_chunk, partials
+#define SCORE_ENTRIES(suffix, X, C)                                                                \
+    extern "C" __global__ void score_partials##suffix(SCORE_ARGS) {                               \
+        score_partials_impl<X, C, float>(SCORE_PASS);                                              \
+    }                                                                                              \
+    extern "C" __global__ void score_partials_f64##suffix(SCORE_ARGS) {                           \
+        score_partials_impl<X, C, double>(SCORE_PASS);                                             \
+    }                                                                                              \
+    extern "C" __global__ void score_partials_vec##suffix(SCORE_ARGS) {                           \
+        score_partials_vec_impl<X, C>(SCORE_PASS);                                                 \
+    }
+
+SCORE_ENTRIES(, float, float)
+SCORE_ENTRIES(_fb, float, __nv_bfloat16)
+SCORE_ENTRIES(_bb, __nv_bfloat16, __nv_bfloat16)
 
 extern "C" __global__ void score_finish(const double *partials, int chunks, int k, int n_cand,
                                         const long long *cand, const long long *jobs, int n_jobs,

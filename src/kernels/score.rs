@@ -118,9 +118,11 @@ pub enum Precision {
     F64,
 }
 
-/// One set of slots against its own reference states: `x` `[rows, >= slots * cols]` f32 (any
-/// row stride), `states` each `[ref_rows, >= cols]` f32 with one row stride, candidates
-/// `(index into states, shift)`. A batch of samples is one job per sample, scored in one launch.
+/// One set of slots against its own reference states: `x` `[rows, >= slots * cols]` (any row
+/// stride), `states` each `[ref_rows, >= cols]` with one row stride, candidates `(index into
+/// states, shift)`. A batch of samples is one job per sample, scored in one launch. The values
+/// are f32 or bf16 ([`Elems`]): a bf16 value widens to f32 exactly, so the sums are those of
+/// the widened tensors.
 pub struct Job<'a> {
     pub x: &'a Tensor,
     pub states: Vec<&'a Tensor>,
@@ -164,20 +166,69 @@ pub fn score_jobs(
     score_jobs_with(jobs, slots, cols, precision, SCORE_KERNEL).map(|(sums, _)| sums)
 }
 
+/// The element types a launch reads (kernels/score.cu's entry points): the captured rows and
+/// the states both f32, f32 rows against bf16 states (a forward's states as it made them), or
+/// both bf16 (a state read as a slot).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Elems {
+    F32,
+    F32Bf16,
+    Bf16,
+}
+
+impl Elems {
+    /// The pair `x` and `states` are, when the kernels read it.
+    pub fn of(x: DType, states: DType) -> Option<Elems> {
+        match (x, states) {
+            (DType::F32, DType::F32) => Some(Elems::F32),
+            (DType::F32, DType::BF16) => Some(Elems::F32Bf16),
+            (DType::BF16, DType::BF16) => Some(Elems::Bf16),
+            _ => None,
+        }
+    }
+
+    /// The entry points' suffix (kernels/score.cu `SCORE_ENTRIES`).
+    #[cfg(feature = "cuda")]
+    fn suffix(self) -> &'static str {
+        match self {
+            Elems::F32 => "",
+            Elems::F32Bf16 => "_fb",
+            Elems::Bf16 => "_bb",
+        }
+    }
+
+    /// Bytes of one value of the captured rows and of the states.
+    #[cfg(feature = "cuda")]
+    fn sizes(self) -> (u64, u64) {
+        match self {
+            Elems::F32 => (4, 4),
+            Elems::F32Bf16 => (4, 2),
+            Elems::Bf16 => (2, 2),
+        }
+    }
+}
+
 /// Where one job's rows sit.
 struct JobShape {
     x: super::Matrix,
     ref_rows: usize,
     ref_stride: usize,
     states: Vec<super::Matrix>,
+    elems: Elems,
 }
 
 /// Checks a job against `slots` x `cols` and reads its layouts.
 fn job_shape(job: &Job, slots: usize, cols: usize) -> Result<JobShape> {
-    let f32s = std::iter::once(job.x).chain(job.states.iter().copied());
-    if f32s.into_iter().any(|t| t.dtype() != DType::F32) {
-        candle_core::bail!("score_jobs: x and the states must be f32");
-    }
+    let state_dtype = job.states.first().map_or(job.x.dtype(), |t| t.dtype());
+    let elems = Elems::of(job.x.dtype(), state_dtype);
+    let Some(elems) = elems.filter(|_| job.states.iter().all(|t| t.dtype() == state_dtype)) else {
+        candle_core::bail!(
+            "score_jobs: x {:?} against states {:?}: the kernels read f32 or bf16 states, \
+             all of one type, and f32 slots or slots of the states' type",
+            job.x.dtype(),
+            job.states.iter().map(|t| t.dtype()).collect::<Vec<_>>()
+        );
+    };
     let x = super::Matrix::of(job.x.layout(), "score x")?;
     if job.x.rank() != 2 || x.cols < slots * cols {
         candle_core::bail!(
@@ -213,6 +264,7 @@ fn job_shape(job: &Job, slots: usize, cols: usize) -> Result<JobShape> {
         ref_rows,
         ref_stride,
         states,
+        elems,
     })
 }
 
@@ -273,6 +325,21 @@ fn score_job_cpu(
     precision: Precision,
 ) -> Result<Vec<PairSums>> {
     let s = job_shape(job, slots, cols)?;
+    if s.elems != Elems::F32 {
+        // bf16 widens to f32 exactly: the same sums as the widened tensors'.
+        let x = job.x.to_dtype(DType::F32)?;
+        let states = job
+            .states
+            .iter()
+            .map(|t| t.to_dtype(DType::F32))
+            .collect::<Result<Vec<_>>>()?;
+        let widened = Job {
+            x: &x,
+            states: states.iter().collect(),
+            candidates: job.candidates.clone(),
+        };
+        return score_job_cpu(&widened, slots, cols, precision);
+    }
     let x = host_rows(job.x, &s.x, "score x")?;
     let mut refs = Vec::with_capacity(s.states.len() * s.ref_rows * s.ref_stride);
     for (t, m) in job.states.iter().zip(&s.states) {
@@ -380,7 +447,7 @@ fn score_on_gpu(
 /// arguments and the launch on the device's stream. [`score_jobs`] calls it.
 #[cfg(feature = "cuda")]
 pub mod launch {
-    use super::{Job, Precision, ScoreKernel, job_shape};
+    use super::{Elems, Job, Precision, ScoreKernel, job_shape};
     use crate::kernels::cuda::{DevPtr, Module, cfg, function, grid_dim, grid_dim_yz, launch};
     use crate::kernels::{to_i32, to_i64};
     use candle_core::Result;
@@ -401,8 +468,11 @@ pub mod launch {
         /// Where each job's first candidate sits in the padded list.
         pub place: Vec<usize>,
         pub max_rows: usize,
-        /// Every address a 16-byte multiple and every stride a multiple of 4 (float4 reads).
+        /// Every address a multiple of four values and every stride a multiple of 4 (reads of
+        /// four values at once).
         pub aligned: bool,
+        /// What every job's rows and states are.
+        pub elems: Elems,
     }
 
     fn addr(p: DevPtr) -> Result<i64> {
@@ -417,12 +487,21 @@ pub mod launch {
             let mut job_cols: [Vec<i64>; 5] = Default::default();
             let mut place = Vec::with_capacity(jobs.len());
             let (mut aligned, mut max_rows) = (true, 0);
+            let mut elems = None;
             for (i, job) in jobs.iter().enumerate() {
                 let s = job_shape(job, slots, cols)?;
+                if *elems.get_or_insert(s.elems) != s.elems {
+                    candle_core::bail!(
+                        "score_jobs: one launch reads one element type, found {:?} and {:?}",
+                        elems,
+                        s.elems
+                    );
+                }
+                let (x_size, state_size) = s.elems.sizes();
                 let base = state_ptr.len() as i64;
                 for t in &job.states {
                     let p = crate::kernels::cuda::tensor_ptr(t)?;
-                    aligned &= p.is_multiple_of(16);
+                    aligned &= p.is_multiple_of(4 * state_size);
                     state_ptr.push(addr(p)?);
                 }
                 place.push(cand[0].len());
@@ -437,7 +516,7 @@ pub mod launch {
                     cand[2].push(i as i64);
                 }
                 let x = crate::kernels::cuda::tensor_ptr(job.x)?;
-                aligned &= x.is_multiple_of(16)
+                aligned &= x.is_multiple_of(4 * x_size)
                     && s.x.stride.is_multiple_of(4)
                     && s.ref_stride.is_multiple_of(4);
                 max_rows = max_rows.max(s.x.rows);
@@ -466,6 +545,7 @@ pub mod launch {
                 place,
                 max_rows,
                 aligned,
+                elems: elems.unwrap_or(Elems::F32),
             })
         }
 
@@ -490,6 +570,7 @@ pub mod launch {
                 slots,
                 max_rows: self.max_rows,
                 aligned: self.aligned && cols.is_multiple_of(4),
+                elems: self.elems,
                 workspace,
                 out,
             }
@@ -511,8 +592,9 @@ pub mod launch {
         pub slots: usize,
         /// The most rows of any job: the chunks of the grid.
         pub max_rows: usize,
-        /// The float4 kernel may read every row.
+        /// The vector kernel may read every row four values at a time.
         pub aligned: bool,
+        pub elems: Elems,
         pub workspace: DevPtr,
         pub out: DevPtr,
     }
@@ -567,6 +649,8 @@ pub mod launch {
                 SCORE_VEC_THREADS,
             ),
         };
+        let name = format!("{name}{}", a.elems.suffix());
+        let name = name.as_str();
         let partials = function(dev, Module::Score, name)?;
         let n_cand = to_i32(a.n_cand, "candidates")?;
         let n_jobs = to_i32(a.n_jobs, "jobs")?;
@@ -864,6 +948,102 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn bf16_values_score_as_their_widening() {
+        bf16_against_widened(&Device::Cpu);
+    }
+
+    /// bf16 states (and bf16 slots against them) score exactly as the same values widened to
+    /// f32: every kernel, both precisions, rows the vector kernel reads and rows it cannot
+    /// (odd column windows), non-finite captured values among them.
+    fn bf16_against_widened(device: &Device) {
+        let (rows, cols, slots, ref_rows, n_states) = (70, 64, 5, 71, 4);
+        let (x, refs) = case(rows, cols, slots, ref_rows, n_states, 29);
+        let on = |t: Tensor| t.to_device(device).unwrap();
+        let cands = candidates(n_states);
+        for aligned in [false, true] {
+            for x_bf16 in [false, true] {
+                let x = if x_bf16 {
+                    x.to_dtype(DType::BF16).unwrap()
+                } else {
+                    x.clone()
+                };
+                let refs = refs.to_dtype(DType::BF16).unwrap();
+                // Odd column windows (read one value at a time), or contiguous rows.
+                let (xs, rs) = if aligned {
+                    let x = x.narrow(1, 0, slots * cols).unwrap().contiguous().unwrap();
+                    (
+                        on(x),
+                        on(refs.narrow(2, 0, cols).unwrap().contiguous().unwrap()),
+                    )
+                } else {
+                    (
+                        on(x).narrow(1, 1, slots * cols).unwrap(),
+                        on(refs).narrow(2, 1, cols).unwrap(),
+                    )
+                };
+                let (xs32, rs32) = (
+                    xs.to_dtype(DType::F32).unwrap(),
+                    rs.to_dtype(DType::F32).unwrap(),
+                );
+                let st: Vec<Tensor> = (0..n_states).map(|q| rs.get(q).unwrap()).collect();
+                let st32: Vec<Tensor> = (0..n_states).map(|q| rs32.get(q).unwrap()).collect();
+                let (job, job32) = (
+                    Job {
+                        x: &xs,
+                        states: st.iter().collect(),
+                        candidates: cands.clone(),
+                    },
+                    Job {
+                        x: &xs32,
+                        states: st32.iter().collect(),
+                        candidates: cands.clone(),
+                    },
+                );
+                for precision in [Precision::F32, Precision::F64] {
+                    for kernel in [ScoreKernel::PerSlot, ScoreKernel::Vec4] {
+                        let what = format!(
+                            "aligned {aligned}, x bf16 {x_bf16}, {precision:?}, {kernel:?}"
+                        );
+                        let (got, ran) = score_jobs_with(
+                            std::slice::from_ref(&job),
+                            slots,
+                            cols,
+                            precision,
+                            kernel,
+                        )
+                        .unwrap();
+                        if !device.is_cpu() && precision == Precision::F32 {
+                            let want = if aligned {
+                                kernel
+                            } else {
+                                ScoreKernel::PerSlot
+                            };
+                            assert_eq!(ran, Some(want), "{what}");
+                        }
+                        // The widened copy is contiguous: the same kernel forced on it.
+                        let (want, _) = score_jobs_with(
+                            std::slice::from_ref(&job32),
+                            slots,
+                            cols,
+                            precision,
+                            ran.unwrap_or(kernel),
+                        )
+                        .unwrap();
+                        assert_eq!(got, want, "{what}");
+                        assert!(got[0].iter().any(|p| p.xc != 0.0), "{what}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_bf16_values_score_as_their_widening() {
+        bf16_against_widened(&crate::kernels::testing::gpu());
     }
 
     #[cfg(feature = "cuda")]
