@@ -148,6 +148,7 @@ fn feed(setup: &Setup, num_layers: usize) -> Option<Feed> {
 /// Every capture against the reference, counted on a spinner; the report names the spec.
 fn compare(opts: &DiffOptions, setup: &Setup, source: &mut dyn ReferenceSource) -> Result<Report> {
     let feed = feed(setup, source.num_layers());
+    let held = source.held_bytes();
     let mut counted = Counted::new(source, "samples compared");
     let (mut report, _) = diff(
         &DiffInput {
@@ -155,11 +156,12 @@ fn compare(opts: &DiffOptions, setup: &Setup, source: &mut dyn ReferenceSource) 
             captures: &opts.captures,
             feed: feed.as_ref(),
             arch: setup.arch.as_deref(),
-            // --max-memory bounds the runner's weights and the pass's samples together:
-            // half of it for the samples, as half the memory available without it.
+            // --max-memory bounds the runner's weights, its forward and the pass's samples
+            // together: of what the weights leave, half for the samples (their
+            // identification), half for the forward's activations.
             batching: Batching {
                 per_sample: false,
-                budget: opts.max_memory.map(|b| b / 2),
+                budget: opts.max_memory.map(|b| b.saturating_sub(held) / 2),
             },
         },
         &mut counted,

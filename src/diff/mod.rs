@@ -186,6 +186,7 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
         spec,
         hidden,
         l,
+        flush: 0,
         stats: DiffStats::default(),
         collector: Collector::default(),
         training: BTreeMap::new(),
@@ -204,18 +205,31 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     } else {
         budget.min(RESIDENT_PASS_BYTES)
     };
-    let ahead = ReadAhead::new(budget, hidden, l);
+    // The states a pass's batch holds waiting to be scored, beside what its samples keep: a
+    // quarter of the budget, at most FLUSH_BYTES.
+    let flush = (budget / 4).min(online::FLUSH_BYTES);
+    let budget = budget - flush;
+    judge.flush = flush;
+    let kept = Kept {
+        state_bytes: reference.state_bytes(),
+        on_device: !reference.device().is_cpu(),
+    };
+    let ahead = ReadAhead::new(budget, hidden, l, kept);
+    let device = reference.device();
+    let prepare = |sample: &Sample| prepare_host(sample, spec, hidden, l, &device);
+    let prepare: Option<&Prepare> = batched.then_some(&prepare);
     let read = std::thread::scope(|scope| -> Result<ReadStats> {
-        let reader = scope.spawn(|| read_units(input.captures, &ahead));
+        let reader = scope.spawn(|| read_units(input.captures, &ahead, prepare));
         let _closed = ahead.closer();
         let mut pending = Pass::default();
         while let Some(unit) = ahead.pop() {
-            let (unit, bytes) = unit?;
+            let ((unit, host), bytes) = unit?;
             if !batched {
                 let results = judge.per_sample(&unit.1, reference)?;
                 judge.record(unit, results);
                 continue;
             }
+            let unit = (unit, host);
             pending.bytes += bytes;
             pending.units.push(unit);
             if pending.bytes > budget {
@@ -352,18 +366,25 @@ pub fn check_captures(paths: &[PathBuf]) -> Result<()> {
 /// The samples of one file (or sglang junction), with the label the report gives it.
 type Unit = (String, Vec<Sample>);
 
+/// A unit as the reader hands it on: with its samples' host preparation when the diff
+/// batches them, done on the reader's threads while the target runs the pass before.
+type ReadUnit = (Unit, Option<Vec<Result<HostPrepared>>>);
+
 /// A slot's identification with the finding (if any) that names it.
 type Judged = (SlotId, Option<FindingName>);
 
 /// One pass's worth of samples waiting for the target, and the bytes they hold.
 #[derive(Default)]
 struct Pass {
-    units: Vec<Unit>,
+    units: Vec<ReadUnit>,
     bytes: u64,
 }
 
 /// A pass's samples on a resident target hold at most this much: each pass costs a resident
-/// target nothing more, and the reader fills the next pass while this one runs.
+/// target nothing more, and the reader fills (and prepares) the next pass while this one runs.
+/// Larger passes flush no faster (a flush's cost follows the states it scores) and read ahead
+/// less: in run 37 (BENCHMARKS.md), 8 GiB made one pass of the 256 samples at T = 128 and
+/// 0.83x the forward-only rate, where passes of 2 GiB kept reading beside the forwards (1.10x).
 const RESIDENT_PASS_BYTES: u64 = 2 << 30;
 
 /// What reading the captures cost, and the sglang junctions it found.
@@ -375,14 +396,19 @@ struct ReadStats {
     junctions: Vec<String>,
 }
 
-/// Capture files read at once at most (each on its own thread): enough to keep a GPU's diff
-/// fed from the page cache, few enough that what waits beyond the read-ahead's budget stays
-/// small (eight files of a pass).
-const READ_AT_ONCE: usize = 8;
+/// Capture files read (and their samples prepared) at once at most, each on its own thread:
+/// enough to keep a GPU's diff fed from the page cache (run 37: eight threads read and
+/// prepared 256 8B-shape samples at T = 2048 in 10.3 s, more than the 12 s of forwards could
+/// hide), few enough that what waits beyond the read-ahead's budget stays small.
+const READ_AT_ONCE: usize = 16;
+
+/// A sample's host preparation for a batched pass ([`prepare_host`]), on any thread.
+type Prepare<'a> = dyn Fn(&Sample) -> Result<HostPrepared> + Sync + 'a;
 
 /// Reads every capture path's units in order into `ahead` (on the reader thread), until they
-/// are all read or the diff stops taking them.
-fn read_units(captures: &[PathBuf], ahead: &ReadAhead) -> ReadStats {
+/// are all read or the diff stops taking them; each file's samples prepared by `prepare` on
+/// the thread that read it (the sglang junctions are left to their pass).
+fn read_units(captures: &[PathBuf], ahead: &ReadAhead, prepare: Option<&Prepare>) -> ReadStats {
     let mut stats = ReadStats::default();
     let mut read = || -> Result<()> {
         for path in captures {
@@ -407,7 +433,7 @@ fn read_units(captures: &[PathBuf], ahead: &ReadAhead) -> ReadStats {
                 }
             }
             for unit in units {
-                if !ahead.push(Ok(unit)) {
+                if !ahead.push(Ok((unit, None))) {
                     return Ok(());
                 }
             }
@@ -417,15 +443,22 @@ fn read_units(captures: &[PathBuf], ahead: &ReadAhead) -> ReadStats {
             let at_once = rayon::current_num_threads().clamp(1, READ_AT_ONCE);
             for chunk in files.chunks(at_once) {
                 let start = Instant::now();
-                let read: Vec<std::result::Result<Vec<Sample>, _>> = {
+                let read: Vec<Result<(Vec<Sample>, _)>> = {
                     use rayon::prelude::*;
-                    chunk.par_iter().map(|f| read_capture_path(f)).collect()
+                    chunk
+                        .par_iter()
+                        .map(|f| {
+                            let samples = read_capture_path(f)?;
+                            let host = prepare.map(|p| samples.par_iter().map(p).collect());
+                            Ok((samples, host))
+                        })
+                        .collect()
                 };
                 stats.seconds += start.elapsed().as_secs_f64();
-                for (file, samples) in chunk.iter().zip(read) {
-                    let samples = samples?;
+                for (file, read) in chunk.iter().zip(read) {
+                    let (samples, host) = read?;
                     stats.files += 1;
-                    if !ahead.push(Ok((file.display().to_string(), samples))) {
+                    if !ahead.push(Ok(((file.display().to_string(), samples), host))) {
                         return Ok(());
                     }
                 }
@@ -446,14 +479,15 @@ struct ReadAhead {
     state: std::sync::Mutex<AheadState>,
     changed: std::sync::Condvar,
     budget: u64,
-    /// The hidden size and layer count [`unit_bytes`] sizes a unit by.
+    /// The hidden size, layer count and keeping [`unit_bytes`] sizes a unit by.
     hidden: usize,
     l: usize,
+    kept: Kept,
 }
 
 #[derive(Default)]
 struct AheadState {
-    queue: std::collections::VecDeque<(Result<Unit>, u64)>,
+    queue: std::collections::VecDeque<(Result<ReadUnit>, u64)>,
     bytes: u64,
     /// The reader has read everything.
     done: bool,
@@ -462,21 +496,22 @@ struct AheadState {
 }
 
 impl ReadAhead {
-    fn new(budget: u64, hidden: usize, l: usize) -> ReadAhead {
+    fn new(budget: u64, hidden: usize, l: usize, kept: Kept) -> ReadAhead {
         ReadAhead {
             state: Default::default(),
             changed: Default::default(),
             budget,
             hidden,
             l,
+            kept,
         }
     }
 
     /// Queues a unit; false once the diff has stopped taking them.
-    fn push(&self, unit: Result<Unit>) -> bool {
-        let bytes = unit
-            .as_ref()
-            .map_or(0, |u| unit_bytes(&u.1, self.hidden, self.l));
+    fn push(&self, unit: Result<ReadUnit>) -> bool {
+        let bytes = unit.as_ref().map_or(0, |((_, samples), _)| {
+            unit_bytes(samples, self.hidden, self.l, self.kept)
+        });
         let Ok(mut s) = self.state.lock() else {
             return false;
         };
@@ -496,7 +531,7 @@ impl ReadAhead {
     }
 
     /// The next unit and its bytes, waiting for the reader; `None` once all were taken.
-    fn pop(&self) -> Option<Result<(Unit, u64)>> {
+    fn pop(&self) -> Option<Result<(ReadUnit, u64)>> {
         let mut s = self.state.lock().ok()?;
         loop {
             if let Some((unit, bytes)) = s.queue.pop_front() {
@@ -536,30 +571,46 @@ impl ReadAhead {
 /// When the memory available cannot be read: a pass's samples may hold this much.
 const DEFAULT_PASS_BYTES: u64 = 4 << 30;
 
-/// What a unit's samples hold while they wait for their pass, and what their identification
-/// keeps (every captured slot widened to f32, the best candidates' states, the ring of states
-/// made last, each state's edge rows), as the target's f32 rows of `hidden` features.
-fn unit_bytes(samples: &[Sample], hidden: usize, l: usize) -> u64 {
+/// Where and how the batched identification keeps a pass's samples: the bytes of a kept
+/// state's value (2 where a GPU's bf16 forward makes them, else 4), and whether that is a
+/// device's memory (the budget is then of the device's memory alone).
+#[derive(Clone, Copy)]
+struct Kept {
+    state_bytes: u64,
+    on_device: bool,
+}
+
+/// What a unit's samples hold in the memory the budget is of: what their identification
+/// keeps (every captured slot, in bf16 where the capture and the kept states are bf16, else
+/// f32; each slot's best candidate's state, the ring of states made last, each state's edge
+/// rows, in the states' type), and on the CPU also the captures stored and widened to f32.
+fn unit_bytes(samples: &[Sample], hidden: usize, l: usize, kept: Kept) -> u64 {
     samples
         .iter()
         .map(|s| {
-            let size = |t: &Option<HostTensor>| {
-                t.as_ref()
-                    .map_or(0, |t| t.dims().iter().product::<usize>() as u64)
+            let captures = [&s.aux, &s.layers, &s.final_hidden];
+            let captured: u64 = captures
+                .iter()
+                .filter_map(|t| t.as_ref())
+                .map(|t| t.dims().iter().product::<usize>() as u64)
+                .sum();
+            let bf16 = captures
+                .iter()
+                .filter_map(|t| t.as_ref())
+                .all(|t| t.dtype == crate::readers::DType::BF16);
+            let slot_bytes = if kept.on_device && kept.state_bytes == 2 && bf16 {
+                2
+            } else {
+                4
             };
-            let captured = size(&s.aux) + size(&s.layers) + size(&s.final_hidden);
             let rows = s.token_ids.as_ref().map_or(0, Vec::len) as u64;
             let (h, l) = (hidden as u64, l as u64);
-            let slots = if h > 0 {
-                captured / (rows * h).max(1)
-            } else {
-                0
-            };
-            let batch = online::batch_for(rows as usize, hidden) as u64;
-            let kept = (slots + 1 + online::RING as u64 + batch) * rows * h;
+            // A best candidate's state per slot, and the ring.
+            let slots = captured / (rows * h).max(1);
+            let states = (slots + online::RING as u64) * rows * h;
             let edges = 2 * online::EDGE as u64 * h * (2 * l + 2);
-            // Stored and widened, then what the identification keeps.
-            4 * (2 * captured + kept + edges)
+            let host = if kept.on_device { 0 } else { 4 * 2 * captured };
+            host + slot_bytes * captured + kept.state_bytes * (states + edges)
         })
         .sum()
 }
@@ -570,6 +621,8 @@ struct Judge<'a> {
     spec: &'a Spec,
     hidden: usize,
     l: usize,
+    /// Bytes of states a pass's batch holds waiting at most ([`online::Batch::new`]).
+    flush: u64,
     stats: DiffStats,
     collector: Collector,
     /// Per slot: how often each boundary was found, for the three-way table.
@@ -612,23 +665,28 @@ impl Judge<'_> {
     /// made; a sample the batched identification cannot decide exactly runs again alone.
     fn pass(&mut self, pass: Pass, reference: &mut dyn ReferenceSource) -> Result<()> {
         let device = reference.device();
-        // The samples' host work (widening, non-finite counts, packing) in parallel, then
-        // their findings, token checks and uploads in order on this thread.
+        // The samples' host work (widening, non-finite counts, packing), done by the reader
+        // where it could, else here in parallel; then their findings, token checks and
+        // uploads in order on this thread.
         let (spec, hidden, l) = (self.spec, self.hidden, self.l);
+        let (units, host): (Vec<Unit>, Vec<_>) = pass.units.into_iter().unzip();
         let host: Vec<Vec<Result<HostPrepared>>> = {
             use rayon::prelude::*;
-            pass.units
+            units
                 .par_iter()
-                .map(|(_, samples)| {
-                    samples
-                        .par_iter()
-                        .map(|sample| prepare_host(sample, spec, hidden, l, &device))
-                        .collect()
+                .zip(host)
+                .map(|((_, samples), host)| {
+                    host.unwrap_or_else(|| {
+                        samples
+                            .par_iter()
+                            .map(|sample| prepare_host(sample, spec, hidden, l, &device))
+                            .collect()
+                    })
                 })
                 .collect()
         };
-        let mut prepared: Vec<Vec<Option<Prepared>>> = Vec::with_capacity(pass.units.len());
-        for ((_, samples), host) in pass.units.iter().zip(host) {
+        let mut prepared: Vec<Vec<Option<Prepared>>> = Vec::with_capacity(units.len());
+        for ((_, samples), host) in units.iter().zip(host) {
             let mut unit = Vec::with_capacity(samples.len());
             for (sample, host) in samples.iter().zip(host) {
                 let ready = if has_states(sample) {
@@ -642,8 +700,7 @@ impl Judge<'_> {
         }
         // Each prepared sample's tokens beside its identification (a prepared sample has
         // tokens: `sample_slots` checked them), in the order the sink numbers them.
-        let (tokens, online): (Vec<&[i64]>, Vec<&mut OnlineSample>) = pass
-            .units
+        let (tokens, online): (Vec<&[i64]>, Vec<&mut OnlineSample>) = units
             .iter()
             .zip(prepared.iter_mut())
             .flat_map(|((_, samples), ready)| samples.iter().zip(ready.iter_mut()))
@@ -655,7 +712,7 @@ impl Judge<'_> {
         if !tokens.is_empty() {
             // Every sample of the pass scored together: a flush scores all their waiting
             // states at once, and the best candidates are rescored together at the end.
-            let mut batch = online::Batch::new(online);
+            let mut batch = online::Batch::new(online, self.flush);
             reference.run_many(&tokens, &mut |s, what, t| {
                 let at = Instant::now();
                 let taken = batch.take(s, what, t);
@@ -669,7 +726,7 @@ impl Judge<'_> {
         }
         self.stats.reference_seconds += start.elapsed().as_secs_f64() - scoring;
         self.stats.scoring_seconds += scoring;
-        for (unit, ready) in pass.units.into_iter().zip(prepared) {
+        for (unit, ready) in units.into_iter().zip(prepared) {
             let mut results = Vec::with_capacity(unit.1.len());
             for (sample, ready) in unit.1.iter().zip(ready) {
                 results.push(if !has_states(sample) {
@@ -1438,4 +1495,66 @@ pub fn describe_paths(paths: &[PathBuf]) -> String {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::readers::{DType as CaptureDType, Format};
+
+    /// A SpecForge-shaped sample of `rows` tokens: three aux slots and the training target,
+    /// captured in `dtype` (the values do not matter here).
+    fn sample(dtype: CaptureDType, rows: usize, h: usize) -> Sample {
+        let tensor = |shape: Vec<usize>| {
+            let bytes = shape.iter().product::<usize>() * dtype.size();
+            HostTensor::from_shared(dtype, shape, Arc::new(vec![0; bytes]), 0).unwrap()
+        };
+        Sample {
+            file: PathBuf::from("data_0.ckpt"),
+            index: 0,
+            format: Format::Torch,
+            token_ids: Some(vec![0; rows]),
+            loss_mask: None,
+            aux: Some(tensor(vec![rows, 3 * h])),
+            layers: None,
+            final_hidden: Some(tensor(vec![rows, h])),
+            named: Vec::new(),
+            meta: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+
+    /// A pass counts what its samples keep where its budget is: on a GPU running a bf16
+    /// forward, bf16 captures as bf16 slots beside bf16 states and nothing of the host's; f32
+    /// captures as f32 slots; on the CPU, f32 throughout and the captures stored and widened
+    /// too. (The bench's 8B-shape sample at T = 512 keeps 59 MB on the GPU.)
+    #[test]
+    fn a_pass_counts_what_its_samples_keep_where_its_budget_is() {
+        let (t, h, l) = (512, 4096, 32);
+        let gpu = Kept {
+            state_bytes: 2,
+            on_device: true,
+        };
+        let cpu = Kept {
+            state_bytes: 4,
+            on_device: false,
+        };
+        let captured = (4 * t * h) as u64;
+        // Each of the four slots' best candidate's state, and the ring.
+        let states = ((4 + online::RING) * t * h) as u64;
+        let edges = (2 * online::EDGE * h * (2 * l + 2)) as u64;
+        let bf16 = sample(CaptureDType::BF16, t, h);
+        let f32s = sample(CaptureDType::F32, t, h);
+        let on_gpu = unit_bytes(std::slice::from_ref(&bf16), h, l, gpu);
+        assert_eq!(on_gpu, 2 * captured + 2 * (states + edges));
+        assert_eq!((on_gpu as f64 / 1e6).round(), 59.0);
+        assert_eq!(
+            unit_bytes(std::slice::from_ref(&f32s), h, l, gpu),
+            4 * captured + 2 * (states + edges)
+        );
+        assert_eq!(
+            unit_bytes(&[bf16.clone(), bf16], h, l, cpu),
+            2 * (8 * captured + 4 * captured + 4 * (states + edges))
+        );
+    }
 }

@@ -26,7 +26,7 @@
 
 use super::identify::{Candidate, SlotId, State};
 use crate::error::{CandleContext, Result};
-use crate::kernels::score::{Job, Precision, score_jobs};
+use crate::kernels::score::{Elems, Job, Precision, score_jobs};
 use crate::model::{Produced, phases};
 use crate::score::{PairSums, Pairing, Score, View, non_finite, pair_sums, score_all};
 use crate::tolerance::{CaptureTolerance, identification_angle};
@@ -161,7 +161,7 @@ struct Group {
     width: usize,
     device: Option<Tensor>,
     /// On a device, the packed slots (and their clean form) waiting for their upload.
-    staged: Option<(Values, Option<Values>)>,
+    staged: Option<(Staged, Option<Staged>)>,
     /// The captured rows with non-finite values read as zeros, when there are any: the
     /// bound's go-between must be one vector against every full reference state, where the
     /// diff's own sums leave out the reference values beside a non-finite one.
@@ -175,6 +175,27 @@ struct Group {
     /// Per slot, its best candidate and their f64 score, when rescored with a batch.
     rescored: Vec<Option<(usize, Score)>>,
     non_finite: Vec<usize>,
+}
+
+/// Packed slots waiting for their upload: f32, and the same values in bf16 when every one is
+/// a bf16 value (a bf16 capture, widened): against bf16 states they go up in bf16, half the
+/// bytes, and the kernels widen them back exactly.
+struct Staged {
+    f32s: Values,
+    bf16: Option<Vec<half::bf16>>,
+}
+
+impl Staged {
+    fn of(f32s: Values) -> Staged {
+        // A bf16 value is an f32 whose low 16 bits are zero; it narrows by keeping the rest.
+        let exact = f32s.iter().all(|v| v.to_bits() & 0xffff == 0);
+        let bf16 = exact.then(|| {
+            f32s.iter()
+                .map(|v| half::bf16::from_bits((v.to_bits() >> 16) as u16))
+                .collect()
+        });
+        Staged { f32s, bf16 }
+    }
 }
 
 impl Group {
@@ -326,8 +347,8 @@ impl OnlineSample {
         if self.tensors {
             // Packed here (on any thread: a pass prepares its samples in parallel), uploaded
             // by the sample's first `take` (every device call on the caller's thread).
-            let on_device = clean.as_ref().map(|c| self.packed(&g, c));
-            g.staged = Some((self.packed(&g, &g.host), on_device));
+            let on_device = clean.as_ref().map(|c| Staged::of(self.packed(&g, c)));
+            g.staged = Some((Staged::of(self.packed(&g, &g.host)), on_device));
         }
         g.clean = clean.map(|c| (c, None));
         self.groups.push(g);
@@ -353,17 +374,21 @@ impl OnlineSample {
         Arc::new(packed)
     }
 
-    /// Uploads the groups' packed slots (see [`OnlineSample::group`]).
-    fn upload_staged(&mut self) -> Result<()> {
+    /// Uploads the groups' packed slots (see [`OnlineSample::group`]): in bf16 when they are
+    /// bf16 values and the states (of type `states`) are kept in bf16, else in f32.
+    fn upload_staged(&mut self, states: DType) -> Result<()> {
         let (rows, device) = (self.rows, self.device.clone());
         for g in &mut self.groups {
             let Some((main, clean)) = g.staged.take() else {
                 continue;
             };
-            let shape = (rows, g.k * g.cols);
-            let up = |v: &[f32]| {
-                Tensor::from_slice(&v[..rows * g.k * g.cols], shape, &device)
-                    .ctx(|| "uploading the captured slots".to_string())
+            let (n, shape) = (rows * g.k * g.cols, (rows, g.k * g.cols));
+            let up = |v: &Staged| {
+                match (&v.bf16, states) {
+                    (Some(b), DType::BF16) => Tensor::from_slice(&b[..n], shape, &device),
+                    _ => Tensor::from_slice(&v.f32s[..n], shape, &device),
+                }
+                .ctx(|| "uploading the captured slots".to_string())
             };
             g.device = Some(up(&main)?);
             if let (Some(c), Some((_, on_device))) = (clean, g.clean.as_mut()) {
@@ -383,7 +408,7 @@ impl OnlineSample {
         if self.undecided {
             return Ok(());
         }
-        self.upload_staged()?;
+        self.upload_staged(xs.dtype())?;
         self.seen[q] = true;
         let what_s = || format!("reference state {what:?}");
         let dims = xs.dims();
@@ -391,15 +416,21 @@ impl OnlineSample {
             self.undecided = true;
             return Ok(());
         }
-        let f32s = xs.to_dtype(DType::F32).ctx(what_s)?;
         let data = if !self.tensors {
             Data::Host(Arc::new(
-                f32s.flatten_all()
+                xs.to_dtype(DType::F32)
+                    .and_then(|t| t.flatten_all())
                     .and_then(|t| t.to_vec1::<f32>())
                     .ctx(what_s)?,
             ))
         } else {
-            Data::Device(f32s.contiguous().ctx(what_s)?)
+            // Kept as the forward made it where the scoring reads that type (a bf16 value
+            // widens to f32 exactly): half the memory, and no copy.
+            let kept = match xs.dtype() {
+                DType::F32 | DType::BF16 => xs.clone(),
+                _ => xs.to_dtype(DType::F32).ctx(what_s)?,
+            };
+            Data::Device(kept.contiguous().ctx(what_s)?)
         };
         self.pending.push((q, data));
         if self.pending.len() >= self.batch {
@@ -1008,32 +1039,41 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
     Ok(())
 }
 
-/// Several samples identified together: the states each takes wait until their values reach
-/// what the samples' own batches would hold (at most [`FLUSH_VALUES`]), then all are scored
-/// in one [`flush_all`], and the best candidates of all are rescored together at the end.
+/// Several samples identified together: the states each takes wait until they hold the
+/// batch's limit in bytes across the samples, then all are scored in one [`flush_all`], and
+/// the best candidates of all are rescored together at the end.
 pub struct Batch<'a> {
     samples: Vec<&'a mut OnlineSample>,
-    waiting: usize,
-    limit: usize,
+    /// Bytes of the states waiting.
+    waiting: u64,
+    limit: u64,
 }
 
-/// Values waiting across the samples of a [`Batch`] at most (f32: 512 MiB): what a pass holds
-/// beside its forward, enough for several 8B-shape samples' every state at T = 128.
-pub const FLUSH_VALUES: usize = 1 << 27;
+/// Bytes of states waiting across the samples of a [`Batch`] at most, in the type they are
+/// kept in (the diff gives a batch a quarter of its pass budget, up to this): 64 8B-shape
+/// states at T = 2048 in bf16. A flush costs a few launches and read-backs whatever it holds,
+/// so a pass-wide budget (rather than each sample's own batch) makes it hold as many as the
+/// memory allows.
+pub const FLUSH_BYTES: u64 = 1 << 30;
+
+/// Bytes a state waiting in a batch holds.
+fn data_bytes(data: &Data) -> u64 {
+    match data {
+        Data::Host(v) => 4 * v.len() as u64,
+        Data::Device(t) => (t.elem_count() * t.dtype().size_in_bytes()) as u64,
+    }
+}
 
 impl<'a> Batch<'a> {
-    pub fn new(mut samples: Vec<&'a mut OnlineSample>) -> Batch<'a> {
-        let own: usize = samples
-            .iter()
-            .map(|s| s.batch.saturating_mul(s.rows * s.hidden))
-            .fold(0, usize::saturating_add);
+    /// The samples of a pass, their states flushed once they hold `limit` bytes.
+    pub fn new(mut samples: Vec<&'a mut OnlineSample>, limit: u64) -> Batch<'a> {
         for s in &mut samples {
             s.batch = usize::MAX;
         }
         Batch {
             samples,
             waiting: 0,
-            limit: own.clamp(1, FLUSH_VALUES),
+            limit,
         }
     }
 
@@ -1043,8 +1083,11 @@ impl<'a> Batch<'a> {
         phases::mark("diff: reference forward", &sample.device);
         let before = sample.pending.len();
         sample.take(what, xs)?;
-        phases::mark("diff: taking a state (f32)", &sample.device);
-        self.waiting += (sample.pending.len() - before) * sample.rows * sample.hidden;
+        phases::mark("diff: taking a state", &sample.device);
+        self.waiting += sample.pending[before..]
+            .iter()
+            .map(|(_, d)| data_bytes(d))
+            .sum::<u64>();
         if self.waiting >= self.limit {
             self.flush()?;
         }
@@ -1185,8 +1228,8 @@ impl Ask {
 fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<PairSums>>> {
     let ctx = || what.to_string();
     let mut out: Vec<Vec<PairSums>> = vec![Vec::new(); asks.len()];
-    // Device asks by slot shape: (k, cols) -> the asks' indices.
-    let mut shapes: BTreeMap<(usize, usize), Vec<usize>> = BTreeMap::new();
+    // Device asks by slot shape and element types: (k, cols, elems) -> the asks' indices.
+    let mut shapes: BTreeMap<(usize, usize, Option<Elems>), Vec<usize>> = BTreeMap::new();
     for (i, a) in asks.iter().enumerate() {
         match &a.x {
             Data::Host(x) => {
@@ -1217,10 +1260,17 @@ fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<Pa
                     .collect::<Result<Vec<_>>>()?;
                 out[i] = pair_sums(&xs, &states, &a.pairs);
             }
-            Data::Device(_) => shapes.entry((a.k, a.cols)).or_default().push(i),
+            Data::Device(x) => {
+                let states = a.states.iter().find_map(|d| match d {
+                    Data::Device(t) => Some(t.dtype()),
+                    Data::Host(_) => None,
+                });
+                let elems = Elems::of(x.dtype(), states.unwrap_or(x.dtype()));
+                shapes.entry((a.k, a.cols, elems)).or_default().push(i)
+            }
         }
     }
-    for ((k, cols), which) in shapes {
+    for ((k, cols, _), which) in shapes {
         let mut xs = Vec::with_capacity(which.len());
         let mut states = Vec::with_capacity(which.len());
         for &i in &which {
@@ -1296,7 +1346,8 @@ fn rescore(
         Data::Host(v) => v,
         Data::Device(t) => {
             host = t
-                .flatten_all()
+                .to_dtype(DType::F32)
+                .and_then(|t| t.flatten_all())
                 .and_then(|t| t.to_vec1::<f32>())
                 .ctx(|| "rescoring the best candidate".to_string())?;
             &host
@@ -1530,13 +1581,12 @@ mod tests {
         let longest = seqs.iter().map(Vec::len).max().unwrap();
         let mut decided = 0;
         for tensors in [false, true] {
-            for limit in [1, 3000, 40_000, usize::MAX] {
+            for limit in [1, 12_000, 160_000, u64::MAX] {
                 let mut samples: Vec<(OnlineSample, usize)> = cases
                     .iter()
                     .map(|(refs, packed, k, _)| sample_of(refs, packed, *k, 1, tensors))
                     .collect();
-                let mut batch = Batch::new(samples.iter_mut().map(|(s, _)| s).collect());
-                batch.limit = limit;
+                let mut batch = Batch::new(samples.iter_mut().map(|(s, _)| s).collect(), limit);
                 for step in 0..longest {
                     for (s, seq) in seqs.iter().enumerate() {
                         if let Some((what, t)) = seq.get(step) {
@@ -1616,6 +1666,56 @@ mod tests {
             decided >= 2 * 7 * 8,
             "{decided} slots decided, {sent_back} samples sent back"
         );
+    }
+
+    /// A bf16 forward's states are kept as it made them, and slots of bf16 values go up in
+    /// bf16 beside them: the decisions and every score are those of the same values in f32,
+    /// bit for bit (a bf16 value widens to f32 exactly; run on the CPU through the tensor
+    /// path, the kernels' device test holds their bf16 reads to the same).
+    #[test]
+    fn bf16_states_and_slots_decide_as_their_f32_values() {
+        let round = |v: &[f32]| -> Vec<f32> {
+            v.iter()
+                .map(|&x| half::bf16::from_f32(x).to_f32())
+                .collect()
+        };
+        let mut decided = 0;
+        for (l, t, h, step, seed) in CASES {
+            let (mut refs, packed, k, _) = case(l, t, h, step, seed);
+            for b in refs
+                .boundaries
+                .iter_mut()
+                .chain(&mut refs.no_residual)
+                .flatten()
+            {
+                *b = round(b);
+            }
+            if let Some(pre) = refs.final_pre_norm.as_mut() {
+                *pre = round(pre);
+            }
+            let packed = round(&packed);
+            let run = |dtype: DType| {
+                let (mut online, g) = sample_of(&refs, &packed, k, 3, true);
+                for (what, x) in sequence(&refs) {
+                    online.take(what, &x.to_dtype(dtype).unwrap()).unwrap();
+                }
+                let uploaded = online.groups[g].device.as_ref().map(|x| x.dtype());
+                let kept = online.kept.values().find_map(|d| match d {
+                    Data::Device(x) => Some(x.dtype()),
+                    Data::Host(_) => None,
+                });
+                assert_eq!((uploaded, kept), (Some(dtype), Some(dtype)), "L {l}");
+                online.finish(g, 0).unwrap()
+            };
+            let (bf16, f32s) = (run(DType::BF16), run(DType::F32));
+            assert_eq!(bf16.is_some(), f32s.is_some(), "L {l} T {t}");
+            for (o, w) in bf16.iter().flatten().zip(f32s.iter().flatten()) {
+                let what = format!("L {l} T {t} slot {}", w.slot);
+                assert_eq!(format!("{o:?}"), format!("{w:?}"), "{what}");
+                decided += 1;
+            }
+        }
+        assert!(decided >= 7 * 6, "{decided} slots decided");
     }
 
     /// The GPU's way (states and slots as tensors, scored by `kernels::score`, the best pair

@@ -62,6 +62,19 @@ pub trait ReferenceSource {
         false
     }
 
+    /// Bytes of one value of the reference states where the batched identification keeps
+    /// them: 2 where a GPU forward makes bf16 states (kept as made, see
+    /// [`crate::diff::online::OnlineSample::take`]), else 4 (f32).
+    fn state_bytes(&self) -> u64 {
+        4
+    }
+
+    /// Bytes of the target's weights held at once in the memory a budget bounds (all of them
+    /// resident, one or two layers streamed); 0 for a source that runs nothing.
+    fn held_bytes(&self) -> u64 {
+        0
+    }
+
     /// Whether [`ReferenceSource::run_many`] runs: the runner does, a dump does not.
     fn runs_many(&self) -> bool {
         false
@@ -132,6 +145,19 @@ impl ReferenceSource for RunnerReference {
 
     fn runs_many(&self) -> bool {
         true
+    }
+
+    fn held_bytes(&self) -> u64 {
+        self.target.memory.held()
+    }
+
+    fn state_bytes(&self) -> u64 {
+        let on_gpu = !self.target.model.device().is_cpu();
+        if on_gpu && self.target.memory.dtype == DType::BF16 {
+            2
+        } else {
+            4
+        }
     }
 
     fn streams(&self) -> bool {
@@ -291,6 +317,14 @@ impl ReferenceSource for Counted<'_> {
 
     fn runs_many(&self) -> bool {
         self.inner.runs_many()
+    }
+
+    fn state_bytes(&self) -> u64 {
+        self.inner.state_bytes()
+    }
+
+    fn held_bytes(&self) -> u64 {
+        self.inner.held_bytes()
     }
 
     fn streams(&self) -> bool {

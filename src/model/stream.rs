@@ -186,27 +186,34 @@ pub fn plan(
             prefetch: budget.is_none_or(|b| b.bytes >= need.saturating_mul(2)),
         }
     };
-    let held = match residency {
-        Residency::Resident => estimate.total,
-        Residency::Streamed { prefetch } => estimate
-            .largest_layer()
-            .1
-            .saturating_mul(1 + prefetch as u64),
-    };
-    let read_window = budget.map_or(READ_WINDOW, |b| {
-        b.bytes.saturating_sub(held).min(READ_WINDOW)
-    });
-    Ok(MemoryPlan {
+    let mut plan = MemoryPlan {
         estimate,
         budget,
         automatic: over && !stream_layers,
         residency,
         dtype,
-        read_window,
-    })
+        read_window: READ_WINDOW,
+    };
+    if let Some(b) = budget {
+        plan.read_window = b.bytes.saturating_sub(plan.held()).min(READ_WINDOW);
+    }
+    Ok(plan)
 }
 
 impl MemoryPlan {
+    /// Bytes the weights hold at once: all of them resident, the largest layer once or twice
+    /// streamed.
+    pub fn held(&self) -> u64 {
+        match self.residency {
+            Residency::Resident => self.estimate.total,
+            Residency::Streamed { prefetch } => self
+                .estimate
+                .largest_layer()
+                .1
+                .saturating_mul(1 + prefetch as u64),
+        }
+    }
+
     /// How the weights are read: the default readers, reading ahead within the budget.
     pub fn reads(&self) -> ReadOptions {
         ReadOptions {
