@@ -222,16 +222,16 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
         let reader = scope.spawn(|| read_units(input.captures, &ahead, prepare));
         let _closed = ahead.closer();
         let mut pending = Pass::default();
-        while let Some(unit) = ahead.pop() {
-            let ((unit, host), bytes) = unit?;
+        while let Some(read) = ahead.pop() {
+            let (read, bytes) = read?;
             if !batched {
+                let (unit, _) = read;
                 let results = judge.per_sample(&unit.1, reference)?;
                 judge.record(unit, results);
                 continue;
             }
-            let unit = (unit, host);
             pending.bytes += bytes;
-            pending.units.push(unit);
+            pending.units.push(read);
             if pending.bytes > budget {
                 judge.pass(std::mem::take(&mut pending), reference)?;
             }

@@ -1051,9 +1051,10 @@ pub struct Batch<'a> {
 
 /// Bytes of states waiting across the samples of a [`Batch`] at most, in the type they are
 /// kept in (the diff gives a batch a quarter of its pass budget, up to this): 64 8B-shape
-/// states at T = 2048 in bf16. A flush costs a few launches and read-backs whatever it holds,
-/// so a pass-wide budget (rather than each sample's own batch) makes it hold as many as the
-/// memory allows.
+/// states at T = 2048 in bf16. A pass-wide budget (rather than each sample's own batch) lets
+/// one flush's launches and read-backs serve many samples' states; beyond that its size
+/// matters little (runs 36-38 in BENCHMARKS.md: the flushes' time follows the states they
+/// score, 544 flushes or 271 alike).
 pub const FLUSH_BYTES: u64 = 1 << 30;
 
 /// Bytes a state waiting in a batch holds.
