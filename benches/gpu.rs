@@ -546,14 +546,6 @@ mod gpu {
         );
     }
 
-    /// `gpu diff MODEL_DIR CAPTURES T,T,...` (issue 30): `diff` over the SpecForge captures the
-    /// peer wrote under `CAPTURES/t{T}` (its own states, so every slot is identified), on the
-    /// target resident in bf16, three ways at each T: batched (the default: samples packed into
-    /// forwards of `GPU_PACK_TOKENS`, scored on the device as each state is made), one forward
-    /// per sample (`Batching::per_sample`), and the forwards alone (`forward_many` with a sink
-    /// that drops every state, the same packing). Against the capture forward of one sample
-    /// timed as the capture bench times it (median of 5 after 2 warm-ups): tokens per second
-    /// each way. Prints one JSON object per T.
     /// With `EAGLE_CHECK_PHASES` set: `run` once more with every phase closed by a
     /// synchronisation, and each phase's total (milliseconds, marks) as JSON.
     fn phases_of(run: impl FnOnce()) -> Option<Vec<serde_json::Value>> {
@@ -570,6 +562,15 @@ mod gpu {
         )
     }
 
+    /// `gpu diff MODEL_DIR CAPTURES T,T,...` (issue 30): `diff` over the SpecForge captures the
+    /// peer wrote under `CAPTURES/t{T}` (its own states, so every slot is identified), on the
+    /// target resident in bf16, three ways at each T: batched (the default: samples packed into
+    /// forwards of `GPU_PACK_TOKENS`, scored on the device as each state is made), one forward
+    /// per sample (`Batching::per_sample`), and the forwards alone (`forward_many` with a sink
+    /// that drops every state, the same packing). Against the capture forward of one sample
+    /// timed as the capture bench times it (median of 5 after 2 warm-ups): tokens per second
+    /// each way (the per-sample diff over the first `EAGLE_CHECK_BENCH_ALONE` samples when
+    /// set; with `EAGLE_CHECK_PHASES`, the batched diff's phases). Prints one JSON object per T.
     fn diff_bench(dir: &Path, captures: &Path, ts: &[usize]) {
         use eagle_check::diff::reference::RunnerReference;
         use eagle_check::diff::{Batching, DiffInput, diff};

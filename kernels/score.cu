@@ -39,7 +39,8 @@
 // A chunk past a job's rows adds nothing.
 //
 // Checked by: src/kernels/score.rs, `tests::reference_matches_score_all` (the reference vs
-// diff::score::score_all), `tests::jobs_match_each_job_alone` and `tests::device_matches_reference`.
+// diff::score::score_all), `tests::jobs_match_each_job_alone`, `tests::device_matches_reference`
+// and `tests::device_bf16_values_score_as_their_widening`.
 #include "common.cuh"
 
 #define SCORE_THREADS 256
@@ -77,8 +78,9 @@ template <typename C> struct Group4 {
 };
 
 template <typename C>
-__device__ __forceinline__ Group4<C> group_at(const long long *cand, int n_cand, const long long *state_ptr,
-                                           int n_states, int n_jobs, int j0) {
+__device__ __forceinline__ Group4<C> group_at(const long long *cand, int n_cand,
+                                              const long long *state_ptr, int n_states, int n_jobs,
+                                              int j0) {
     Group4<C> g;
     g.job = cand[2 * n_cand + j0];
     const bool job_ok = g.job >= 0 && g.job < n_jobs;

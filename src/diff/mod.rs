@@ -182,16 +182,6 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     report.fact("spec_b", format_list(&spec.boundaries));
     check_spec_layers(spec, l)?;
 
-    let mut judge = Judge {
-        spec,
-        hidden,
-        l,
-        flush: 0,
-        stats: DiffStats::default(),
-        collector: Collector::default(),
-        training: BTreeMap::new(),
-        captures: Vec::new(),
-    };
     let mut junction_labels: Vec<String> = Vec::new();
     let batched = reference.runs_many() && !input.batching.per_sample;
     let budget = input.batching.budget.unwrap_or_else(|| {
@@ -209,13 +199,22 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     // quarter of the budget, at most FLUSH_BYTES.
     let flush = (budget / 4).min(online::FLUSH_BYTES);
     let budget = budget - flush;
-    judge.flush = flush;
+    let mut judge = Judge {
+        spec,
+        hidden,
+        l,
+        flush,
+        stats: DiffStats::default(),
+        collector: Collector::default(),
+        training: BTreeMap::new(),
+        captures: Vec::new(),
+    };
+    let device = reference.device();
     let kept = Kept {
         state_bytes: reference.state_bytes(),
-        on_device: !reference.device().is_cpu(),
+        on_device: !device.is_cpu(),
     };
     let ahead = ReadAhead::new(budget, hidden, l, kept);
-    let device = reference.device();
     let prepare = |sample: &Sample| prepare_host(sample, spec, hidden, l, &device);
     let prepare: Option<&Prepare> = batched.then_some(&prepare);
     let read = std::thread::scope(|scope| -> Result<ReadStats> {
@@ -592,7 +591,7 @@ fn unit_bytes(samples: &[Sample], hidden: usize, l: usize, kept: Kept) -> u64 {
             let captured: u64 = captures
                 .iter()
                 .filter_map(|t| t.as_ref())
-                .map(|t| t.dims().iter().product::<usize>() as u64)
+                .map(|t| t.numel() as u64)
                 .sum();
             let bf16 = captures
                 .iter()

@@ -47,22 +47,9 @@ const MIN_ROWS: usize = 2 * EDGE;
 /// States made before a new best candidate that are still kept when it arrives: its
 /// boundary's neighbours (the layer before, what that layer added, the one before that).
 pub(crate) const RING: usize = 4;
-/// States scored together at most: on a GPU one launch and one read-back for all of them,
-/// where one each would wait on the device per state; on the CPU one pass that copies the
-/// slots once for all of them (one state at a time scored SmolLM2's samples in 2.4x the time:
-/// the copies and the slot norms were most of it). See [`batch_for`].
+/// States a sample scored alone (outside a [`Batch`]: the tests') holds waiting before they
+/// are scored together; a diff's samples are scored in a pass's [`Batch`], by its byte budget.
 pub(crate) const MAX_BATCH: usize = 8;
-
-/// Values (T x H) of the states one batch holds: [`MAX_BATCH`] states of 512 x 4096.
-const BATCH_VALUES: usize = MAX_BATCH * 512 * 4096;
-
-/// How many states of `rows` x `hidden` are scored together: [`MAX_BATCH`] while they are
-/// small, fewer as they grow (down to one), so that a batch holds at most [`BATCH_VALUES`].
-/// In a layer-major pass every sample holds its own batch, so this bounds what each sample
-/// keeps waiting; a large state is enough work to pay for its own launch and read-back.
-pub(crate) fn batch_for(rows: usize, hidden: usize) -> usize {
-    (BATCH_VALUES / (rows * hidden).max(1)).clamp(1, MAX_BATCH)
-}
 
 /// Radians of rounding allowed in the angles the bound is built from (sums of f32 products).
 const ANGLE_SLACK: f64 = 1e-5;
@@ -225,7 +212,8 @@ pub struct OnlineSample {
     kept: BTreeMap<usize, Data>,
     ring: VecDeque<usize>,
     keep_all: bool,
-    /// Per state: rows `0..EDGE` and `rows - EDGE..rows`, `[2 * EDGE, H]` f32.
+    /// Per state: rows `0..EDGE` and `rows - EDGE..rows`, `[2 * EDGE, H]`, where and in the
+    /// type the state is kept.
     edges: Vec<Option<Data>>,
     /// Per (best candidate, other candidate, columns): the edge rows' sums of the bound (the
     /// products, j's squares, c's squares), summed on the device by [`Batch::finish`] when
@@ -240,7 +228,8 @@ pub struct OnlineSample {
     seen: Vec<bool>,
     /// States taken and not scored yet, in the order they were made.
     pending: Vec<(usize, Data)>,
-    /// How many states are scored together ([`batch_for`]; the tests vary it).
+    /// How many states are scored together when the sample is scored alone ([`MAX_BATCH`];
+    /// the tests vary it); a [`Batch`] flushes by its own budget.
     batch: usize,
     /// Something the batched identification does not decide exactly (non-finite values, rows
     /// that do not pair one to one): the sample goes back to a forward of its own.
@@ -278,7 +267,7 @@ impl OnlineSample {
             near: BTreeMap::new(),
             seen: vec![false; layout.states()],
             pending: Vec::new(),
-            batch: batch_for(rows, hidden),
+            batch: MAX_BATCH,
             undecided: false,
             decided: Vec::new(),
         }
@@ -399,7 +388,7 @@ impl OnlineSample {
     }
 
     /// Takes one reference state of this sample as the forward makes it. The states are
-    /// scored [`batch_for`] at a time, or, in a [`Batch`], with every sample's waiting states
+    /// scored a few at a time, or, in a [`Batch`], with every sample's waiting states
     /// together; the decisions do not depend on how many.
     pub fn take(&mut self, what: Produced, xs: &Tensor) -> Result<()> {
         let Some(q) = self.layout.state_of(what) else {
@@ -728,10 +717,15 @@ impl OnlineSample {
                 let sums = run_asks(&[ask], Precision::F64, "rescoring the best candidate")?;
                 sums[0][0].score()
             }
-            (_, None) => {
-                let x = group.view(i, self.rows);
-                rescore(x, state, self.rows, self.hidden, group.cols, sj)?
-            }
+            (_, None) => match state {
+                Data::Host(v) => {
+                    let x = group.view(i, self.rows);
+                    rescore(x, v, self.rows, self.hidden, group.cols, sj)
+                }
+                // A device state beside slots not uploaded (no state taken since they were
+                // added): not a decision to take here; the sample's own forward takes it.
+                Data::Device(_) => return Ok(None),
+            },
         };
         let runner = order
             .iter()
@@ -1333,35 +1327,16 @@ fn edge_rows(state: &Data, rows: usize) -> Result<Data> {
     })
 }
 
-/// The best pair again in f64 throughout (`score_all`), the state read on the host.
-fn rescore(
-    x: View,
-    state: &Data,
-    rows: usize,
-    h: usize,
-    cols: usize,
-    shift: isize,
-) -> Result<Score> {
-    let host;
-    let v: &[f32] = match state {
-        Data::Host(v) => v,
-        Data::Device(t) => {
-            host = t
-                .to_dtype(DType::F32)
-                .and_then(|t| t.flatten_all())
-                .and_then(|t| t.to_vec1::<f32>())
-                .ctx(|| "rescoring the best candidate".to_string())?;
-            &host
-        }
-    };
+/// The best pair again in f64 throughout (`score_all`), on the host.
+fn rescore(x: View, state: &[f32], rows: usize, h: usize, cols: usize, shift: isize) -> Score {
     let reference = View {
-        data: v,
+        data: state,
         rows,
         stride: h,
         col: 0,
         cols,
     };
-    Ok(score_all(x, &[Pairing { reference, shift }])[0])
+    score_all(x, &[Pairing { reference, shift }])[0]
 }
 
 #[cfg(test)]
@@ -1885,28 +1860,6 @@ mod tests {
         assert_eq!(want.found, None, "{want:?}");
         if let Some(got) = got {
             assert_eq!(got.found, want.found, "{got:?}");
-        }
-    }
-
-    /// The batch shrinks as states grow, so a pass's samples each keep at most
-    /// [`BATCH_VALUES`] waiting: eight 8B-shape states at T = 512, one DeepSeek-V3 state at
-    /// T = 2048; never zero.
-    #[test]
-    fn the_batch_holds_at_most_its_values() {
-        assert_eq!(batch_for(128, 4096), MAX_BATCH);
-        assert_eq!(batch_for(512, 4096), MAX_BATCH);
-        assert_eq!(batch_for(2048, 4096), 2);
-        assert_eq!(batch_for(2048, 7168), 1);
-        assert_eq!(batch_for(0, 0), MAX_BATCH);
-        for rows in [1, 17, 300, 1000, 4096, 100_000] {
-            for hidden in [64, 576, 4096, 7168] {
-                let b = batch_for(rows, hidden);
-                assert!((1..=MAX_BATCH).contains(&b));
-                assert!(
-                    b == 1 || b * rows * hidden <= BATCH_VALUES,
-                    "{rows} x {hidden}: {b}"
-                );
-            }
         }
     }
 

@@ -196,16 +196,6 @@ impl Elems {
             Elems::Bf16 => "_bb",
         }
     }
-
-    /// Bytes of one value of the captured rows and of the states.
-    #[cfg(feature = "cuda")]
-    fn sizes(self) -> (u64, u64) {
-        match self {
-            Elems::F32 => (4, 4),
-            Elems::F32Bf16 => (4, 2),
-            Elems::Bf16 => (2, 2),
-        }
-    }
 }
 
 /// Where one job's rows sit.
@@ -360,7 +350,12 @@ fn score_job_cpu(
     })
 }
 
-/// Candidate groups of four one launch takes at most (a grid's y and z dimensions).
+/// Candidates per block (kernels/score.cu `SCORE_GROUP`): each job's candidates start a new
+/// group.
+#[cfg(any(feature = "cuda", test))]
+const SCORE_GROUP: usize = 4;
+
+/// Candidate groups one launch takes at most (a grid's y and z dimensions).
 #[cfg(any(feature = "cuda", test))]
 const MAX_GROUPS: usize = 65_535;
 
@@ -372,7 +367,7 @@ fn launches(candidates: &[usize]) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut groups) = (0, 0);
     for (i, n) in candidates.iter().enumerate() {
-        let g = n.div_ceil(4);
+        let g = n.div_ceil(SCORE_GROUP);
         if groups + g > MAX_GROUPS && i > start {
             out.push(start..i);
             (start, groups) = (i, 0);
@@ -447,15 +442,11 @@ fn score_on_gpu(
 /// arguments and the launch on the device's stream. [`score_jobs`] calls it.
 #[cfg(feature = "cuda")]
 pub mod launch {
-    use super::{Elems, Job, Precision, ScoreKernel, job_shape};
+    use super::{Elems, Job, Precision, SCORE_GROUP, ScoreKernel, job_shape};
     use crate::kernels::cuda::{DevPtr, Module, cfg, function, grid_dim, grid_dim_yz, launch};
     use crate::kernels::{to_i32, to_i64};
     use candle_core::Result;
     use candle_core::cuda_backend::CudaDevice;
-
-    /// Candidates per block (kernels/score.cu `SCORE_GROUP`): each job's candidates start a
-    /// new group.
-    const SCORE_GROUP: usize = 4;
 
     /// The kernels' tables, as one i64 buffer: `[3, n_cand]` candidates (state, shift, job),
     /// `[5, n_jobs]` jobs (x address, x stride, rows, ref rows, ref stride), `[n_states]`
@@ -497,11 +488,10 @@ pub mod launch {
                         s.elems
                     );
                 }
-                let (x_size, state_size) = s.elems.sizes();
                 let base = state_ptr.len() as i64;
                 for t in &job.states {
                     let p = crate::kernels::cuda::tensor_ptr(t)?;
-                    aligned &= p.is_multiple_of(4 * state_size);
+                    aligned &= p.is_multiple_of(4 * t.dtype().size_in_bytes() as u64);
                     state_ptr.push(addr(p)?);
                 }
                 place.push(cand[0].len());
@@ -516,7 +506,7 @@ pub mod launch {
                     cand[2].push(i as i64);
                 }
                 let x = crate::kernels::cuda::tensor_ptr(job.x)?;
-                aligned &= x.is_multiple_of(4 * x_size)
+                aligned &= x.is_multiple_of(4 * job.x.dtype().size_in_bytes() as u64)
                     && s.x.stride.is_multiple_of(4)
                     && s.ref_stride.is_multiple_of(4);
                 max_rows = max_rows.max(s.x.rows);
