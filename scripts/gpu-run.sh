@@ -18,7 +18,10 @@
 #     clock drops?)
 #   STEP_TIMEOUT: seconds before a step is killed (default 1200: a hung kernel costs one step,
 #     not the whole device call); a step still running then leaves $OUT/<step>.stall: each of
-#     its processes' threads, their state, CPU time, system call and kernel stack
+#     its processes' threads (by name), their state, CPU time, system call and kernel stack,
+#     the host's memory, and each process's user stacks by cuda-gdb where it is installed
+#   SAMPLE_EVERY=N: the same snapshot (without the stacks) every N seconds of each step into
+#     $OUT/<step>.samples (which thread burns the time, and when)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-${TMPDIR:-/tmp}/eagle-check-gpu}
@@ -45,15 +48,29 @@ descendants() { # pid: its children, theirs, ...
 # What a step's processes are doing when its time is up (a stall: which threads run, which
 # wait, in which system call), before `timeout` ends it: runs 28-30 in BENCHMARKS.md found a
 # load stalled in its reader threads this way.
-stall_report() { # pid
+snapshot() { # pid
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+    grep -E '^(MemFree|Cached|Dirty|AnonPages|Mlocked):' /proc/meminfo | tr -s ' ' | tr '\n' ' '
+    echo
     local p t
     for p in $(descendants "$1"); do
-        ps -o pid=,stat=,etimes=,time=,args= -p "$p" | cut -c1-200
+        ps -o pid=,stat=,etimes=,time=,rss=,args= -p "$p" | cut -c1-200
         for t in /proc/"$p"/task/*; do
-            echo "  thread ${t##*/}: state, utime, stime $(cut -d' ' -f3,14,15 "$t/stat" 2>/dev/null);" \
+            # The name can hold spaces: the fields after its closing parenthesis.
+            local st
+            st=$(sed 's/.*) //' "$t/stat" 2>/dev/null | cut -d' ' -f1,12,13)
+            echo "  thread ${t##*/} $(cat "$t/comm" 2>/dev/null): state, utime, stime $st;" \
                 "syscall $(cut -d' ' -f1 "$t/syscall" 2>/dev/null); $(head -3 "$t/stack" 2>/dev/null | tr '\n' ' ')"
         done
+    done
+}
+stall_report() { # pid
+    snapshot "$1"
+    command -v cuda-gdb >/dev/null || return 0
+    local p
+    for p in $(descendants "$1"); do
+        echo "== user stacks of $p"
+        timeout 120 cuda-gdb -batch -p "$p" -ex 'thread apply all bt 12' 2>&1 | grep -E '^(Thread|#)' | cut -c1-220
     done
 }
 step() { # name, command...
@@ -63,8 +80,13 @@ step() { # name, command...
     timeout "$limit" "$@" >"$out/$name.log" 2>&1 &
     local pid=$!
     # A second before the limit, the stall report (when the step is still running).
+    local every=${SAMPLE_EVERY:-0} next=$((SECONDS + ${SAMPLE_EVERY:-0}))
     while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - start)) -lt $((limit - 1)) ]; do
         sleep 1
+        if [ "$every" -gt 0 ] && [ "$SECONDS" -ge "$next" ]; then
+            { echo "-- $((SECONDS - start)) s"; snapshot "$pid"; } >>"$out/$name.samples" 2>&1
+            next=$((SECONDS + every))
+        fi
     done
     local stuck=()
     if kill -0 "$pid" 2>/dev/null; then

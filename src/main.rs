@@ -11,6 +11,11 @@ use eagle_check::report::Report;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // Named threads: a stalled run's stall report (and `EAGLE_CHECK_TRACE`) says which pool
+    // burns the time. The pool is otherwise rayon's default; were one built already, it stays.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .thread_name(|i| format!("ec-rayon-{i}"))
+        .build_global();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return command_line_error(e),

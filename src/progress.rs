@@ -49,6 +49,30 @@ pub fn to_bar(bar: &ProgressBar, total: u64) {
     bar.set_length(total);
 }
 
+/// Whether `EAGLE_CHECK_TRACE` asks for [`trace`] lines (read once).
+fn tracing() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("EAGLE_CHECK_TRACE").is_some_and(|v| v != "0"))
+}
+
+/// With `EAGLE_CHECK_TRACE=1`, one stderr line: seconds since the first line, the calling
+/// thread's name, and `what()`. For finding where a long run's time goes (which layer loads,
+/// which pass, on which thread) without a debugger; off, it costs one load of a flag.
+pub fn trace(what: impl FnOnce() -> String) {
+    if !tracing() {
+        return;
+    }
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let start = START.get_or_init(std::time::Instant::now);
+    let thread = std::thread::current();
+    eprintln!(
+        "[trace {:9.3} s {}] {}",
+        start.elapsed().as_secs_f64(),
+        thread.name().unwrap_or("?"),
+        what()
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -217,8 +217,12 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
     let ahead = ReadAhead::new(budget, hidden, l, kept);
     let prepare = |sample: &Sample| prepare_host(sample, spec, hidden, l, &device);
     let prepare: Option<&Prepare> = batched.then_some(&prepare);
+    crate::progress::trace(|| "diff: the target is ready; reading the captures".into());
     let read = std::thread::scope(|scope| -> Result<ReadStats> {
-        let reader = scope.spawn(|| read_units(input.captures, &ahead, prepare));
+        let reader = std::thread::Builder::new()
+            .name("ec-captures".into())
+            .spawn_scoped(scope, || read_units(input.captures, &ahead, prepare))
+            .map_err(|e| Error::Device(format!("could not start the capture reader: {e}")))?;
         let _closed = ahead.closer();
         let mut pending = Pass::default();
         while let Some(read) = ahead.pop() {
@@ -708,6 +712,8 @@ impl Judge<'_> {
         crate::model::phases::mark("diff: preparing samples", &device);
         let start = Instant::now();
         let mut scoring = 0.0;
+        let pass_no = self.stats.passes + 1;
+        crate::progress::trace(|| format!("diff pass {pass_no}: {} sample(s)", tokens.len()));
         if !tokens.is_empty() {
             // Every sample of the pass scored together: a flush scores all their waiting
             // states at once, and the best candidates are rescored together at the end.
@@ -725,6 +731,12 @@ impl Judge<'_> {
         }
         self.stats.reference_seconds += start.elapsed().as_secs_f64() - scoring;
         self.stats.scoring_seconds += scoring;
+        crate::progress::trace(|| {
+            format!(
+                "diff pass {pass_no}: run and scored in {:.2} s ({scoring:.2} s scoring)",
+                start.elapsed().as_secs_f64()
+            )
+        });
         for (unit, ready) in units.into_iter().zip(prepared) {
             let mut results = Vec::with_capacity(unit.1.len());
             for (sample, ready) in unit.1.iter().zip(ready) {

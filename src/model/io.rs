@@ -307,11 +307,22 @@ impl<'a> ReadAhead<'a> {
     fn run<R>(&self, load: impl FnOnce(&dyn WeightSource) -> Result<R>) -> Result<R> {
         let readers = self.opts.readers.min(self.pieces());
         std::thread::scope(|scope| {
-            for _ in 0..readers {
-                scope.spawn(|| self.work());
-            }
+            // Named, so that a stalled run's threads say what they are (`EAGLE_CHECK_TRACE`,
+            // the GPU scripts' stall reports).
+            let started = (0..readers)
+                .filter(|r| {
+                    std::thread::Builder::new()
+                        .name(format!("ec-read-{r}"))
+                        .spawn_scoped(scope, || self.work())
+                        .is_ok()
+                })
+                .count();
             // Stops the readers when `load` returns or unwinds, so that the scope can end.
             let _stop = Stop(self);
+            if started == 0 {
+                // No reader could start: the loader reads each tensor itself.
+                return load(self.src);
+            }
             load(self)
         })
     }

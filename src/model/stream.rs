@@ -364,16 +364,19 @@ fn pipelined<T: Send>(
     std::thread::scope(|scope| {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<T>>(0);
         let produce = &produce;
-        scope.spawn(move || {
-            for i in 0..n {
-                let item = produce(i);
-                let failed = item.is_err();
-                // A closed channel: the forward stopped (an error); stop loading too.
-                if tx.send(item).is_err() || failed {
-                    return;
+        std::thread::Builder::new()
+            .name("ec-layers".into())
+            .spawn_scoped(scope, move || {
+                for i in 0..n {
+                    let item = produce(i);
+                    let failed = item.is_err();
+                    // A closed channel: the forward stopped (an error); stop loading too.
+                    if tx.send(item).is_err() || failed {
+                        return;
+                    }
                 }
-            }
-        });
+            })
+            .map_err(|e| Error::Device(format!("could not start the layer loader thread: {e}")))?;
         for i in 0..n {
             let start = Instant::now();
             let item = rx
@@ -498,6 +501,8 @@ impl<D: Decoder> Streamed<D> {
     /// under it (a Llama with biases it does not expect stops here, at the first such layer).
     fn load_layer(&self, i: usize) -> Result<LayerGuard<'_, D::Layer>> {
         let start = Instant::now();
+        let read_before = self.src.bytes_read();
+        crate::progress::trace(|| format!("layer {i}: loading"));
         let (dtype, device) = (self.dec.dtype(), &self.device);
         let (layer, read) = io::read_ahead(
             self.src.as_ref(),
@@ -519,6 +524,13 @@ impl<D: Decoder> Streamed<D> {
             .collect();
         refuse_unread(self.dec.config(), self.src.as_ref(), unread)?;
         let bytes = self.estimate.layers[i];
+        crate::progress::trace(|| {
+            format!(
+                "layer {i}: loaded in {:.2} s, {} read",
+                start.elapsed().as_secs_f64(),
+                format_bytes(self.src.bytes_read() - read_before)
+            )
+        });
         self.live.add(bytes);
         if let Ok(mut s) = self.stats.lock() {
             s.layers_loaded += 1;
@@ -666,8 +678,16 @@ impl<D: Decoder> Target for Streamed<D> {
             self.prefetch,
             |i| self.load_layer(i),
             |i, layer| {
+                let start = Instant::now();
                 run.layer(i, &layer.layer)?;
                 crate::memory::note_device_use(&self.device);
+                crate::progress::trace(|| {
+                    format!(
+                        "layer {i}: {} sample(s) through it in {:.2} s",
+                        samples.len(),
+                        start.elapsed().as_secs_f64()
+                    )
+                });
                 Ok(())
             },
         )?;
@@ -752,5 +772,33 @@ mod tests {
             "{err}"
         );
         assert!(decide(false, budget(299)).is_err());
+    }
+
+    #[test]
+    fn prefetched_layers_are_made_on_the_named_loader_thread_in_order() {
+        // A stalled streamed run is read from its threads' names (EAGLE_CHECK_TRACE, the GPU
+        // scripts' stall reports): the layers must be made on "ec-layers", consumed here.
+        let made = Mutex::new(Vec::new());
+        let mut consumed = Vec::new();
+        pipelined(
+            3,
+            true,
+            |i| {
+                let name = std::thread::current().name().map(str::to_string);
+                made.lock().unwrap().push((i, name));
+                Ok(i * 10)
+            },
+            |i, item| {
+                consumed.push((i, item));
+                Ok(())
+            },
+        )
+        .unwrap();
+        let loader = Some("ec-layers".to_string());
+        assert_eq!(
+            made.into_inner().unwrap(),
+            vec![(0, loader.clone()), (1, loader.clone()), (2, loader)]
+        );
+        assert_eq!(consumed, vec![(0, 0), (1, 10), (2, 20)]);
     }
 }
