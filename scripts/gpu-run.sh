@@ -19,7 +19,7 @@
 #   STEP_TIMEOUT: seconds before a step is killed (default 1200: a hung kernel costs one step,
 #     not the whole device call); a step still running then leaves $OUT/<step>.stall: each of
 #     its processes' threads (by name), their state, CPU time, system call and kernel stack,
-#     the host's memory, and each process's user stacks by cuda-gdb where it is installed
+#     and the host's memory
 #   SAMPLE_EVERY=N: the same snapshot (without the stacks) every N seconds of each step into
 #     $OUT/<step>.samples (which thread burns the time, and when)
 set -uo pipefail
@@ -64,14 +64,10 @@ snapshot() { # pid
         done
     done
 }
+# (No debugger: attaching cuda-gdb to a stalled eagle-check hung and took the rest of the
+# device call twice, runs 29 and 40.)
 stall_report() { # pid
     snapshot "$1"
-    command -v cuda-gdb >/dev/null || return 0
-    local p
-    for p in $(descendants "$1"); do
-        echo "== user stacks of $p"
-        timeout 120 cuda-gdb -batch -p "$p" -ex 'thread apply all bt 12' 2>&1 | grep -E '^(Thread|#)' | cut -c1-220
-    done
 }
 step() { # name, command...
     local name=$1

@@ -126,6 +126,7 @@ fn opts(cfg: &ModelConfig, dtype: DType, prefetch: bool, rows: usize) -> StreamO
             piece_bytes: 1024,
             window: 16 << 10,
         },
+        host_stage: false,
     }
 }
 
@@ -139,17 +140,16 @@ fn check_streaming(what: &str, cfg: &ModelConfig, open: &dyn Fn() -> Box<dyn Wei
         let want = resident
             .forward(&ids, &everything(), &mut Progress::hidden())
             .unwrap();
-        for prefetch in [true, false] {
-            let label = format!("{what} {dtype:?} prefetch={prefetch}");
+        // Each layer built on the loader thread (the CPU's way), or read into host memory
+        // there and built on the forward's thread (a GPU's way).
+        for (prefetch, host_stage) in [(true, false), (false, false), (true, true), (false, true)] {
+            let label = format!("{what} {dtype:?} prefetch={prefetch} host_stage={host_stage}");
             // 48 rows: several head chunks, the last one partial, over every fixture vocabulary.
-            let streamed = load_streamed(
-                cfg,
-                open(),
-                dtype,
-                &Device::Cpu,
-                opts(cfg, dtype, prefetch, 48),
-            )
-            .unwrap();
+            let opts = StreamOptions {
+                host_stage,
+                ..opts(cfg, dtype, prefetch, 48)
+            };
+            let streamed = load_streamed(cfg, open(), dtype, &Device::Cpu, opts).unwrap();
             for _ in 0..2 {
                 let got = streamed
                     .forward(&ids, &everything(), &mut Progress::hidden())

@@ -13,7 +13,10 @@
 //!   to the device as it takes it: every CUDA call stays on that one thread. (Readers that
 //!   copied their own pieces to the device through pinned staging buffers, from several
 //!   threads at once, left loads of full-width checkpoints stalled on an H100, every reader
-//!   spinning in the driver: BENCHMARKS.md, runs 28-30.)
+//!   spinning in the driver: BENCHMARKS.md, runs 28-30.) A streamed GPU layer goes further
+//!   ([`read_to_host`]): the loader thread only reads it into host memory, and the thread that
+//!   runs the forward makes its device tensors ([`HostStaged`]), so that no two threads make
+//!   device calls at once (run 40: a loader thread copying while the forward ran stalled).
 //! - a tensor that has no plain extent (a GGUF tensor is decoded) is read and decoded whole by
 //!   one reader, several tensors at once.
 //!
@@ -742,6 +745,134 @@ fn device_holds(dtype: &str) -> bool {
         dtype,
         "F32" | "F64" | "I64" | "I32" | "U32" | "BF16" | "F16" | "U8" | "BOOL" | "F8_E4M3"
     )
+}
+
+/// A layer's tensors read into host memory as stored ([`read_to_host`]), served by name to the
+/// layer's loader by [`HostStaged`].
+pub struct HostTensors(HashMap<String, Tensor>);
+
+/// Whether a GPU load reads `name` ahead into host memory (as [`plan_slot`] decides for a
+/// GPU): a tensor of a dtype the device holds as stored whose extent holds its shape, or one
+/// the source decodes whole; any other is left to the source, when the loader asks.
+fn host_staged(src: &dyn WeightSource, name: &str) -> bool {
+    let Some(ext) = src.extent(name) else {
+        return src.shape(name).is_some();
+    };
+    let elems: usize = ext.shape.iter().product();
+    let size = crate::weights::header::dtype_size(ext.dtype);
+    ext.bytes > 0
+        && size.and_then(|s| elems.checked_mul(s)) == Some(ext.bytes)
+        && device_holds(ext.dtype)
+}
+
+/// The tensors of `names` a GPU load would read ahead, read into host memory as stored by the
+/// readers (several reads in flight, in file order): the first half of a streamed GPU layer's
+/// load, on the loader thread; no device call is made. [`HostStaged`] then makes the device
+/// tensors on the thread that runs the forward, so that every CUDA call of a streamed
+/// forward is made by one thread (a loader thread copying to the device while the forward ran
+/// left the DeepSeek-V3 shape's streamed diff stalled on an H100: BENCHMARKS.md, run 40).
+pub fn read_to_host(
+    src: &dyn WeightSource,
+    names: &[String],
+    opts: &ReadOptions,
+) -> Result<HostTensors> {
+    let host = Device::Cpu;
+    let names: Vec<String> = names
+        .iter()
+        .filter(|n| host_staged(src, n))
+        .cloned()
+        .collect();
+    // Any dtype but f32: nothing widened, every tensor as stored.
+    read_ahead(src, &names, DType::BF16, &host, opts, |src| {
+        names
+            .iter()
+            .map(|n| Ok((n.clone(), src.load(n, &host)?)))
+            .collect::<Result<HashMap<_, _>>>()
+            .map(HostTensors)
+    })
+}
+
+impl HostTensors {
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.0
+            .values()
+            .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+            .sum()
+    }
+}
+
+/// A [`WeightSource`] serving the tensors of a [`HostTensors`] (each copied to the device it
+/// is asked for, once, and dropped from host memory as it goes) in front of the source, which
+/// serves everything else: the tensors are the source's, bit for bit.
+pub struct HostStaged<'a> {
+    src: &'a dyn WeightSource,
+    held: Mutex<HashMap<String, Tensor>>,
+}
+
+impl<'a> HostStaged<'a> {
+    pub fn new(src: &'a dyn WeightSource, tensors: HostTensors) -> HostStaged<'a> {
+        HostStaged {
+            src,
+            held: Mutex::new(tensors.0),
+        }
+    }
+}
+
+impl WeightSource for HostStaged<'_> {
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.src.shape(name)
+    }
+
+    fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
+        let held = self
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+        match held {
+            Some(t) => t.to_device(device).ctx(|| {
+                format!(
+                    "{}: copying {name} to the device",
+                    self.src.origin().display()
+                )
+            }),
+            None => self.src.load(name, device),
+        }
+    }
+
+    fn load_rows(&self, name: &str, ids: &[u32], device: &Device) -> Result<Tensor> {
+        self.src.load_rows(name, ids, device)
+    }
+
+    fn load_row_range(
+        &self,
+        name: &str,
+        start: usize,
+        len: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
+        self.src.load_row_range(name, start, len, device)
+    }
+
+    fn origin(&self) -> &Path {
+        self.src.origin()
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.src.names()
+    }
+
+    fn bytes_read(&self) -> u64 {
+        self.src.bytes_read()
+    }
+
+    // `load_f32` is left at "not widened while read": the loader widens what `load` serves, the
+    // same values (bf16 and f16 widen to f32 exactly).
+
+    fn extent(&self, name: &str) -> Option<Extent<'_>> {
+        self.src.extent(name)
+    }
 }
 
 #[cfg(test)]

@@ -41,6 +41,11 @@ pub struct StreamOptions {
     /// How each layer's tensors are read: several readers, reads ahead of the layer's loader
     /// within what the budget leaves ([`MemoryPlan::read_window`]).
     pub reads: ReadOptions,
+    /// Read each layer into host memory on the loader thread and make its device tensors on
+    /// the thread that runs the forward ([`io::read_to_host`]), so that one thread makes every
+    /// device call. Always so on a GPU; elsewhere (the tests) when asked: the CPU builds each
+    /// layer on the loader thread, its conversions overlapping the forward.
+    pub host_stage: bool,
 }
 
 impl Default for StreamOptions {
@@ -51,6 +56,7 @@ impl Default for StreamOptions {
             prefetch: true,
             head_chunk_bytes: 64 << 20,
             reads: ReadOptions::default(),
+            host_stage: false,
         }
     }
 }
@@ -389,6 +395,14 @@ fn pipelined<T: Send>(
     })
 }
 
+/// A layer as the loader thread hands it to the forward.
+enum Fetched<'a, L> {
+    /// Built on the loader thread (the CPU's way).
+    Built(LayerGuard<'a, L>),
+    /// Its tensors in host memory, to be built on the forward's thread (a GPU's way).
+    Host(io::HostTensors),
+}
+
 /// A target whose decoder layers are read from the checkpoint at every forward.
 pub(crate) struct Streamed<D: Decoder> {
     dec: D,
@@ -405,6 +419,8 @@ pub(crate) struct Streamed<D: Decoder> {
     norm: RmsNorm,
     prefetch: bool,
     reads: ReadOptions,
+    /// [`StreamOptions::host_stage`], on for a GPU.
+    host_stage: bool,
     estimate: WeightEstimate,
     /// Per layer, every checkpoint tensor under it: each must be read by the layer's loader.
     layer_names: Vec<Vec<String>>,
@@ -484,6 +500,7 @@ impl<D: Decoder> Streamed<D> {
             norm,
             prefetch: opts.prefetch,
             reads: opts.reads,
+            host_stage: opts.host_stage || device.is_cuda(),
             estimate,
             layer_names,
             live: Live::default(),
@@ -497,26 +514,71 @@ impl<D: Decoder> Streamed<D> {
         vb
     }
 
-    /// Layer `i`, read and converted, checked to have read every tensor the checkpoint holds
-    /// under it (a Llama with biases it does not expect stops here, at the first such layer).
-    fn load_layer(&self, i: usize) -> Result<LayerGuard<'_, D::Layer>> {
+    /// Layer `i` as the loader thread hands it over: built (on the CPU), or read into host
+    /// memory to be built by the forward's thread ([`StreamOptions::host_stage`]).
+    fn read_layer(&self, i: usize) -> Result<Fetched<'_, D::Layer>> {
+        if !self.host_stage {
+            return self.load_layer(i, None).map(Fetched::Built);
+        }
+        let start = Instant::now();
+        let read_before = self.src.bytes_read();
+        crate::progress::trace(|| format!("layer {i}: reading into host memory"));
+        let host = io::read_to_host(self.src.as_ref(), &self.layer_names[i], &self.reads)?;
+        crate::progress::trace(|| {
+            format!(
+                "layer {i}: {} read into host memory in {:.2} s",
+                format_bytes(self.src.bytes_read() - read_before),
+                start.elapsed().as_secs_f64()
+            )
+        });
+        if let Ok(mut s) = self.stats.lock() {
+            s.load_seconds += start.elapsed().as_secs_f64();
+        }
+        Ok(Fetched::Host(host))
+    }
+
+    /// The layer a [`Fetched`] holds, built on this thread where it was read into host memory.
+    fn built<'s>(
+        &'s self,
+        i: usize,
+        fetched: Fetched<'s, D::Layer>,
+    ) -> Result<LayerGuard<'s, D::Layer>> {
+        match fetched {
+            Fetched::Built(layer) => Ok(layer),
+            Fetched::Host(host) => self.load_layer(i, Some(host)),
+        }
+    }
+
+    /// Layer `i`, read and converted (from `host` where its tensors were read into host memory,
+    /// else read ahead from the checkpoint), checked to have read every tensor the checkpoint
+    /// holds under it (a Llama with biases it does not expect stops here, at the first such
+    /// layer).
+    fn load_layer(
+        &self,
+        i: usize,
+        host: Option<io::HostTensors>,
+    ) -> Result<LayerGuard<'_, D::Layer>> {
         let start = Instant::now();
         let read_before = self.src.bytes_read();
         crate::progress::trace(|| format!("layer {i}: loading"));
         let (dtype, device) = (self.dec.dtype(), &self.device);
-        let (layer, read) = io::read_ahead(
-            self.src.as_ref(),
-            &self.layer_names[i],
-            dtype,
-            device,
-            &self.reads,
-            |src| {
-                let mut vb = Vb::new(src, dtype, device);
-                vb.fp8_block = self.dec.config().fp8_block;
-                let layer = self.dec.load_layer(&vb.pp(&self.prefix), i)?;
-                Ok((layer, vb.read_names()))
-            },
-        )?;
+        let build = |src: &dyn WeightSource| {
+            let mut vb = Vb::new(src, dtype, device);
+            vb.fp8_block = self.dec.config().fp8_block;
+            let layer = self.dec.load_layer(&vb.pp(&self.prefix), i)?;
+            Ok((layer, vb.read_names()))
+        };
+        let (layer, read) = match host {
+            Some(host) => build(&io::HostStaged::new(self.src.as_ref(), host))?,
+            None => io::read_ahead(
+                self.src.as_ref(),
+                &self.layer_names[i],
+                dtype,
+                device,
+                &self.reads,
+                build,
+            )?,
+        };
         let unread: Vec<String> = self.layer_names[i]
             .iter()
             .filter(|n| !read.contains(*n))
@@ -636,8 +698,9 @@ impl<D: Decoder> Target for Streamed<D> {
         let waited = pipelined(
             n,
             self.prefetch,
-            |i| self.load_layer(i),
-            |i, layer| {
+            |i| self.read_layer(i),
+            |i, fetched| {
+                let layer = self.built(i, fetched)?;
                 run.layer(i, |xs| self.dec.step(&layer.layer, i, xs, &ctx))?;
                 crate::memory::note_device_use(&self.device);
                 Ok(())
@@ -676,8 +739,9 @@ impl<D: Decoder> Target for Streamed<D> {
         let waited = pipelined(
             n,
             self.prefetch,
-            |i| self.load_layer(i),
-            |i, layer| {
+            |i| self.read_layer(i),
+            |i, fetched| {
+                let layer = self.built(i, fetched)?;
                 let start = Instant::now();
                 run.layer(i, &layer.layer)?;
                 crate::memory::note_device_use(&self.device);
