@@ -279,7 +279,8 @@ pub struct StreamStats {
     pub max_resident_bytes: u64,
     /// Bytes read from the checkpoint (layers, embedding rows, head chunks).
     pub bytes_read: u64,
-    /// Seconds spent reading and converting layers (on the loader thread).
+    /// Seconds spent reading and converting layers (on the loader thread, and on a GPU the
+    /// device copies on the forward's thread).
     pub load_seconds: f64,
     /// Seconds the forward waited for a layer it needed.
     pub wait_seconds: f64,
