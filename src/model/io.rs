@@ -1057,6 +1057,45 @@ mod tests {
         }
     }
 
+    /// A streamed GPU layer's first half: every tensor read into host memory by the readers
+    /// (in pieces, the window smaller than the layer) has the source's own bits, is served once
+    /// without reading the checkpoint again, and a second ask goes to the source.
+    #[test]
+    fn tensors_read_to_host_are_the_sources_bits_served_once() {
+        let path = checkpoint();
+        let src = SafetensorsSource::open(&path).unwrap();
+        let names = in_file_order(&src, &src.names());
+        let stored: u64 = names
+            .iter()
+            .map(|n| src.extent(n).unwrap().bytes as u64)
+            .sum();
+        for readers in [1, 3] {
+            let opts = ReadOptions {
+                readers,
+                piece_bytes: 1000,
+                window: 10_000,
+            };
+            let host = read_to_host(&src, &names, &opts).unwrap();
+            assert_eq!(host.bytes(), stored, "{opts:?}");
+            let staged = HostStaged::new(&src, host);
+            let before = src.bytes_read();
+            for name in &names {
+                let got = staged.load(name, &Device::Cpu).unwrap();
+                let want = src.load(name, &Device::Cpu).unwrap();
+                assert_eq!(bits(&got), bits(&want), "{name}, {opts:?}");
+            }
+            // Only the comparisons' own loads read the checkpoint.
+            assert_eq!(src.bytes_read() - before, stored, "{opts:?}");
+            let again = src.bytes_read();
+            let b = staged.load("b.bf16", &Device::Cpu).unwrap();
+            assert_eq!(bits(&b), bits(&src.load("b.bf16", &Device::Cpu).unwrap()));
+            assert!(
+                src.bytes_read() - again > 2 * 300 * 301,
+                "{opts:?}: read again"
+            );
+        }
+    }
+
     /// Onto a GPU, with as many readers and pieces as the CPU test: every tensor arrives on
     /// the device with the source's own bits, and the load ends (readers that made their own
     /// device copies from several threads stalled full-width loads on an H100).
