@@ -156,6 +156,10 @@ pub struct MemoryPlan {
     /// Streaming was not asked for: the weights did not fit the budget.
     pub automatic: bool,
     pub dtype: DType,
+    /// A streamed layer waits in host memory and is put on the device by the forward's thread
+    /// (a GPU's way, [`StreamOptions::host_stage`]): the device holds one layer, and reading
+    /// the next ahead costs host memory, not the budget's.
+    pub host_staged: bool,
     /// The most bytes read ahead of the loader ([`ReadOptions::window`]): what the budget
     /// leaves beside the weights held (all of them resident; one or two layers streamed), at
     /// most [`READ_WINDOW`].
@@ -164,13 +168,15 @@ pub struct MemoryPlan {
 
 /// Decides how to hold a target whose weights are `estimate` (from headers; nothing is read).
 /// Streams when `stream_layers` or when the weights do not fit `budget`; refuses a budget below
-/// one decoder layer; prefetches when two of the largest layer fit.
+/// one decoder layer; prefetches when two of the largest layer fit, or always where the next
+/// layer waits in host memory (`host_staged`: a GPU's device holds one layer at a time).
 pub fn plan(
     estimate: WeightEstimate,
     stream_layers: bool,
     budget: Option<Budget>,
     dtype: DType,
     origin: &Path,
+    host_staged: bool,
 ) -> Result<MemoryPlan> {
     let over = budget.is_some_and(|b| estimate.total > b.bytes);
     let residency = if !stream_layers && !over {
@@ -189,7 +195,7 @@ pub fn plan(
             });
         }
         Residency::Streamed {
-            prefetch: budget.is_none_or(|b| b.bytes >= need.saturating_mul(2)),
+            prefetch: host_staged || budget.is_none_or(|b| b.bytes >= need.saturating_mul(2)),
         }
     };
     let mut plan = MemoryPlan {
@@ -198,6 +204,7 @@ pub fn plan(
         automatic: over && !stream_layers,
         residency,
         dtype,
+        host_staged,
         read_window: READ_WINDOW,
     };
     if let Some(b) = budget {
@@ -207,8 +214,9 @@ pub fn plan(
 }
 
 impl MemoryPlan {
-    /// Bytes the weights hold at once: all of them resident, the largest layer once or twice
-    /// streamed.
+    /// Bytes the weights hold at once in the budget's memory: all of them resident; streamed,
+    /// the largest layer twice with a prefetch into that memory, else once (a host-staged
+    /// prefetch waits in host memory).
     pub fn held(&self) -> u64 {
         match self.residency {
             Residency::Resident => self.estimate.total,
@@ -216,7 +224,7 @@ impl MemoryPlan {
                 .estimate
                 .largest_layer()
                 .1
-                .saturating_mul(1 + prefetch as u64),
+                .saturating_mul(1 + (prefetch && !self.host_staged) as u64),
         }
     }
 
@@ -253,7 +261,9 @@ impl MemoryPlan {
             Residency::Resident => format!("resident ({size})"),
             Residency::Streamed { prefetch } => format!(
                 "streamed one layer at a time{}{} ({size})",
-                if prefetch {
+                if prefetch && self.host_staged {
+                    ", the next read into host memory while one computes"
+                } else if prefetch {
                     ", the next read while one computes"
                 } else {
                     ", no prefetch (two layers do not fit the budget)"
@@ -789,7 +799,36 @@ mod tests {
     }
 
     fn decide(stream: bool, b: Option<Budget>) -> Result<MemoryPlan> {
-        plan(estimate(), stream, b, DType::F32, Path::new("m"))
+        plan(estimate(), stream, b, DType::F32, Path::new("m"), false)
+    }
+
+    /// On a GPU: each streamed layer read into host memory, put on the device by the
+    /// forward's thread.
+    fn decide_gpu(stream: bool, b: Option<Budget>) -> Result<MemoryPlan> {
+        plan(estimate(), stream, b, DType::BF16, Path::new("m"), true)
+    }
+
+    /// Host-staged, the device holds one layer: a budget between one and two layers still
+    /// reads the next ahead (into host memory), and what is left for the rest counts one layer.
+    #[test]
+    fn a_host_staged_stream_holds_one_layer_and_always_reads_the_next_ahead() {
+        for bytes in [300, 599, 600, 5000] {
+            let p = decide_gpu(true, budget(bytes)).unwrap();
+            assert_eq!(
+                p.residency,
+                Residency::Streamed { prefetch: true },
+                "{bytes}"
+            );
+            assert_eq!(p.held(), 300, "{bytes}");
+            assert_eq!(p.read_window, (bytes - 300).min(READ_WINDOW), "{bytes}");
+            assert!(p.describe().contains("host memory"), "{}", p.describe());
+        }
+        assert!(decide_gpu(true, budget(299)).is_err(), "below one layer");
+        assert_eq!(
+            decide_gpu(false, budget(1000)).unwrap().held(),
+            1000,
+            "resident: all of it"
+        );
     }
 
     #[test]
