@@ -188,7 +188,9 @@ fn check_streaming(what: &str, cfg: &ModelConfig, open: &dyn Fn() -> Box<dyn Wei
             let stats = streamed.stream_stats().unwrap();
             assert_eq!(stats.forwards, 3, "{label}");
             assert_eq!(stats.layers_loaded, 3 * cfg.num_layers, "{label}");
-            let most = if prefetch { 2 } else { 1 };
+            // Host-staged, a layer is built only when the forward reaches it (the memory plan
+            // counts one on the device).
+            let most = if prefetch && !host_stage { 2 } else { 1 };
             assert!(
                 stats.max_resident_layers >= 1 && stats.max_resident_layers <= most,
                 "{label}: {} layers alive at once (at most {most})",
