@@ -20,7 +20,7 @@
 #     not the whole device call); a step still running then leaves $OUT/<step>.stall: each of
 #     its processes' threads (by name), their state, CPU time, system call and kernel stack,
 #     and the host's memory
-#   SAMPLE_EVERY=N: the same snapshot (without the stacks) every N seconds of each step into
+#   SAMPLE_EVERY=N: the same snapshot every N seconds of each step into
 #     $OUT/<step>.samples (which thread burns the time, and when)
 set -uo pipefail
 cd "$(dirname "$0")/.."
