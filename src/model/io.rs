@@ -14,9 +14,9 @@
 //!   copied their own pieces to the device through pinned staging buffers, from several
 //!   threads at once, left loads of full-width checkpoints stalled on an H100, every reader
 //!   spinning in the driver: BENCHMARKS.md, runs 28-30.) A streamed GPU layer goes further
-//!   ([`read_to_host`]): the loader thread only reads it into host memory, and the thread that
-//!   runs the forward makes its device tensors ([`HostStaged`]), so that no two threads make
-//!   device calls at once (run 40: a loader thread copying while the forward ran stalled).
+//!   ([`read_to_host`]): the loader thread only has it read into host memory, in full, and the
+//!   thread that runs the forward takes its tensors from that [`ReadAhead`], copying each to
+//!   the device, so that no two threads make device calls at once (run 40: a loader thread copying while the forward ran stalled).
 //! - a tensor that has no plain extent (a GGUF tensor is decoded) is read and decoded whole by
 //!   one reader, several tensors at once.
 //!
@@ -94,6 +94,32 @@ pub fn read_ahead<R>(
         return load(src);
     }
     ahead.run(load)
+}
+
+/// `names` read ahead in full by the readers (the window set aside), for a loader on another
+/// thread: the first half of a streamed GPU layer's load, made on the loader thread, where no
+/// device call is made (for a GPU the readers read into host memory). The returned source
+/// then serves them as [`read_ahead`]'s does, each copied to `device` as it is taken, on the
+/// thread that runs the forward, so that one thread makes every device call of a streamed
+/// forward (a loader thread copying to the device while the forward ran left the DeepSeek-V3
+/// shape's streamed diff stalled on an H100: BENCHMARKS.md, run 40).
+pub fn read_to_host<'a>(
+    src: &'a dyn WeightSource,
+    names: &[String],
+    dtype: DType,
+    device: &Device,
+    opts: &ReadOptions,
+) -> Result<ReadAhead<'a>> {
+    let opts = ReadOptions {
+        window: u64::MAX,
+        ..*opts
+    };
+    let ahead = ReadAhead::new(src, names, dtype, device, &opts);
+    ahead.run(|_| {
+        ahead.wait_all_read();
+        Ok(())
+    })?;
+    Ok(ahead)
 }
 
 /// The order a resident load asks for a target's tensors in: the embeddings (and anything else
@@ -323,7 +349,11 @@ impl<'a> ReadAhead<'a> {
             // Stops the readers when `load` returns or unwinds, so that the scope can end.
             let _stop = Stop(self);
             if started == 0 {
-                // No reader could start: the loader reads each tensor itself.
+                // No reader (none asked for, or none could start): nothing is read ahead, the
+                // loader reads each tensor itself, also through this source later.
+                for slot in &mut self.lock().slots {
+                    slot.stage = Stage::Gone;
+                }
                 return load(self.src);
             }
             load(self)
@@ -348,6 +378,43 @@ impl<'a> ReadAhead<'a> {
     /// Pieces to read in all (no more readers than this are worth starting).
     fn pieces(&self) -> usize {
         self.lock().slots.iter().map(|s| s.pieces).sum()
+    }
+
+    /// Bytes read ahead and not taken yet.
+    pub fn waiting_bytes(&self) -> u64 {
+        self.lock().ahead
+    }
+
+    /// Waits until every tensor is read (or failed, which its loader is told when it asks).
+    fn wait_all_read(&self) {
+        let mut guard = self.lock();
+        for k in 0..guard.slots.len() {
+            guard = self.wait_read(guard, k);
+        }
+    }
+
+    /// `guard` held again once slot `k` is read or gone (asking for it first when it is not
+    /// being read yet).
+    fn wait_read<'g>(
+        &'g self,
+        mut guard: MutexGuard<'g, State<'a>>,
+        k: usize,
+    ) -> MutexGuard<'g, State<'a>> {
+        loop {
+            let st = &mut *guard;
+            match st.slots[k].stage {
+                Stage::Queued => {
+                    Self::admit(st, k);
+                    drop(guard);
+                    self.allocate(k, true);
+                    guard = self.lock();
+                }
+                Stage::Allocating | Stage::Reading { .. } => {
+                    guard = self.ready.wait(guard).unwrap_or_else(|e| e.into_inner());
+                }
+                Stage::Ready(_) | Stage::Gone => return guard,
+            }
+        }
     }
 
     /// A reader: takes pieces and reads them until every slot is read or the loader is done.
@@ -579,42 +646,27 @@ impl<'a> ReadAhead<'a> {
         if !device.same_device(&self.device) {
             return None;
         }
-        let mut guard = self.lock();
+        let guard = self.lock();
         if guard.slots[k].form != form {
             return None;
         }
-        loop {
-            let st = &mut *guard;
-            match st.slots[k].stage {
-                Stage::Queued => {
-                    Self::admit(st, k);
-                    drop(guard);
-                    self.allocate(k, true);
-                    guard = self.lock();
-                }
-                Stage::Allocating | Stage::Reading { .. } => {
-                    guard = self.ready.wait(guard).unwrap_or_else(|e| e.into_inner());
-                }
-                Stage::Ready(_) => {
-                    let slot = &mut st.slots[k];
-                    let Stage::Ready(t) = std::mem::replace(&mut slot.stage, Stage::Gone) else {
-                        return None;
-                    };
-                    st.ahead -= slot.bytes;
-                    self.work.notify_all();
-                    drop(guard);
-                    return Some(t.and_then(|t| {
-                        t.to_device(&self.device).ctx(|| {
-                            format!(
-                                "{}: copying {name} to the device",
-                                self.src.origin().display()
-                            )
-                        })
-                    }));
-                }
-                Stage::Gone => return None,
-            }
-        }
+        let mut guard = self.wait_read(guard, k);
+        let st = &mut *guard;
+        let slot = &mut st.slots[k];
+        let Stage::Ready(t) = std::mem::replace(&mut slot.stage, Stage::Gone) else {
+            return None;
+        };
+        st.ahead -= slot.bytes;
+        self.work.notify_all();
+        drop(guard);
+        Some(t.and_then(|t| {
+            t.to_device(&self.device).ctx(|| {
+                format!(
+                    "{}: copying {name} to the device",
+                    self.src.origin().display()
+                )
+            })
+        }))
     }
 }
 
@@ -745,134 +797,6 @@ fn device_holds(dtype: &str) -> bool {
         dtype,
         "F32" | "F64" | "I64" | "I32" | "U32" | "BF16" | "F16" | "U8" | "BOOL" | "F8_E4M3"
     )
-}
-
-/// A layer's tensors read into host memory as stored ([`read_to_host`]), served by name to the
-/// layer's loader by [`HostStaged`].
-pub struct HostTensors(HashMap<String, Tensor>);
-
-/// Whether a GPU load reads `name` ahead into host memory (as [`plan_slot`] decides for a
-/// GPU): a tensor of a dtype the device holds as stored whose extent holds its shape, or one
-/// the source decodes whole; any other is left to the source, when the loader asks.
-fn host_staged(src: &dyn WeightSource, name: &str) -> bool {
-    let Some(ext) = src.extent(name) else {
-        return src.shape(name).is_some();
-    };
-    let elems: usize = ext.shape.iter().product();
-    let size = crate::weights::header::dtype_size(ext.dtype);
-    ext.bytes > 0
-        && size.and_then(|s| elems.checked_mul(s)) == Some(ext.bytes)
-        && device_holds(ext.dtype)
-}
-
-/// The tensors of `names` a GPU load would read ahead, read into host memory as stored by the
-/// readers (several reads in flight, in file order): the first half of a streamed GPU layer's
-/// load, on the loader thread; no device call is made. [`HostStaged`] then makes the device
-/// tensors on the thread that runs the forward, so that every CUDA call of a streamed
-/// forward is made by one thread (a loader thread copying to the device while the forward ran
-/// left the DeepSeek-V3 shape's streamed diff stalled on an H100: BENCHMARKS.md, run 40).
-pub fn read_to_host(
-    src: &dyn WeightSource,
-    names: &[String],
-    opts: &ReadOptions,
-) -> Result<HostTensors> {
-    let host = Device::Cpu;
-    let names: Vec<String> = names
-        .iter()
-        .filter(|n| host_staged(src, n))
-        .cloned()
-        .collect();
-    // Any dtype but f32: nothing widened, every tensor as stored.
-    read_ahead(src, &names, DType::BF16, &host, opts, |src| {
-        names
-            .iter()
-            .map(|n| Ok((n.clone(), src.load(n, &host)?)))
-            .collect::<Result<HashMap<_, _>>>()
-            .map(HostTensors)
-    })
-}
-
-impl HostTensors {
-    /// Bytes held.
-    pub fn bytes(&self) -> u64 {
-        self.0
-            .values()
-            .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
-            .sum()
-    }
-}
-
-/// A [`WeightSource`] serving the tensors of a [`HostTensors`] (each copied to the device it
-/// is asked for, once, and dropped from host memory as it goes) in front of the source, which
-/// serves everything else: the tensors are the source's, bit for bit.
-pub struct HostStaged<'a> {
-    src: &'a dyn WeightSource,
-    held: Mutex<HashMap<String, Tensor>>,
-}
-
-impl<'a> HostStaged<'a> {
-    pub fn new(src: &'a dyn WeightSource, tensors: HostTensors) -> HostStaged<'a> {
-        HostStaged {
-            src,
-            held: Mutex::new(tensors.0),
-        }
-    }
-}
-
-impl WeightSource for HostStaged<'_> {
-    fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        self.src.shape(name)
-    }
-
-    fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
-        let held = self
-            .held
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
-        match held {
-            Some(t) => t.to_device(device).ctx(|| {
-                format!(
-                    "{}: copying {name} to the device",
-                    self.src.origin().display()
-                )
-            }),
-            None => self.src.load(name, device),
-        }
-    }
-
-    fn load_rows(&self, name: &str, ids: &[u32], device: &Device) -> Result<Tensor> {
-        self.src.load_rows(name, ids, device)
-    }
-
-    fn load_row_range(
-        &self,
-        name: &str,
-        start: usize,
-        len: usize,
-        device: &Device,
-    ) -> Result<Tensor> {
-        self.src.load_row_range(name, start, len, device)
-    }
-
-    fn origin(&self) -> &Path {
-        self.src.origin()
-    }
-
-    fn names(&self) -> Vec<String> {
-        self.src.names()
-    }
-
-    fn bytes_read(&self) -> u64 {
-        self.src.bytes_read()
-    }
-
-    // `load_f32` is left at "not widened while read": the loader widens what `load` serves, the
-    // same values (bf16 and f16 widen to f32 exactly).
-
-    fn extent(&self, name: &str) -> Option<Extent<'_>> {
-        self.src.extent(name)
-    }
 }
 
 #[cfg(test)]
@@ -1057,11 +981,12 @@ mod tests {
         }
     }
 
-    /// A streamed GPU layer's first half: every tensor read into host memory by the readers
-    /// (in pieces, the window smaller than the layer) has the source's own bits, is served once
-    /// without reading the checkpoint again, and a second ask goes to the source.
+    /// A streamed GPU layer's first half: every tensor read in full by the readers (in pieces,
+    /// the window given smaller than the layer), before the loader asks for any; then served
+    /// with the source's own bits without reading the checkpoint again, a second ask going to
+    /// the source. With no readers nothing is read ahead and every ask goes to the source.
     #[test]
-    fn tensors_read_to_host_are_the_sources_bits_served_once() {
+    fn tensors_read_in_full_are_the_sources_bits_served_once() {
         let path = checkpoint();
         let src = SafetensorsSource::open(&path).unwrap();
         let names = in_file_order(&src, &src.names());
@@ -1069,25 +994,28 @@ mod tests {
             .iter()
             .map(|n| src.extent(n).unwrap().bytes as u64)
             .sum();
-        for readers in [1, 3] {
+        for readers in [0, 1, 3] {
             let opts = ReadOptions {
                 readers,
                 piece_bytes: 1000,
                 window: 10_000,
             };
-            let host = read_to_host(&src, &names, &opts).unwrap();
-            assert_eq!(host.bytes(), stored, "{opts:?}");
-            let staged = HostStaged::new(&src, host);
+            let before = src.bytes_read();
+            let read = read_to_host(&src, &names, DType::BF16, &Device::Cpu, &opts).unwrap();
+            let ahead = if readers == 0 { 0 } else { stored };
+            assert_eq!(src.bytes_read() - before, ahead, "{opts:?}: read up front");
+            assert_eq!(read.waiting_bytes(), ahead, "{opts:?}");
             let before = src.bytes_read();
             for name in &names {
-                let got = staged.load(name, &Device::Cpu).unwrap();
+                let got = read.load(name, &Device::Cpu).unwrap();
                 let want = src.load(name, &Device::Cpu).unwrap();
                 assert_eq!(bits(&got), bits(&want), "{name}, {opts:?}");
             }
-            // Only the comparisons' own loads read the checkpoint.
-            assert_eq!(src.bytes_read() - before, stored, "{opts:?}");
+            // Beside the comparisons' own loads, the checkpoint is read only without readers.
+            assert_eq!(src.bytes_read() - before, 2 * stored - ahead, "{opts:?}");
+            assert_eq!(read.waiting_bytes(), 0, "{opts:?}");
             let again = src.bytes_read();
-            let b = staged.load("b.bf16", &Device::Cpu).unwrap();
+            let b = read.load("b.bf16", &Device::Cpu).unwrap();
             assert_eq!(bits(&b), bits(&src.load("b.bf16", &Device::Cpu).unwrap()));
             assert!(
                 src.bytes_read() - again > 2 * 300 * 301,

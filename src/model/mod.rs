@@ -592,15 +592,13 @@ pub fn open_target_with(path: &Path, opts: &TargetOptions) -> Result<LoadedTarge
     };
     let estimate = WeightEstimate::of(&cfg, src.as_ref(), opts.dtype);
     let budget = Budget::resolve(opts.max_memory, &opts.device);
-    // On a GPU a streamed layer waits in host memory (`StreamOptions::host_stage`).
-    let host_staged = opts.device.is_cuda();
     let plan = stream::plan(
         estimate,
         opts.stream_layers,
         budget,
         opts.dtype,
         &dir,
-        host_staged,
+        stream::stages_on_host(&opts.device),
     )?;
     if plan.automatic {
         eprintln!("eagle-check: {}", plan.why_streamed());

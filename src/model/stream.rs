@@ -41,11 +41,18 @@ pub struct StreamOptions {
     /// How each layer's tensors are read: several readers, reads ahead of the layer's loader
     /// within what the budget leaves ([`MemoryPlan::read_window`]).
     pub reads: ReadOptions,
-    /// Read each layer into host memory on the loader thread and make its device tensors on
-    /// the thread that runs the forward ([`io::read_to_host`]), so that one thread makes every
-    /// device call. Always so on a GPU; elsewhere (the tests) when asked: the CPU builds each
+    /// Read each layer on the loader thread (for a GPU into host memory) and make its tensors
+    /// on the thread that runs the forward ([`io::read_to_host`]), so that one thread makes
+    /// every device call. Always so on a GPU; elsewhere (the tests) when asked: the CPU builds each
     /// layer on the loader thread, its conversions overlapping the forward.
     pub host_stage: bool,
+}
+
+/// Whether a streamed layer on `device` is read on the loader thread and put on the device by
+/// the forward's thread ([`StreamOptions::host_stage`]): on a GPU, where two threads making
+/// device calls at once stalled (BENCHMARKS.md, runs 28-30 and 40).
+pub fn stages_on_host(device: &Device) -> bool {
+    device.is_cuda()
 }
 
 impl Default for StreamOptions {
@@ -410,8 +417,8 @@ fn pipelined<T: Send>(
 enum Fetched<'a, L> {
     /// Built on the loader thread (the CPU's way).
     Built(LayerGuard<'a, L>),
-    /// Its tensors in host memory, to be built on the forward's thread (a GPU's way).
-    Host(io::HostTensors),
+    /// Its tensors read (for a GPU into host memory), to be built on the forward's thread.
+    Read(io::ReadAhead<'a>),
 }
 
 /// A target whose decoder layers are read from the checkpoint at every forward.
@@ -511,7 +518,7 @@ impl<D: Decoder> Streamed<D> {
             norm,
             prefetch: opts.prefetch,
             reads: opts.reads,
-            host_stage: opts.host_stage || device.is_cuda(),
+            host_stage: opts.host_stage || stages_on_host(device),
             estimate,
             layer_names,
             live: Live::default(),
@@ -532,20 +539,25 @@ impl<D: Decoder> Streamed<D> {
             return self.load_layer(i, None).map(Fetched::Built);
         }
         let start = Instant::now();
-        let read_before = self.src.bytes_read();
-        crate::progress::trace(|| format!("layer {i}: reading into host memory"));
-        let host = io::read_to_host(self.src.as_ref(), &self.layer_names[i], &self.reads)?;
+        crate::progress::trace(|| format!("layer {i}: reading"));
+        let read = io::read_to_host(
+            self.src.as_ref(),
+            &self.layer_names[i],
+            self.dec.dtype(),
+            &self.device,
+            &self.reads,
+        )?;
         crate::progress::trace(|| {
             format!(
-                "layer {i}: {} read into host memory in {:.2} s",
-                format_bytes(self.src.bytes_read() - read_before),
+                "layer {i}: {} read in {:.2} s",
+                format_bytes(read.waiting_bytes()),
                 start.elapsed().as_secs_f64()
             )
         });
         if let Ok(mut s) = self.stats.lock() {
             s.load_seconds += start.elapsed().as_secs_f64();
         }
-        Ok(Fetched::Host(host))
+        Ok(Fetched::Read(read))
     }
 
     /// The layer a [`Fetched`] holds, built on this thread where it was read into host memory.
@@ -556,21 +568,20 @@ impl<D: Decoder> Streamed<D> {
     ) -> Result<LayerGuard<'s, D::Layer>> {
         match fetched {
             Fetched::Built(layer) => Ok(layer),
-            Fetched::Host(host) => self.load_layer(i, Some(host)),
+            Fetched::Read(read) => self.load_layer(i, Some(read)),
         }
     }
 
-    /// Layer `i`, read and converted (from `host` where its tensors were read into host memory,
-    /// else read ahead from the checkpoint), checked to have read every tensor the checkpoint
+    /// Layer `i`, read and converted (from `ready` where its tensors were read already, else
+    /// read ahead from the checkpoint now), checked to have read every tensor the checkpoint
     /// holds under it (a Llama with biases it does not expect stops here, at the first such
     /// layer).
     fn load_layer(
         &self,
         i: usize,
-        host: Option<io::HostTensors>,
+        ready: Option<io::ReadAhead<'_>>,
     ) -> Result<LayerGuard<'_, D::Layer>> {
         let start = Instant::now();
-        let read_before = self.src.bytes_read();
         crate::progress::trace(|| format!("layer {i}: loading"));
         let (dtype, device) = (self.dec.dtype(), &self.device);
         let build = |src: &dyn WeightSource| {
@@ -579,8 +590,8 @@ impl<D: Decoder> Streamed<D> {
             let layer = self.dec.load_layer(&vb.pp(&self.prefix), i)?;
             Ok((layer, vb.read_names()))
         };
-        let (layer, read) = match host {
-            Some(host) => build(&io::HostStaged::new(self.src.as_ref(), host))?,
+        let (layer, read) = match ready {
+            Some(ready) => build(&ready)?,
             None => io::read_ahead(
                 self.src.as_ref(),
                 &self.layer_names[i],
@@ -599,9 +610,8 @@ impl<D: Decoder> Streamed<D> {
         let bytes = self.estimate.layers[i];
         crate::progress::trace(|| {
             format!(
-                "layer {i}: loaded in {:.2} s, {} read",
-                start.elapsed().as_secs_f64(),
-                format_bytes(self.src.bytes_read() - read_before)
+                "layer {i}: loaded in {:.2} s",
+                start.elapsed().as_secs_f64()
             )
         });
         self.live.add(bytes);
