@@ -418,7 +418,7 @@ enum Fetched<'a, L> {
     /// Built on the loader thread (the CPU's way).
     Built(LayerGuard<'a, L>),
     /// Its tensors read (for a GPU into host memory), to be built on the forward's thread.
-    Read(io::ReadAhead<'a>),
+    Read(Box<io::ReadAhead<'a>>),
 }
 
 /// A target whose decoder layers are read from the checkpoint at every forward.
@@ -557,7 +557,7 @@ impl<D: Decoder> Streamed<D> {
         if let Ok(mut s) = self.stats.lock() {
             s.load_seconds += start.elapsed().as_secs_f64();
         }
-        Ok(Fetched::Read(read))
+        Ok(Fetched::Read(Box::new(read)))
     }
 
     /// The layer a [`Fetched`] holds, built on this thread where it was read into host memory.
@@ -568,7 +568,7 @@ impl<D: Decoder> Streamed<D> {
     ) -> Result<LayerGuard<'s, D::Layer>> {
         match fetched {
             Fetched::Built(layer) => Ok(layer),
-            Fetched::Read(read) => self.load_layer(i, Some(read)),
+            Fetched::Read(read) => self.load_layer(i, Some(*read)),
         }
     }
 
