@@ -23,7 +23,6 @@ use online::OnlineSample;
 use reference::ReferenceSource;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 /// What `diff` reads besides the reference.
@@ -84,9 +83,12 @@ impl Collector {
     }
 }
 
-/// The slots of a sample's capture: (views over one f32 buffer, slot width).
+/// The slots of a sample's capture: the tensor as read, `[rows, stride]`, slot i at column
+/// `i * width`; its f32 values made when first viewed (a GPU's batched pass uploads a bf16
+/// capture as stored and never views it on the host).
 struct Slots {
-    data: Arc<Vec<f32>>,
+    stored: HostTensor,
+    data: std::sync::OnceLock<Vec<f32>>,
     rows: usize,
     stride: usize,
     width: usize,
@@ -94,9 +96,20 @@ struct Slots {
 }
 
 impl Slots {
+    fn new(stored: &HostTensor, rows: usize, stride: usize, width: usize, count: usize) -> Slots {
+        Slots {
+            stored: stored.clone(),
+            data: std::sync::OnceLock::new(),
+            rows,
+            stride,
+            width,
+            count,
+        }
+    }
+
     fn view(&self, i: usize) -> View<'_> {
         View {
-            data: self.data.as_slice(),
+            data: self.data.get_or_init(|| self.stored.to_f32_vec()),
             rows: self.rows,
             stride: self.stride,
             col: i * self.width,
@@ -135,13 +148,7 @@ fn slots_of(sample: &Sample, hidden: usize, k_spec: usize) -> std::result::Resul
                 "aux width {w} is neither k x H (H = {hidden}) nor a shard of the spec's {k_spec} slots"
             ));
         };
-        return Ok(Slots {
-            data: Arc::new(aux.to_f32_vec()),
-            rows,
-            stride: w,
-            width,
-            count,
-        });
+        return Ok(Slots::new(aux, rows, w, width, count));
     }
     if let Some(layers) = &sample.layers {
         if let [_, _, h] = layers.dims()
@@ -157,13 +164,7 @@ fn slots_of(sample: &Sample, hidden: usize, k_spec: usize) -> std::result::Resul
                 layers.dims()
             ));
         };
-        return Ok(Slots {
-            data: Arc::new(layers.to_f32_vec()),
-            rows: *rows,
-            stride: n * h,
-            width: *h,
-            count: *n,
-        });
+        return Ok(Slots::new(layers, *rows, n * h, *h, *n));
     }
     Err("no aux hidden states in this file (expected aux_hidden_state(s) or a vLLM hidden_states [T, n, H])".into())
 }
@@ -946,16 +947,21 @@ fn capture_tolerance(sample: &Sample) -> CaptureTolerance {
 }
 
 /// The training target a SpecForge or Model-Optimizer sample carries as its own tensor, when
-/// it is `[S, H]` (or `[1, S, H]`): its values in f32 and its rows.
-fn training_tensor(sample: &Sample, hidden: usize) -> Option<(Vec<f32>, usize)> {
+/// it is `[S, H]` (or `[1, S, H]`): the tensor as read and its rows.
+fn training_stored(sample: &Sample, hidden: usize) -> Option<(&HostTensor, usize)> {
     if !matches!(sample.format, Format::SpecForge | Format::ModelOpt) {
         return None;
     }
     let t = sample.final_hidden.as_ref()?;
     match t.dims() {
-        [s, h] | [1, s, h] if *h == hidden => Some((t.to_f32_vec(), *s)),
+        [s, h] | [1, s, h] if *h == hidden => Some((t, *s)),
         _ => None,
     }
+}
+
+/// [`training_stored`]'s values in f32.
+fn training_tensor(sample: &Sample, hidden: usize) -> Option<(Vec<f32>, usize)> {
+    training_stored(sample, hidden).map(|(t, rows)| (t.to_f32_vec(), rows))
 }
 
 /// A sample prepared on the host, and the findings its slots gave.
@@ -979,15 +985,15 @@ fn prepare_host(
         return Ok((None, findings));
     };
     let mut online = OnlineSample::new(l, hidden, tokens.len(), capture_tolerance(sample), device);
-    let aux = online.group(
-        slots.data.clone(),
+    let aux = online.group_stored(
+        &slots.stored,
         slots.rows,
         slots.stride,
         slots.width,
         slots.count,
     )?;
-    let target = training_tensor(sample, hidden)
-        .map(|(data, rows)| online.group(Arc::new(data), rows, hidden, hidden, 1))
+    let target = training_stored(sample, hidden)
+        .map(|(t, rows)| online.group_stored(t, rows, hidden, hidden, 1))
         .transpose()?;
     let ready = Prepared {
         slots,
@@ -1518,7 +1524,7 @@ mod tests {
     fn sample(dtype: CaptureDType, rows: usize, h: usize) -> Sample {
         let tensor = |shape: Vec<usize>| {
             let bytes = shape.iter().product::<usize>() * dtype.size();
-            HostTensor::from_shared(dtype, shape, Arc::new(vec![0; bytes]), 0).unwrap()
+            HostTensor::from_shared(dtype, shape, std::sync::Arc::new(vec![0; bytes]), 0).unwrap()
         };
         Sample {
             file: PathBuf::from("data_0.ckpt"),

@@ -33,7 +33,7 @@ use crate::tolerance::{CaptureTolerance, identification_angle};
 use candle_core::{DType, Device, Tensor};
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Rows kept at each end of every state: the edge terms of the bound reach 4 rows past the
 /// interior, shifted by up to 2.
@@ -143,7 +143,7 @@ struct Group {
     cols: usize,
     shard_tp: Option<usize>,
     /// `[rows, stride]`: slot i at column `i * width`.
-    host: Arc<Vec<f32>>,
+    host: HostRows,
     stride: usize,
     width: usize,
     device: Option<Tensor>,
@@ -164,12 +164,18 @@ struct Group {
     non_finite: Vec<usize>,
 }
 
-/// Packed slots waiting for their upload: f32, and the same values in bf16 when every one is
-/// a bf16 value (a bf16 capture, widened): against bf16 states they go up in bf16, half the
-/// bytes, and the kernels widen them back exactly.
-struct Staged {
-    f32s: Values,
-    bf16: Option<Vec<half::bf16>>,
+/// Packed slots waiting for their upload.
+enum Staged {
+    /// f32 values, and the same in bf16 when every one is a bf16 value (a bf16 capture,
+    /// widened): against bf16 states they go up in bf16, half the bytes, and the kernels widen
+    /// them back exactly.
+    Values {
+        f32s: Values,
+        bf16: Option<Vec<half::bf16>>,
+    },
+    /// The group's stored bf16 rows ([`HostRows::stored`]), packed as read: up as they are
+    /// against bf16 states, widened against f32 ones.
+    Stored,
 }
 
 impl Staged {
@@ -181,14 +187,58 @@ impl Staged {
                 .map(|v| half::bf16::from_bits((v.to_bits() >> 16) as u16))
                 .collect()
         });
-        Staged { f32s, bf16 }
+        Staged::Values { f32s, bf16 }
     }
+}
+
+/// A group's captured rows on the host: f32 values, or a bf16 capture as it was read, widened
+/// to f32 only if the host reads them (on a GPU the stored bytes go to the device as they are,
+/// and the scoring reads them there). Widening a T = 2,048 sample's four 8B-shape slots is
+/// 134 MB of fresh memory and its narrowing back for the upload 67 MB more: about 110 ms of
+/// host work a sample on the development machine, against 7 ms to check the stored values
+/// are finite (BENCHMARKS.md, "The captured slots as stored").
+struct HostRows {
+    stored: Option<crate::readers::HostTensor>,
+    f32s: OnceLock<Values>,
+}
+
+impl HostRows {
+    fn values(values: Values) -> HostRows {
+        HostRows {
+            stored: None,
+            f32s: OnceLock::from(values),
+        }
+    }
+
+    /// `t`'s values as f32 (widened once, when first asked for).
+    fn f32s(&self) -> &Values {
+        self.f32s.get_or_init(|| {
+            Arc::new(
+                self.stored
+                    .as_ref()
+                    .map_or_else(Vec::new, |t| t.to_f32_vec()),
+            )
+        })
+    }
+
+    /// Whether the f32 values were made (the tests: a GPU pass of bf16 captures never does).
+    #[cfg(test)]
+    fn widened(&self) -> bool {
+        self.f32s.get().is_some()
+    }
+}
+
+/// Whether every little-endian bf16 value of `bytes` is finite (its exponent not all ones).
+fn all_finite_bf16(bytes: &[u8]) -> bool {
+    bytes
+        .chunks_exact(2)
+        .all(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 != 0x7f80)
 }
 
 impl Group {
     fn view(&self, i: usize, rows: usize) -> View<'_> {
         View {
-            data: &self.host,
+            data: self.host.f32s(),
             rows,
             stride: self.stride,
             col: i * self.width,
@@ -297,15 +347,58 @@ impl OnlineSample {
         width: usize,
         k: usize,
     ) -> Result<usize> {
+        self.add_group(HostRows::values(data), x_rows, stride, width, k)
+    }
+
+    /// [`OnlineSample::group`] over a capture's tensor `[x_rows, stride]` as it was read. Where
+    /// the sample is scored through tensors (a GPU) and `t` holds finite bf16 values packed as
+    /// the scoring reads them (`k` whole slots of H, side by side), its bytes are uploaded as
+    /// they are and never widened on the host; anything else is widened here, as `group`
+    /// takes it.
+    pub fn group_stored(
+        &mut self,
+        t: &crate::readers::HostTensor,
+        x_rows: usize,
+        stride: usize,
+        width: usize,
+        k: usize,
+    ) -> Result<usize> {
+        let as_stored = self.tensors
+            && t.dtype == crate::readers::DType::BF16
+            && width == self.hidden
+            && stride == k * width
+            && x_rows == self.rows
+            && t.numel() == x_rows * stride
+            && all_finite_bf16(t.bytes());
+        let host = if as_stored {
+            HostRows {
+                stored: Some(t.clone()),
+                f32s: OnceLock::new(),
+            }
+        } else {
+            HostRows::values(Arc::new(t.to_f32_vec()))
+        };
+        self.add_group(host, x_rows, stride, width, k)
+    }
+
+    fn add_group(
+        &mut self,
+        host: HostRows,
+        x_rows: usize,
+        stride: usize,
+        width: usize,
+        k: usize,
+    ) -> Result<usize> {
         let h = self.hidden;
         let cols = width.min(h);
         let shard_tp = (width < h && width > 0 && h.is_multiple_of(width)).then(|| h / width);
         let n = self.layout.candidates();
+        let stored = host.stored.is_some();
         let mut g = Group {
             k,
             cols,
             shard_tp,
-            host: data,
+            host,
             stride,
             width,
             device: None,
@@ -317,7 +410,12 @@ impl OnlineSample {
             rescored: vec![None; k],
             non_finite: Vec::new(),
         };
-        g.non_finite = (0..k).map(|i| non_finite(g.view(i, x_rows))).collect();
+        // Stored rows were checked finite by `group_stored`.
+        g.non_finite = if stored {
+            vec![0; k]
+        } else {
+            (0..k).map(|i| non_finite(g.view(i, x_rows))).collect()
+        };
         // The bound needs every captured row paired with a reference row and finite values;
         // anything else is the per-sample path's to decide.
         if x_rows != self.rows || width == 0 {
@@ -328,6 +426,7 @@ impl OnlineSample {
         let clean = g.non_finite.iter().any(|&c| c > 0).then(|| {
             Arc::new(
                 g.host
+                    .f32s()
                     .iter()
                     .map(|&v| if v.is_finite() { v } else { 0.0 })
                     .collect::<Vec<f32>>(),
@@ -337,7 +436,12 @@ impl OnlineSample {
             // Packed here (on any thread: a pass prepares its samples in parallel), uploaded
             // by the sample's first `take` (every device call on the caller's thread).
             let on_device = clean.as_ref().map(|c| Staged::of(self.packed(&g, c)));
-            g.staged = Some((Staged::of(self.packed(&g, &g.host)), on_device));
+            let main = if stored {
+                Staged::Stored
+            } else {
+                Staged::of(self.packed(&g, g.host.f32s()))
+            };
+            g.staged = Some((main, on_device));
         }
         g.clean = clean.map(|c| (c, None));
         self.groups.push(g);
@@ -372,10 +476,22 @@ impl OnlineSample {
                 continue;
             };
             let (n, shape) = (rows * g.k * g.cols, (rows, g.k * g.cols));
+            let host = &g.host;
             let up = |v: &Staged| {
-                match (&v.bf16, states) {
-                    (Some(b), DType::BF16) => Tensor::from_slice(&b[..n], shape, &device),
-                    _ => Tensor::from_slice(&v.f32s[..n], shape, &device),
+                match (v, states, &host.stored) {
+                    (Staged::Values { bf16: Some(b), .. }, DType::BF16, _) => {
+                        Tensor::from_slice(&b[..n], shape, &device)
+                    }
+                    (Staged::Values { f32s, .. }, _, _) => {
+                        Tensor::from_slice(&f32s[..n], shape, &device)
+                    }
+                    (Staged::Stored, DType::BF16, Some(t)) => Tensor::from_raw_buffer(
+                        &t.bytes()[..2 * n],
+                        DType::BF16,
+                        &[shape.0, shape.1],
+                        &device,
+                    ),
+                    (Staged::Stored, ..) => Tensor::from_slice(&host.f32s()[..n], shape, &device),
                 }
                 .ctx(|| "uploading the captured slots".to_string())
             };
@@ -465,13 +581,17 @@ impl OnlineSample {
         } else {
             (0, 0, self.rows, 0)
         };
-        let (host, device) = match (&g.clean, interior) {
-            (Some((clean, on_device)), true) => (clean, on_device.as_ref()),
-            _ => (&g.host, g.device.as_ref()),
+        let clean = g.clean.as_ref().filter(|_| interior);
+        let device = match clean {
+            Some((_, on_device)) => on_device.as_ref(),
+            None => g.device.as_ref(),
         };
         let (x, stride, spacing) = match device {
             Some(d) => (Data::Device(d.clone()), g.k * g.cols, g.cols),
-            None => (Data::Host(host.clone()), g.stride, g.width),
+            None => {
+                let host = clean.map_or_else(|| g.host.f32s(), |(c, _)| c);
+                (Data::Host(host.clone()), g.stride, g.width)
+            }
         };
         Ask {
             x,
@@ -1692,6 +1812,94 @@ mod tests {
             }
         }
         assert!(decided >= 7 * 6, "{decided} slots decided");
+    }
+
+    /// A bf16 capture given as read ([`OnlineSample::group_stored`]) decides as its values
+    /// widened to f32 do, against bf16 states and f32 ones; through tensors (a GPU's way) its
+    /// finite rows go to the device as stored, in bf16 against bf16 states, and are never
+    /// widened on the host; rows holding a NaN or an infinity are widened, as `group` takes
+    /// them.
+    #[test]
+    fn a_stored_bf16_capture_decides_as_its_widened_values() {
+        let round = |v: &[f32]| -> Vec<f32> {
+            v.iter()
+                .map(|&x| half::bf16::from_f32(x).to_f32())
+                .collect()
+        };
+        let mut stored_decided = 0;
+        for (l, t, h, step, seed) in CASES {
+            let (mut refs, packed, k, _) = case(l, t, h, step, seed);
+            for b in refs
+                .boundaries
+                .iter_mut()
+                .chain(&mut refs.no_residual)
+                .flatten()
+            {
+                *b = round(b);
+            }
+            if let Some(pre) = refs.final_pre_norm.as_mut() {
+                *pre = round(pre);
+            }
+            let packed = round(&packed);
+            // Slot 1 of `slots` holds a NaN and an infinity: the case as made, and without it.
+            let finite: Vec<f32> = packed
+                .chunks(h)
+                .enumerate()
+                .filter(|(c, _)| c % k != 1)
+                .flat_map(|(_, v)| v.iter().copied())
+                .collect();
+            for (values, k, holed) in [(&packed, k, true), (&finite, k - 1, false)] {
+                let bytes: Vec<u8> = values
+                    .iter()
+                    .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                    .collect();
+                let stored = crate::readers::HostTensor::from_le_bytes(
+                    CaptureDType::BF16,
+                    vec![1, t, k * h],
+                    bytes,
+                )
+                .unwrap();
+                for dtype in [DType::BF16, DType::F32] {
+                    let tol = CaptureTolerance::for_dtype(CaptureDType::BF16);
+                    let run = |as_stored: bool| {
+                        let mut online = OnlineSample::new(l, h, t, tol, &Device::Cpu)
+                            .scored_in_batches_of(3)
+                            .scored_through_tensors();
+                        let g = if as_stored {
+                            online.group_stored(&stored, t, k * h, h, k).unwrap()
+                        } else {
+                            online
+                                .group(Arc::new(values.clone()), t, k * h, h, k)
+                                .unwrap()
+                        };
+                        for (what, x) in sequence(&refs) {
+                            online.take(what, &x.to_dtype(dtype).unwrap()).unwrap();
+                        }
+                        let group = &online.groups[g];
+                        let uploaded = group.device.as_ref().map(|x| x.dtype());
+                        let widened = group.host.widened();
+                        (online.finish(g, 0).unwrap(), uploaded, widened)
+                    };
+                    let what = format!("L {l} T {t} holed {holed} states {dtype:?}");
+                    let (got, uploaded, widened) = run(true);
+                    let (want, _, _) = run(false);
+                    assert_eq!(uploaded, Some(dtype), "{what}");
+                    // Widened where a value is not finite, or where f32 states want f32 slots.
+                    assert_eq!(widened, holed || dtype == DType::F32, "{what}");
+                    assert_eq!(got.is_some(), want.is_some(), "{what}");
+                    for (o, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                        assert_eq!(format!("{o:?}"), format!("{w:?}"), "{what} slot {}", w.slot);
+                        if !holed && dtype == DType::BF16 {
+                            stored_decided += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            stored_decided >= 7 * 5,
+            "{stored_decided} slots decided as stored"
+        );
     }
 
     /// The GPU's way (states and slots as tensors, scored by `kernels::score`, the best pair
