@@ -7,6 +7,8 @@
 //! once per device, each with that device's default dtype (f32 on the CPU, bf16 on the GPU), so
 //! the GPU's samples/s is read against the CPU's in one run. EAGLE_CHECK_BENCH_DIR moves the
 //! scratch directory (default `target/bench-scratch/diff` in the checkout).
+//! EAGLE_CHECK_BENCH_PREPARE=N: only the host preparation of N (default 16) samples' slots for a
+//! GPU pass (see `prepare_bench`).
 
 use candle_core::{DType, Device, Tensor};
 use eagle_check::diff::reference::{ReferenceSource, RunnerReference};
@@ -139,6 +141,10 @@ fn write_captures(
 }
 
 fn main() {
+    if let Some(n) = std::env::var_os("EAGLE_CHECK_BENCH_PREPARE") {
+        prepare_bench(n.to_str().and_then(|n| n.parse().ok()).unwrap_or(16));
+        return;
+    }
     if let Some(model) = std::env::var_os("EAGLE_CHECK_BENCH_STREAM") {
         stream_bench(Path::new(&model));
         return;
@@ -408,4 +414,63 @@ fn stream_bench(model: &Path) {
             cost.bytes_read as f64 / bytes as f64
         );
     }
+}
+
+/// `EAGLE_CHECK_BENCH_PREPARE=N cargo bench --bench diff`: the host work of readying `n`
+/// SpecForge-shaped bf16 samples for a GPU pass (T = 2,048, the 8B shape's H = 4,096, three aux
+/// slots and the training target), the way a diff does it since the captured slots go up as
+/// stored (`OnlineSample::group_stored`: a check that every value is finite) against the way
+/// before (every value widened to f32, then narrowed back to bf16 for the upload:
+/// `OnlineSample::group` of the widened values), in the same run, alternating, each sample's
+/// buffers freed inside its timing. Run on the CPU through the tensor path, which prepares as
+/// a GPU does; nothing is uploaded.
+fn prepare_bench(n: usize) {
+    use eagle_check::diff::online::OnlineSample;
+    use eagle_check::readers::{DType as Stored, HostTensor};
+    use eagle_check::tolerance::CaptureTolerance;
+    use std::sync::Arc;
+    let (t, h, k) = (2048usize, 4096usize, 3usize);
+    let mut rng = Lcg(3);
+    let tensor = |cols: usize, rng: &mut Lcg| {
+        let bytes: Vec<u8> = (0..t * cols)
+            .flat_map(|_| half::bf16::from_f32(rng.next()).to_le_bytes())
+            .collect();
+        HostTensor::from_le_bytes(Stored::BF16, vec![1, t, cols], bytes).unwrap()
+    };
+    let tol = CaptureTolerance::for_dtype(Stored::BF16);
+    let fresh = || OnlineSample::new(32, h, t, tol, &Device::Cpu).scored_through_tensors();
+    let (mut stored_s, mut widened_s) = (0.0, 0.0);
+    for i in 0..n {
+        let (aux, target) = (tensor(k * h, &mut rng), tensor(h, &mut rng));
+        for stored in [i % 2 == 0, i % 2 != 0] {
+            let start = Instant::now();
+            let mut online = fresh();
+            if stored {
+                online.group_stored(&aux, t, k * h, h, k).unwrap();
+                online.group_stored(&target, t, h, h, 1).unwrap();
+            } else {
+                online
+                    .group(Arc::new(aux.to_f32_vec()), t, k * h, h, k)
+                    .unwrap();
+                online
+                    .group(Arc::new(target.to_f32_vec()), t, h, h, 1)
+                    .unwrap();
+            }
+            drop(online);
+            let s = start.elapsed().as_secs_f64();
+            if stored {
+                stored_s += s;
+            } else {
+                widened_s += s;
+            }
+        }
+    }
+    let ms = |s: f64| 1000.0 * s / n as f64;
+    println!(
+        "{{\"bench\": \"prepare\", \"samples\": {n}, \"T\": {t}, \"H\": {h}, \"slots\": {}, \"stored_ms\": {:.2}, \"widened_ms\": {:.2}, \"widened_over_stored\": {:.1}}}",
+        k + 1,
+        ms(stored_s),
+        ms(widened_s),
+        widened_s / stored_s
+    );
 }
