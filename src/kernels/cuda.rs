@@ -379,3 +379,128 @@ pub fn tensor(s: CudaStorage, shape: impl Into<candle_core::Shape>) -> candle_co
         false,
     )
 }
+
+/// Bytes of each pinned staging buffer of [`upload`], and how many a thread keeps: a copy
+/// fills one while the device reads the others.
+const STAGING_BYTES: usize = 64 << 20;
+const STAGING_BUFFERS: usize = 4;
+
+/// Pinned host buffers a thread copies host tensors to the device through, each with the
+/// event of the last copy out of it.
+struct Staging {
+    bufs: Vec<(
+        cudarc::driver::PinnedHostSlice<u8>,
+        cudarc::driver::CudaEvent,
+    )>,
+    next: usize,
+    /// The context the buffers belong to.
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+}
+
+thread_local! {
+    /// This thread's staging buffers, made at its first [`upload`] (each thread that makes
+    /// device calls has its own: none is shared between threads).
+    static STAGING: std::cell::RefCell<Option<Staging>> = const { std::cell::RefCell::new(None) };
+}
+
+/// `t` (on the host, contiguous) copied to `dev` through this thread's pinned staging buffers:
+/// each piece copied into a pinned buffer (in parallel, by rayon's threads: plain memory
+/// copies, no device call) and from there to the device asynchronously on the device's stream,
+/// so that the thread goes on filling the next buffer while the device reads this one, and a
+/// copy waits only for the work queued before it, not for the host. A pageable copy
+/// (`Tensor::to_device`) goes through the driver's own small staging at about 4 GB/s on the H100
+/// machines, one buffer at a time (BENCHMARKS.md, run 42: a streamed 21.4 GiB MoE layer put on
+/// the device in 5.3 s). `None` when `t` is not a host tensor of a dtype the staging takes
+/// (the caller copies it as candle does).
+pub fn upload(t: &candle_core::Tensor, dev: &CudaDevice) -> Result<Option<candle_core::Tensor>> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Ok(None);
+    };
+    if !layout.is_contiguous() {
+        return Ok(None);
+    }
+    use candle_core::CpuStorage as C;
+    fn bytes_of<T>(v: &[T]) -> &[u8] {
+        // SAFETY: plain numeric values; the byte view covers exactly the slice's memory.
+        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    }
+    let (all, dtype) = match cpu {
+        C::F32(v) => (bytes_of(v), DType::F32),
+        C::F16(v) => (bytes_of(v), DType::F16),
+        C::BF16(v) => (bytes_of(v), DType::BF16),
+        C::F64(v) => (bytes_of(v), DType::F64),
+        C::U32(v) => (bytes_of(v), DType::U32),
+        C::I32(v) => (bytes_of(v), DType::I32),
+        _ => return Ok(None),
+    };
+    let (n, size) = (layout.shape().elem_count(), dtype.size_in_bytes());
+    let start = layout.start_offset() * size;
+    let Some(src) = all.get(start..start + n * size) else {
+        candle_core::bail!("a host tensor's layout past its storage");
+    };
+    let out = alloc(dev, dtype, n)?;
+    let dst = storage_ptr(&out, 0)?;
+    let stream = dev.cuda_stream();
+    STAGING.with(|cell| -> Result<()> {
+        let mut cell = cell.borrow_mut();
+        let ctx = stream.context();
+        if cell
+            .as_ref()
+            .is_none_or(|s| !std::sync::Arc::ptr_eq(&s.ctx, ctx))
+        {
+            *cell = Some(Staging::new(ctx)?);
+        }
+        let staging = cell.as_mut().expect("made above");
+        for (at, piece) in (0..src.len())
+            .step_by(STAGING_BYTES)
+            .map(|at| (at, &src[at..src.len().min(at + STAGING_BYTES)]))
+        {
+            let (buf, done) = &mut staging.bufs[staging.next];
+            staging.next = (staging.next + 1) % STAGING_BUFFERS;
+            // The device's last copy out of this buffer is over before it is written again.
+            done.synchronize().map_err(candle_core::Error::wrap)?;
+            let host = &mut buf.as_mut_slice().map_err(candle_core::Error::wrap)?[..piece.len()];
+            {
+                use rayon::prelude::*;
+                host.par_chunks_mut(8 << 20)
+                    .zip(piece.par_chunks(8 << 20))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+            }
+            // SAFETY: `host` is pinned memory that stays untouched until `done` (recorded just
+            // after) has passed; `dst + at` starts a range of `piece.len()` bytes inside `out`.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    dst + at as u64,
+                    &*host,
+                    stream.cu_stream(),
+                )
+            }
+            .map_err(|e| candle_core::Error::Msg(format!("staged copy to the device: {e:?}")))?;
+            done.record(&stream).map_err(candle_core::Error::wrap)?;
+        }
+        Ok(())
+    })?;
+    Ok(Some(tensor(out, layout.shape().clone())))
+}
+
+impl Staging {
+    fn new(ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<Staging> {
+        let blocking = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
+        let bufs = (0..STAGING_BUFFERS)
+            .map(|_| {
+                // SAFETY: the buffer is written before any copy reads it (`upload` copies only
+                // the bytes it wrote).
+                let buf = unsafe { ctx.alloc_pinned::<u8>(STAGING_BYTES) }
+                    .map_err(candle_core::Error::wrap)?;
+                let done = ctx.new_event(blocking).map_err(candle_core::Error::wrap)?;
+                Ok((buf, done))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Staging {
+            bufs,
+            next: 0,
+            ctx: ctx.clone(),
+        })
+    }
+}

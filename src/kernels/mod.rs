@@ -47,7 +47,7 @@ pub use rope::{RopeParams, rope, rope_in_place};
 pub use score::{PairSums, score_slots};
 pub use silu_mul::silu_mul;
 
-use candle_core::{DType, Layout, Result, Tensor};
+use candle_core::{DType, Device, Layout, Result, Tensor};
 use half::{bf16, f16};
 
 /// Elements one candle cast launch converts when [`to_dtype`] splits a cast on the GPU.
@@ -64,6 +64,22 @@ pub fn to_dtype(t: &Tensor, dtype: DType) -> Result<Tensor> {
         return cuda::to_dtype_in_chunks(t, dtype, CAST_CHUNK);
     }
     t.to_dtype(dtype)
+}
+
+/// `t` copied to `device`. From the host to a GPU through pinned staging buffers
+/// ([`cuda::upload`]: several times a pageable copy's rate, the copy to the device asynchronous),
+/// unless `EAGLE_CHECK_PAGEABLE=1` (the benches' comparison: candle's pageable copy); anything
+/// else as candle copies it. The same bits either way.
+pub fn to_device(t: &Tensor, device: &Device) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device
+        && t.device().is_cpu()
+        && std::env::var("EAGLE_CHECK_PAGEABLE").map_or(true, |v| v.trim() != "1")
+        && let Some(on_device) = cuda::upload(t, dev)?
+    {
+        return Ok(on_device);
+    }
+    t.to_device(device)
 }
 
 /// Whether one cast of `elements` would overrun candle's 32-bit element count: on a GPU, past
@@ -270,7 +286,6 @@ pub(crate) fn to_i64(n: usize, what: &str) -> Result<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
 
     #[test]
     fn casts_past_a_32_bit_count_are_chunked_on_the_gpu_only() {
@@ -278,6 +293,71 @@ mod tests {
         assert!(cast_needs_chunks(true, last + 1));
         assert!(!cast_needs_chunks(true, last));
         assert!(!cast_needs_chunks(false, last + 1));
+    }
+
+    /// A host tensor copied to the GPU through the pinned staging buffers holds the bits
+    /// candle's own copy gives: every dtype the staging takes, sizes below one buffer, across
+    /// several with a ragged last piece, and past all of them (each buffer reused once its
+    /// copy is over), a view that starts inside its storage; the dtypes it does not take
+    /// fall back to candle's copy.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_staged_copies_are_candles_copies() {
+        let gpu = crate::kernels::testing::gpu();
+        let Device::Cuda(dev) = &gpu else {
+            unreachable!("testing::gpu is a CUDA device")
+        };
+        let buffer = 64usize << 20;
+        for (n, dtype) in [
+            (1, DType::F32),
+            (1000, DType::BF16),
+            (buffer / 4 * 2 + 3, DType::F32),
+            (buffer / 2 * 5 + 1, DType::BF16),
+            (buffer / 2 + 7, DType::F16),
+            (4099, DType::U32),
+            (100, DType::U8),
+        ] {
+            let values: Vec<f32> = (0..n + 5)
+                .map(|i| ((i * 7919) % 100_003) as f32 - 5e4)
+                .collect();
+            let host = Tensor::from_vec(values, n + 5, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            for t in [host.narrow(0, 0, n).unwrap(), host.narrow(0, 5, n).unwrap()] {
+                let staged = cuda::upload(&t, dev).unwrap();
+                assert_eq!(
+                    staged.is_some(),
+                    dtype != DType::U8,
+                    "{dtype:?}: staged or not"
+                );
+                let got = to_device(&t, &gpu).unwrap();
+                let want = t.to_device(&gpu).unwrap();
+                let bits = |x: &Tensor| {
+                    x.to_device(&Device::Cpu)
+                        .unwrap()
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .to_vec1::<f64>()
+                        .unwrap()
+                };
+                assert_eq!(
+                    (got.dtype(), got.dims()),
+                    (dtype, t.dims()),
+                    "{n} {dtype:?}"
+                );
+                assert!(
+                    bits(&got) == bits(&want),
+                    "{n} {dtype:?}: staged copy differs"
+                );
+                if let Some(staged) = staged {
+                    assert!(
+                        bits(&staged) == bits(&want),
+                        "{n} {dtype:?}: upload differs"
+                    );
+                }
+            }
+        }
     }
 
     /// The chunked cast gives candle's cast bit for bit: ragged tails, one chunk, chunks of a

@@ -10,7 +10,8 @@
 //! - bf16 or f16 weights for an f32 forward on the CPU are widened as each piece arrives (the
 //!   source's [`WeightSource::load_f32`]);
 //! - for a GPU the readers read into host memory and the loader's thread copies each tensor
-//!   to the device as it takes it: every CUDA call stays on that one thread. (Readers that
+//!   to the device as it takes it ([`crate::kernels::to_device`]: through that thread's own
+//!   pinned staging buffers): every CUDA call stays on that one thread. (Readers that
 //!   copied their own pieces to the device through pinned staging buffers, from several
 //!   threads at once, left loads of full-width checkpoints stalled on an H100, every reader
 //!   spinning in the driver: BENCHMARKS.md, runs 28-30.) A streamed GPU layer goes further
@@ -660,7 +661,7 @@ impl<'a> ReadAhead<'a> {
         self.work.notify_all();
         drop(guard);
         Some(t.and_then(|t| {
-            t.to_device(&self.device).ctx(|| {
+            crate::kernels::to_device(&t, &self.device).ctx(|| {
                 format!(
                     "{}: copying {name} to the device",
                     self.src.origin().display()
