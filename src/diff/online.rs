@@ -1764,32 +1764,43 @@ mod tests {
         );
     }
 
+    /// [`case`] with every state and slot value rounded to bf16.
+    fn bf16_case(
+        l: usize,
+        t: usize,
+        h: usize,
+        step: f32,
+        seed: u64,
+    ) -> (RefStates, Vec<f32>, usize) {
+        let round = |v: &[f32]| -> Vec<f32> {
+            v.iter()
+                .map(|&x| half::bf16::from_f32(x).to_f32())
+                .collect()
+        };
+        let (mut refs, packed, k, _) = case(l, t, h, step, seed);
+        for b in refs
+            .boundaries
+            .iter_mut()
+            .chain(&mut refs.no_residual)
+            .flatten()
+        {
+            *b = round(b);
+        }
+        if let Some(pre) = refs.final_pre_norm.as_mut() {
+            *pre = round(pre);
+        }
+        (refs, round(&packed), k)
+    }
+
     /// A bf16 forward's states are kept as it made them, and slots of bf16 values go up in
     /// bf16 beside them: the decisions and every score are those of the same values in f32,
     /// bit for bit (a bf16 value widens to f32 exactly; run on the CPU through the tensor
     /// path, the kernels' device test holds their bf16 reads to the same).
     #[test]
     fn bf16_states_and_slots_decide_as_their_f32_values() {
-        let round = |v: &[f32]| -> Vec<f32> {
-            v.iter()
-                .map(|&x| half::bf16::from_f32(x).to_f32())
-                .collect()
-        };
         let mut decided = 0;
         for (l, t, h, step, seed) in CASES {
-            let (mut refs, packed, k, _) = case(l, t, h, step, seed);
-            for b in refs
-                .boundaries
-                .iter_mut()
-                .chain(&mut refs.no_residual)
-                .flatten()
-            {
-                *b = round(b);
-            }
-            if let Some(pre) = refs.final_pre_norm.as_mut() {
-                *pre = round(pre);
-            }
-            let packed = round(&packed);
+            let (refs, packed, k) = bf16_case(l, t, h, step, seed);
             let run = |dtype: DType| {
                 let (mut online, g) = sample_of(&refs, &packed, k, 3, true);
                 for (what, x) in sequence(&refs) {
@@ -1821,26 +1832,9 @@ mod tests {
     /// them.
     #[test]
     fn a_stored_bf16_capture_decides_as_its_widened_values() {
-        let round = |v: &[f32]| -> Vec<f32> {
-            v.iter()
-                .map(|&x| half::bf16::from_f32(x).to_f32())
-                .collect()
-        };
         let mut stored_decided = 0;
         for (l, t, h, step, seed) in CASES {
-            let (mut refs, packed, k, _) = case(l, t, h, step, seed);
-            for b in refs
-                .boundaries
-                .iter_mut()
-                .chain(&mut refs.no_residual)
-                .flatten()
-            {
-                *b = round(b);
-            }
-            if let Some(pre) = refs.final_pre_norm.as_mut() {
-                *pre = round(pre);
-            }
-            let packed = round(&packed);
+            let (refs, packed, k) = bf16_case(l, t, h, step, seed);
             // Slot 1 of `slots` holds a NaN and an infinity: the case as made, and without it.
             let finite: Vec<f32> = packed
                 .chunks(h)
