@@ -393,14 +393,15 @@ struct Staging {
         cudarc::driver::CudaEvent,
     )>,
     next: usize,
-    /// The context the buffers belong to.
-    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
 }
 
+type StagingSlot = Option<(std::sync::Arc<cudarc::driver::CudaContext>, Option<Staging>)>;
+
 thread_local! {
-    /// This thread's staging buffers, made at its first [`upload`] (each thread that makes
-    /// device calls has its own: none is shared between threads).
-    static STAGING: std::cell::RefCell<Option<Staging>> = const { std::cell::RefCell::new(None) };
+    /// This thread's staging buffers and the context they belong to, made at its first
+    /// [`upload`] (each thread that makes device calls has its own: none is shared between
+    /// threads); `None` beside the context when the driver gave no pinned memory.
+    static STAGING: std::cell::RefCell<StagingSlot> = const { std::cell::RefCell::new(None) };
 }
 
 /// `t` (on the host, contiguous) copied to `dev` through this thread's pinned staging buffers:
@@ -410,8 +411,8 @@ thread_local! {
 /// copy waits only for the work queued before it, not for the host. A pageable copy
 /// (`Tensor::to_device`) goes through the driver's own small staging at about 4 GB/s on the H100
 /// machines, one buffer at a time (BENCHMARKS.md, run 42: a streamed 21.4 GiB MoE layer put on
-/// the device in 5.3 s). `None` when `t` is not a host tensor of a dtype the staging takes
-/// (the caller copies it as candle does).
+/// the device in 5.3 s). `None` when `t` is not a host tensor of a dtype the staging takes, or
+/// the driver gave this thread no pinned memory (the caller copies it as candle does).
 pub fn upload(t: &candle_core::Tensor, dev: &CudaDevice) -> Result<Option<candle_core::Tensor>> {
     let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*storage else {
@@ -439,19 +440,30 @@ pub fn upload(t: &candle_core::Tensor, dev: &CudaDevice) -> Result<Option<candle
     let Some(src) = all.get(start..start + n * size) else {
         candle_core::bail!("a host tensor's layout past its storage");
     };
-    let out = alloc(dev, dtype, n)?;
-    let dst = storage_ptr(&out, 0)?;
     let stream = dev.cuda_stream();
-    STAGING.with(|cell| -> Result<()> {
+    STAGING.with(|cell| -> Result<Option<candle_core::Tensor>> {
         let mut cell = cell.borrow_mut();
         let ctx = stream.context();
         if cell
             .as_ref()
-            .is_none_or(|s| !std::sync::Arc::ptr_eq(&s.ctx, ctx))
+            .is_none_or(|(c, _)| !std::sync::Arc::ptr_eq(c, ctx))
         {
-            *cell = Some(Staging::new(ctx)?);
+            let staging = Staging::new(ctx)
+                .inspect_err(|e| {
+                    crate::progress::trace(|| {
+                        format!(
+                            "no pinned staging ({e}): copies to the device as candle makes them"
+                        )
+                    })
+                })
+                .ok();
+            *cell = Some((ctx.clone(), staging));
         }
-        let staging = cell.as_mut().expect("made above");
+        let Some((_, Some(staging))) = cell.as_mut() else {
+            return Ok(None);
+        };
+        let out = alloc(dev, dtype, n)?;
+        let dst = storage_ptr(&out, 0)?;
         for (at, piece) in (0..src.len())
             .step_by(STAGING_BYTES)
             .map(|at| (at, &src[at..src.len().min(at + STAGING_BYTES)]))
@@ -479,9 +491,8 @@ pub fn upload(t: &candle_core::Tensor, dev: &CudaDevice) -> Result<Option<candle
             .map_err(|e| candle_core::Error::Msg(format!("staged copy to the device: {e:?}")))?;
             done.record(&stream).map_err(candle_core::Error::wrap)?;
         }
-        Ok(())
-    })?;
-    Ok(Some(tensor(out, layout.shape().clone())))
+        Ok(Some(tensor(out, layout.shape().clone())))
+    })
 }
 
 impl Staging {
@@ -497,10 +508,6 @@ impl Staging {
                 Ok((buf, done))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Staging {
-            bufs,
-            next: 0,
-            ctx: ctx.clone(),
-        })
+        Ok(Staging { bufs, next: 0 })
     }
 }
