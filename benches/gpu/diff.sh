@@ -9,7 +9,7 @@
 #     against the forward-only rate;
 #  4. the streamed diff of 64 samples at T = 512 under --max-memory 4GiB through the CLI,
 #     against the disk's rate (dd of the checkpoint in the same run) and the resident diff of
-#     the same samples.
+#     the same samples, with the pinned staging and with pageable copies (EAGLE_CHECK_PAGEABLE=1).
 #   bash benches/gpu/diff.sh [OUT_DIR]     (TOKENS=128,512,2048 by default)
 #   COMPILE=0: without the torch.compile peer (its compiles take minutes at three lengths)
 #   SHAPE=deepseek-v3-3l TOKENS=512 MAX_MEMORY=48GiB: the DeepSeek-V3 3-layer full-width shape
@@ -39,13 +39,19 @@ start=$(now)
 dd if="$out/model/model.safetensors" of=/dev/null bs=64M 2>/dev/null
 disk_s=$(python3 -c "print($(now) - $start)")
 bytes=$(stat -c %s "$out/model/model.safetensors")
-for mode in resident streamed; do
+# streamed-pageable: the same with candle's pageable copies to the device in place of the pinned
+# staging (EAGLE_CHECK_PAGEABLE=1), the comparison in the same run. streamed-first is reported,
+# not compared: the first streamed run on a fresh machine paid a one-time cost the runs after it
+# did not (runs 41 and 43 in BENCHMARKS.md, 6-10 s).
+for mode in resident streamed-first streamed-pageable streamed; do
     extra=()
-    [ "$mode" = streamed ] && extra=(--stream-layers --max-memory "$max_memory")
+    case $mode in streamed*) extra=(--stream-layers --max-memory "$max_memory") ;; esac
+    pageable=0
+    [ "$mode" = streamed-pageable ] && pageable=1
     start=$(now)
     rc=0
-    bins/eagle-check diff --spec "$out/s64/spec.yaml" --target "$out/model" --captures "$out/s64" \
-        --device cuda --format json "${extra[@]}" >"$out/diff-$mode.json" || rc=$?
+    EAGLE_CHECK_PAGEABLE=$pageable bins/eagle-check diff --spec "$out/s64/spec.yaml" --target "$out/model" \
+        --captures "$out/s64" --device cuda --format json "${extra[@]}" >"$out/diff-$mode.json" || rc=$?
     echo "$mode $rc $(python3 -c "print($(now) - $start)")" >>"$out/diff-cli.txt"
 done
 python3 - "$out" "$disk_s" "$bytes" <<'PY'
@@ -67,12 +73,14 @@ for line in open(f"{out}/diff.jsonl"):
     j = json.loads(line)
     if j.get("T") == 512:
         forwards_s = j["packed_forwards_s"] * 64 / j["samples"]
-if "streamed" in runs and "resident" in runs:
-    streamed = runs["streamed"][1]
+for mode in ("streamed", "streamed-pageable"):
+    if mode not in runs or "resident" not in runs:
+        continue
+    streamed = runs[mode][1]
     if forwards_s is not None:
         floor = max(disk_s, forwards_s)
-        print(f"streamed wall / max(checkpoint at dd's rate {disk_s:.2f} s, resident forwards of the 64 samples {forwards_s:.2f} s) = {streamed:.2f} / {floor:.2f} = {streamed / floor:.2f}")
+        print(f"{mode} wall / max(checkpoint at dd's rate {disk_s:.2f} s, resident forwards of the 64 samples {forwards_s:.2f} s) = {streamed:.2f} / {floor:.2f} = {streamed / floor:.2f}")
     floor = max(disk_s, runs["resident"][1])
-    print(f"streamed wall / max(dd, resident diff's whole wall, its load included) = {streamed:.2f} / {floor:.2f} = {streamed / floor:.2f}")
+    print(f"{mode} wall / max(dd, resident diff's whole wall, its load included) = {streamed:.2f} / {floor:.2f} = {streamed / floor:.2f}")
 PY
 rm -rf "$out/model" "$out/hf_states.safetensors"

@@ -11,7 +11,8 @@ On the GPU machine, from the repository root, with scripts/cuda-build.sh's binar
    - `dd if=FILE of=/dev/null bs=16M`: the peer every load is a ratio to;
    - eagle-check's resident bf16 load onto the GPU alone (`bins/gpu-bench load`, as `run`
      loads it: the default readers), twice, and once with one read at a time
-     (`EAGLE_CHECK_READERS=0`: the reader before issue 30);
+     (`EAGLE_CHECK_READERS=0`: the reader before issue 30), and once with candle's pageable
+     copies in place of the pinned staging (`EAGLE_CHECK_PAGEABLE=1`);
    - transformers' `from_pretrained(dir, dtype=bfloat16, device_map="cuda")`, synchronised,
      twice (a fresh Python process each; its imports timed apart);
    - whole processes at T tokens: `eagle-check run --device cuda` (load + capture forward +
@@ -169,6 +170,8 @@ def main() -> None:
         row(f"eagle-check load ({j['readers']} readers)", "warm", j["seconds"], cuda_init_s=j["cuda_init_seconds"])
     _, o = timed(ours_load, {"EAGLE_CHECK_READERS": "0"})
     row("eagle-check load (one read at a time)", "warm", last_json(o)["seconds"])
+    _, o = timed(ours_load, {"EAGLE_CHECK_PAGEABLE": "1"})
+    row("eagle-check load (pageable copies, no pinned staging)", "warm", last_json(o)["seconds"])
     for _ in range(2):
         _, o = timed(hf_load_cmd)
         j = last_json(o)
