@@ -485,7 +485,7 @@ impl OnlineSample {
                     (Staged::Values { f32s, .. }, _, _) => {
                         Tensor::from_slice(&f32s[..n], shape, &device)
                     }
-                    (Staged::Stored, DType::BF16, Some(t)) => Tensor::from_raw_buffer(
+                    (Staged::Stored, DType::BF16, Some(t)) => crate::kernels::bytes_to_device(
                         &t.bytes()[..2 * n],
                         DType::BF16,
                         &[shape.0, shape.1],

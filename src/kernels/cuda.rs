@@ -440,6 +440,24 @@ pub fn upload(t: &candle_core::Tensor, dev: &CudaDevice) -> Result<Option<candle
     let Some(src) = all.get(start..start + n * size) else {
         candle_core::bail!("a host tensor's layout past its storage");
     };
+    upload_bytes(src, dtype, layout.shape().clone(), dev)
+}
+
+/// [`upload`] of `src`, the little-endian bytes of a tensor of `shape` and `dtype` (one of
+/// f32, f16, bf16, f64, u32, i32) held anywhere on the host: a capture's slots as read, say.
+pub fn upload_bytes(
+    src: &[u8],
+    dtype: DType,
+    shape: candle_core::Shape,
+    dev: &CudaDevice,
+) -> Result<Option<candle_core::Tensor>> {
+    let n = shape.elem_count();
+    if src.len() != n * dtype.size_in_bytes() {
+        candle_core::bail!(
+            "{} bytes for {n} {dtype:?} values to copy to the device",
+            src.len()
+        );
+    }
     let stream = dev.cuda_stream();
     STAGING.with(|cell| -> Result<Option<candle_core::Tensor>> {
         let mut cell = cell.borrow_mut();
@@ -491,7 +509,7 @@ pub fn upload(t: &candle_core::Tensor, dev: &CudaDevice) -> Result<Option<candle
             .map_err(|e| candle_core::Error::Msg(format!("staged copy to the device: {e:?}")))?;
             done.record(&stream).map_err(candle_core::Error::wrap)?;
         }
-        Ok(Some(tensor(out, layout.shape().clone())))
+        Ok(Some(tensor(out, shape)))
     })
 }
 

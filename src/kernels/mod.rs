@@ -82,7 +82,25 @@ pub fn to_device(t: &Tensor, device: &Device) -> Result<Tensor> {
     t.to_device(device)
 }
 
-/// Whether one cast of `elements` would overrun candle's 32-bit element count: on a GPU, past
+/// The tensor of `shape` and `dtype` whose little-endian bytes are `bytes`, on `device`: on a
+/// GPU copied through the pinned staging as [`to_device`] copies, else as candle reads a raw
+/// buffer. The same bits either way.
+pub fn bytes_to_device(
+    bytes: &[u8],
+    dtype: DType,
+    shape: &[usize],
+    device: &Device,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device
+        && std::env::var("EAGLE_CHECK_PAGEABLE").map_or(true, |v| v.trim() != "1")
+        && let Some(on_device) = cuda::upload_bytes(bytes, dtype, shape.into(), dev)?
+    {
+        return Ok(on_device);
+    }
+    Tensor::from_raw_buffer(bytes, dtype, shape, device)
+}
+
 /// `u32::MAX` elements.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn cast_needs_chunks(on_gpu: bool, elements: usize) -> bool {
@@ -298,8 +316,8 @@ mod tests {
     /// A host tensor copied to the GPU through the pinned staging buffers holds the bits
     /// candle's own copy gives: every dtype the staging takes, sizes below one buffer, across
     /// several with a ragged last piece, and past all of them (each buffer reused once its
-    /// copy is over), a view that starts inside its storage; the dtypes it does not take
-    /// fall back to candle's copy.
+    /// copy is over), a view that starts inside its storage, the same values given as bytes
+    /// ([`bytes_to_device`]); the dtypes it does not take fall back to candle's copy.
     #[cfg(feature = "cuda")]
     #[test]
     fn device_staged_copies_are_candles_copies() {
@@ -354,6 +372,31 @@ mod tests {
                     assert!(
                         bits(&staged) == bits(&want),
                         "{n} {dtype:?}: upload differs"
+                    );
+                }
+                // The same values given as their bytes (a capture's slots as read).
+                let bytes: Option<Vec<u8>> = match dtype {
+                    DType::F32 => Some(
+                        t.to_vec1::<f32>()
+                            .unwrap()
+                            .iter()
+                            .flat_map(|v| v.to_le_bytes())
+                            .collect(),
+                    ),
+                    DType::BF16 => Some(
+                        t.to_vec1::<bf16>()
+                            .unwrap()
+                            .iter()
+                            .flat_map(|v| v.to_le_bytes())
+                            .collect(),
+                    ),
+                    _ => None,
+                };
+                if let Some(bytes) = bytes {
+                    let from_bytes = bytes_to_device(&bytes, dtype, t.dims(), &gpu).unwrap();
+                    assert!(
+                        bits(&from_bytes) == bits(&want),
+                        "{n} {dtype:?}: bytes differ"
                     );
                 }
             }
