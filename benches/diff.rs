@@ -423,7 +423,8 @@ fn stream_bench(model: &Path) {
 /// before (every value widened to f32, then narrowed back to bf16 for the upload:
 /// `OnlineSample::group` of the widened values), in the same run, alternating, each sample's
 /// buffers freed inside its timing. Run on the CPU through the tensor path, which prepares as
-/// a GPU does; nothing is uploaded.
+/// a GPU does; nothing is uploaded. `free_capture_ms`: dropping a sample's captured tensors as
+/// read (what a pass leaves to free once its samples are judged).
 fn prepare_bench(n: usize) {
     use eagle_check::diff::online::OnlineSample;
     use eagle_check::readers::{DType as Stored, HostTensor};
@@ -439,9 +440,14 @@ fn prepare_bench(n: usize) {
     };
     let tol = CaptureTolerance::for_dtype(Stored::BF16);
     let fresh = || OnlineSample::new(32, h, t, tol, &Device::Cpu).scored_through_tensors();
-    let (mut stored_s, mut widened_s) = (0.0, 0.0);
+    let (mut stored_s, mut widened_s, mut free_s) = (0.0, 0.0, 0.0);
     for i in 0..n {
         let (aux, target) = (tensor(k * h, &mut rng), tensor(h, &mut rng));
+        let freed = |(aux, target): (HostTensor, HostTensor), free_s: &mut f64| {
+            let start = Instant::now();
+            drop((aux, target));
+            *free_s += start.elapsed().as_secs_f64();
+        };
         for stored in [i % 2 == 0, i % 2 != 0] {
             let start = Instant::now();
             let mut online = fresh();
@@ -464,13 +470,15 @@ fn prepare_bench(n: usize) {
                 widened_s += s;
             }
         }
+        freed((aux, target), &mut free_s);
     }
     let ms = |s: f64| 1000.0 * s / n as f64;
     println!(
-        "{{\"bench\": \"prepare\", \"samples\": {n}, \"T\": {t}, \"H\": {h}, \"slots\": {}, \"stored_ms\": {:.2}, \"widened_ms\": {:.2}, \"widened_over_stored\": {:.1}}}",
+        "{{\"bench\": \"prepare\", \"samples\": {n}, \"T\": {t}, \"H\": {h}, \"slots\": {}, \"stored_ms\": {:.2}, \"widened_ms\": {:.2}, \"widened_over_stored\": {:.1}, \"free_capture_ms\": {:.2}}}",
         k + 1,
         ms(stored_s),
         ms(widened_s),
-        widened_s / stored_s
+        widened_s / stored_s,
+        ms(free_s)
     );
 }
