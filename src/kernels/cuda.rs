@@ -513,6 +513,15 @@ pub fn upload_bytes(
     })
 }
 
+impl Drop for Staging {
+    /// A buffer is freed only once the device's last copy out of it is over.
+    fn drop(&mut self) {
+        for (_, done) in &self.bufs {
+            let _ = done.synchronize();
+        }
+    }
+}
+
 impl Staging {
     fn new(ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<Staging> {
         let blocking = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
