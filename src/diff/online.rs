@@ -194,9 +194,10 @@ impl Staged {
 /// A group's captured rows on the host: f32 values, or a bf16 capture as it was read, widened
 /// to f32 only if the host reads them (on a GPU the stored bytes go to the device as they are,
 /// and the scoring reads them there). Widening a T = 2,048 sample's four 8B-shape slots is
-/// 134 MB of fresh memory and its narrowing back for the upload 67 MB more: about 110 ms of
-/// host work a sample on the development machine, against 7 ms to check the stored values
-/// are finite (BENCHMARKS.md, "The captured slots as stored").
+/// 134 MB of fresh memory and its narrowing back for the upload 67 MB more: about 120 ms of
+/// host work a sample on the development machine, against 8 ms to check the stored values
+/// are finite (`EAGLE_CHECK_BENCH_PREPARE=16 cargo bench --bench diff`; BENCHMARKS.md, runs
+/// 41-45).
 struct HostRows {
     stored: Option<crate::readers::HostTensor>,
     f32s: OnceLock<Values>,
