@@ -939,9 +939,9 @@ impl Judge<'_> {
 /// so that the thread running the passes goes on to the next: freeing a T = 2,048 8B-shape
 /// sample's 67 MB took 6.3 ms on the development machine (`EAGLE_CHECK_BENCH_PREPARE=16 cargo
 /// bench --bench diff`), about 1.6 s of a 256-sample diff (run 38 counted 2.0 s of deciding
-/// and judging on the main thread). Only where the budget is
-/// a device's: on the CPU the samples count against the host memory the next pass reads into.
-/// Dropped here when no thread can be started.
+/// and judging on the main thread). Only where the budget is a device's: on the CPU the
+/// samples count against the host memory the next pass reads into. Dropped here when no
+/// thread can be started.
 fn free_elsewhere(spent: Vec<Unit>) {
     let _ = std::thread::Builder::new()
         .name("ec-free".into())

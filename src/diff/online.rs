@@ -211,7 +211,7 @@ impl HostRows {
         }
     }
 
-    /// `t`'s values as f32 (widened once, when first asked for).
+    /// The rows as f32 (a stored capture widened once, when first asked for).
     fn f32s(&self) -> &Values {
         self.f32s.get_or_init(|| {
             Arc::new(

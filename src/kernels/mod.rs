@@ -74,7 +74,7 @@ pub fn to_device(t: &Tensor, device: &Device) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device
         && t.device().is_cpu()
-        && std::env::var("EAGLE_CHECK_PAGEABLE").map_or(true, |v| v.trim() != "1")
+        && staged_copies()
         && let Some(on_device) = cuda::upload(t, dev)?
     {
         return Ok(on_device);
@@ -93,7 +93,7 @@ pub fn bytes_to_device(
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device
-        && std::env::var("EAGLE_CHECK_PAGEABLE").map_or(true, |v| v.trim() != "1")
+        && staged_copies()
         && let Some(on_device) = cuda::upload_bytes(bytes, dtype, shape.into(), dev)?
     {
         return Ok(on_device);
@@ -101,6 +101,13 @@ pub fn bytes_to_device(
     Tensor::from_raw_buffer(bytes, dtype, shape, device)
 }
 
+/// Whether host-to-GPU copies go through the pinned staging: unless `EAGLE_CHECK_PAGEABLE=1`.
+#[cfg(feature = "cuda")]
+fn staged_copies() -> bool {
+    std::env::var("EAGLE_CHECK_PAGEABLE").map_or(true, |v| v.trim() != "1")
+}
+
+/// Whether one cast of `elements` would overrun candle's 32-bit element count: on a GPU, past
 /// `u32::MAX` elements.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn cast_needs_chunks(on_gpu: bool, elements: usize) -> bool {
@@ -314,10 +321,10 @@ mod tests {
     }
 
     /// A host tensor copied to the GPU through the pinned staging buffers holds the bits
-    /// candle's own copy gives: every dtype the staging takes, sizes below one buffer, across
-    /// several with a ragged last piece, and past all of them (each buffer reused once its
-    /// copy is over), a view that starts inside its storage, the same values given as bytes
-    /// ([`bytes_to_device`]); the dtypes it does not take fall back to candle's copy.
+    /// candle's own copy gives: f32, bf16, f16 and u32, sizes below one buffer, across several
+    /// with a ragged last piece, and past all of them (each buffer reused once its copy is
+    /// over), a view that starts inside its storage, the same values given as bytes
+    /// ([`bytes_to_device`]); a dtype it does not take (u8) falls back to candle's copy.
     #[cfg(feature = "cuda")]
     #[test]
     fn device_staged_copies_are_candles_copies() {
@@ -375,21 +382,17 @@ mod tests {
                     );
                 }
                 // The same values given as their bytes (a capture's slots as read).
-                let bytes: Option<Vec<u8>> = match dtype {
-                    DType::F32 => Some(
-                        t.to_vec1::<f32>()
-                            .unwrap()
-                            .iter()
-                            .flat_map(|v| v.to_le_bytes())
-                            .collect(),
-                    ),
-                    DType::BF16 => Some(
-                        t.to_vec1::<bf16>()
-                            .unwrap()
-                            .iter()
-                            .flat_map(|v| v.to_le_bytes())
-                            .collect(),
-                    ),
+                fn le<T: candle_core::WithDType, const N: usize>(
+                    t: &Tensor,
+                    f: fn(T) -> [u8; N],
+                ) -> Vec<u8> {
+                    t.to_vec1::<T>().unwrap().into_iter().flat_map(f).collect()
+                }
+                let bytes = match dtype {
+                    DType::F32 => Some(le(&t, f32::to_le_bytes)),
+                    DType::BF16 => Some(le(&t, bf16::to_le_bytes)),
+                    DType::F16 => Some(le(&t, f16::to_le_bytes)),
+                    DType::U32 => Some(le(&t, u32::to_le_bytes)),
                     _ => None,
                 };
                 if let Some(bytes) = bytes {

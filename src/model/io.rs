@@ -17,7 +17,8 @@
 //!   spinning in the driver: BENCHMARKS.md, runs 28-30.) A streamed GPU layer goes further
 //!   ([`read_to_host`]): the loader thread only has it read into host memory, in full, and the
 //!   thread that runs the forward takes its tensors from that [`ReadAhead`], copying each to
-//!   the device, so that no two threads make device calls at once (run 40: a loader thread copying while the forward ran stalled).
+//!   the device, so that no two threads make device calls at once (run 40: a loader thread
+//!   copying while the forward ran stalled).
 //! - a tensor that has no plain extent (a GGUF tensor is decoded) is read and decoded whole by
 //!   one reader, several tensors at once.
 //!
