@@ -306,12 +306,13 @@ mod gpu {
             let table = Table::of(std::slice::from_ref(&job), k, h).unwrap();
             let n = table.n_cand;
             let uploaded = Tensor::new(table.values.as_slice(), &device).unwrap();
-            let ws = Tensor::zeros(score_workspace_len(t, k, n), DType::F64, &device).unwrap();
+            let ws = Tensor::zeros(score_workspace_len(t, k, n, 0), DType::F64, &device).unwrap();
             let out = Tensor::zeros(k * n * 4, DType::F64, &device).unwrap();
             let args = table.args(
                 tensor_ptr(&uploaded).unwrap(),
                 k,
                 h,
+                0,
                 tensor_ptr(&ws).unwrap(),
                 tensor_ptr(&out).unwrap(),
             );
@@ -345,6 +346,97 @@ mod gpu {
                 line[format!("{name}_hbm_fraction")] = serde_json::json!(floor_ms / m);
                 line[format!("{name}_tb_s")] = serde_json::json!(bytes / m / 1e9);
             }
+            println!("{line}");
+        }
+        flush_shape(&device, reps);
+    }
+
+    /// The scoring as a batched diff's flush asks for it on the 8B shape (H = 4096): 64 samples,
+    /// each its four bf16 slots (`[T, 4 * H]`, as a stored capture uploads) against one boundary
+    /// (shifts 0, +1, -1) and one no-residual state (shift 0), bf16 as the forward makes them,
+    /// every row's sums and the interior's (rows 3..T - 3, the bound's). `two_jobs`: the
+    /// interior a second job per sample (its rows narrowed, its shifts moved), as the diff asked
+    /// before `score_jobs_split`; `split`: one job per sample, both sums in one pass. Each call
+    /// is timed whole (the tables' upload, the launch, the read-back), median of `reps` timings
+    /// of 10 calls; the floor is the slots and the states read once.
+    fn flush_shape(device: &Device, reps: usize) {
+        use eagle_check::kernels::score::{Job, Precision, score_jobs, score_jobs_split};
+        let (h, k, samples, edge) = (4096usize, 4usize, 64usize, 3usize);
+        for t in [512usize, 2048] {
+            let xs: Vec<Tensor> = (0..samples)
+                .map(|_| {
+                    Tensor::randn(0f32, 1.0, (t, k * h), device)
+                        .and_then(|x| x.to_dtype(DType::BF16))
+                        .unwrap()
+                })
+                .collect();
+            let states: Vec<Vec<Tensor>> = (0..samples)
+                .map(|_| {
+                    (0..2)
+                        .map(|_| {
+                            Tensor::randn(0f32, 1.0, (t, h), device)
+                                .and_then(|x| x.to_dtype(DType::BF16))
+                                .unwrap()
+                        })
+                        .collect()
+                })
+                .collect();
+            let cands = vec![(0, 0), (0, 1), (0, -1), (1, 0)];
+            let inner: Vec<Tensor> = xs
+                .iter()
+                .map(|x| x.narrow(0, edge, t - 2 * edge).unwrap())
+                .collect();
+            let mut jobs = Vec::new();
+            let mut two = Vec::new();
+            for ((x, xi), st) in xs.iter().zip(&inner).zip(&states) {
+                jobs.push(Job {
+                    x,
+                    states: st.iter().collect(),
+                    candidates: cands.clone(),
+                });
+                two.push(Job {
+                    x,
+                    states: st.iter().collect(),
+                    candidates: cands.clone(),
+                });
+                two.push(Job {
+                    x: xi,
+                    states: st.iter().collect(),
+                    candidates: cands.iter().map(|&(q, d)| (q, d + edge as isize)).collect(),
+                });
+            }
+            let bytes = (samples * (t * k * h + 2 * t * h)) as f64 * 2.0;
+            let floor_ms = bytes / COPY_BYTES_PER_S * 1e3;
+            let mut line = serde_json::json!({
+                "score": "flush", "T": t, "H": h, "slots": k, "samples": samples,
+                "candidates": cands.len(), "input_gb": bytes / 1e9, "floor_ms": floor_ms,
+            });
+            let timed = |f: &dyn Fn()| {
+                f();
+                let mut ms: Vec<f64> = (0..reps)
+                    .map(|_| {
+                        device.synchronize().unwrap();
+                        let s = Instant::now();
+                        for _ in 0..10 {
+                            f();
+                        }
+                        s.elapsed().as_secs_f64() * 1e3 / 10.0
+                    })
+                    .collect();
+                ms.sort_by(f64::total_cmp);
+                ms[ms.len() / 2]
+            };
+            let two_ms = timed(&|| {
+                score_jobs(&two, k, h, Precision::F32).unwrap();
+            });
+            let split_ms = timed(&|| {
+                score_jobs_split(&jobs, k, h, Precision::F32, edge).unwrap();
+            });
+            for (name, ms) in [("two_jobs", two_ms), ("split", split_ms)] {
+                line[format!("{name}_ms")] = serde_json::json!(ms);
+                line[format!("{name}_hbm_fraction")] = serde_json::json!(floor_ms / ms);
+            }
+            line["split_speedup"] = serde_json::json!(two_ms / split_ms);
             println!("{line}");
         }
     }

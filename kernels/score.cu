@@ -12,6 +12,9 @@
 //              s*cols .. (s+1)*cols of its x rows.
 //   state_ptr  [n_states] int64: the device address of each state's row 0 (rows ref_stride
 //              apart).
+//   edge       0, or e > 0: the sums are taken twice in the same pass, over every row and over
+//              the interior rows e .. rows - e alone (the diff's bound pairs those), each with
+//              its own row count; see `chunk_span`.
 // The values are f32 or bf16, one pair of types a launch (the entry points' suffix, below):
 // a bf16 value is widened to f32 as it is read, exactly, so the sums are those of the widened
 // tensors; a forward's bf16 states are scored as it made them, without a widened copy.
@@ -22,25 +25,28 @@
 //
 // score_partials (Acc = float), score_partials_f64 (Acc = double: products and sums in f64, the
 //   exact rescoring of a best candidate): grid (chunks, k, ceil(n_cand / 4)), 256 threads. Block
-//   (chunk, s, group) accumulates rows chunk*rows_per_chunk .. for slot s and four candidates in
-//   Acc per thread, then reduces the block in double in a fixed order into
+//   (chunk, s, group) accumulates the chunk's rows for slot s and four candidates in Acc per
+//   thread, then reduces the block in double in a fixed order into
 //   partials [k, n_cand, chunks, 3] (double).
-// score_partials_vec: the f32 sums and partials with fewer, wider reads, four values at once
+// score_partials_vec: the f32 sums and partials with fewer, wider reads and fewer operations
 //   (cols, every stride a multiple of 4, every address a multiple of four values; the launcher
-//   checks).
-//   Grid (ceil(n_cand / 4), chunks, ceil(k / 4)), 128 threads: block (group, chunk, slot batch)
-//   reads four values at a time, each reference value once for up to four slots, and the chunk
-//   is the slowest grid index, so the blocks in flight share their chunk's captured rows in L2
-//   (and a state's shifted candidates share rows in L1). A non-finite captured value contributes nothing, as
-//   above, by selecting zeros for it.
+//   checks). Grid (ceil(n_cand / 4), chunks, ceil(k / 4)), 128 threads: block (group, chunk,
+//   slot batch) reads four values at a time, each reference value once for up to four slots,
+//   and the chunk is the slowest grid index, so the blocks in flight share their chunk's
+//   captured rows in L2 (and a state's shifted candidates share rows in L1). What does not
+//   depend on the candidate is summed once: a row's x*x once per slot (added to each candidate
+//   that pairs the row), c*c once per candidate for the slots together where the values read
+//   are all finite (a thread's four columns of every slot: the sum of their squares is
+//   finite); elsewhere every value on its own, a non-finite one selecting zeros as above.
 // score_finish: one thread per (slot, candidate) sums its chunks in order into
 //   out [k, n_cand, 4] (double: xx, xc, cc and the pair's row count), so that one read-back
-//   brings every sum of a launch.
+//   brings every sum of a launch; with an edge, out [k, n_cand, 8]: those, then the same four
+//   over the interior rows.
 // A chunk past a job's rows adds nothing.
 //
 // Checked by: src/kernels/score.rs, `tests::reference_matches_score_all` (the reference vs
 // diff::score::score_all), `tests::jobs_match_each_job_alone`, `tests::device_matches_reference`
-// and `tests::device_bf16_values_score_as_their_widening`.
+// (with and without an edge) and `tests::device_bf16_values_score_as_their_widening`.
 #include "common.cuh"
 
 #define SCORE_THREADS 256
@@ -66,6 +72,27 @@ __device__ __forceinline__ Job<X> job_at(const long long *jobs, int n_jobs, long
     r.ref_rows = jobs[JOB_REF_ROWS * n_jobs + j];
     r.ref_stride = jobs[JOB_REF_STRIDE * n_jobs + j];
     return r;
+}
+
+// Rows lo .. hi of a job of `rows` captured rows that chunk `chunk` sums. Without an edge, chunk
+// c is rows c * rows_per_chunk ..; with edge e, chunk 0 is the head rows 0 .. e, chunk 1 the
+// tail rows - e .. rows, and chunk 2 + c the interior's rows e + c * rows_per_chunk .., so that
+// the interior's sums are those of chunks 2.. and every row's those of all.
+__device__ __forceinline__ void chunk_span(int chunk, long rows, int edge, int rows_per_chunk,
+                                           long &lo, long &hi) {
+    if (edge == 0) {
+        lo = (long)chunk * rows_per_chunk;
+        hi = min(rows, lo + rows_per_chunk);
+        return;
+    }
+    const long head = min((long)edge, rows), tail = max(head, rows - edge);
+    if (chunk < 2) {
+        lo = chunk == 0 ? 0 : tail;
+        hi = chunk == 0 ? head : rows;
+        return;
+    }
+    lo = head + (long)(chunk - 2) * rows_per_chunk;
+    hi = min(tail, lo + rows_per_chunk);
 }
 
 // The job of candidate group starting at j0 (its first candidate's), and per candidate of the
@@ -101,7 +128,7 @@ template <typename X, typename C, typename Acc>
 __device__ __forceinline__ void score_partials_impl(const long long *cand, int n_cand,
                                                     const long long *jobs, int n_jobs,
                                                     const long long *state_ptr, int n_states,
-                                                    int cols, int k, int rows_per_chunk,
+                                                    int cols, int k, int rows_per_chunk, int edge,
                                                     double *partials) {
     __shared__ double scratch[SCORE_THREADS / 32][3 * SCORE_GROUP];
     const int chunk = blockIdx.x, slot = blockIdx.y, j0 = blockIdx.z * SCORE_GROUP;
@@ -110,8 +137,9 @@ __device__ __forceinline__ void score_partials_impl(const long long *cand, int n
     const Group4<C> g = group_at<C>(cand, n_cand, state_ptr, n_states, n_jobs, j0);
     const Job<X> job = job_at<X>(jobs, n_jobs, g.job);
     Acc acc[SCORE_GROUP][3] = {};
-    const long t_end = min(job.rows, (long)(chunk + 1) * rows_per_chunk);
-    for (long t = (long)chunk * rows_per_chunk; t < t_end; ++t) {
+    long lo, hi;
+    chunk_span(chunk, job.rows, edge, rows_per_chunk, lo, hi);
+    for (long t = lo; t < hi; ++t) {
         const X *xr = job.x + t * job.x_stride + (long)slot * cols;
         for (int c = threadIdx.x; c < cols; c += SCORE_THREADS) {
             const float xv = to_f32(xr[c]);
@@ -177,15 +205,19 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
                                                         const long long *jobs, int n_jobs,
                                                         const long long *state_ptr, int n_states,
                                                         int cols, int k, int rows_per_chunk,
-                                                        double *partials) {
+                                                        int edge, double *partials) {
     __shared__ double scratch[SCORE_VEC_THREADS / 32][3 * SCORE_GROUP * SCORE_SLOTS];
     const int j0 = blockIdx.x * SCORE_GROUP, chunk = blockIdx.y, s0 = blockIdx.z * SCORE_SLOTS;
     const int chunks = gridDim.y, ns = min(SCORE_SLOTS, k - s0), cols4 = cols / 4;
     const Group4<C> g = group_at<C>(cand, n_cand, state_ptr, n_states, n_jobs, j0);
     const Job<X> job = job_at<X>(jobs, n_jobs, g.job);
-    float acc[SCORE_SLOTS][SCORE_GROUP][3] = {};
-    const long t_end = min(job.rows, (long)(chunk + 1) * rows_per_chunk);
-    for (long t = (long)chunk * rows_per_chunk; t < t_end; ++t) {
+    // xx per (slot, candidate) over the rows the candidate pairs; c*c per candidate where every
+    // slot's values are finite (cc) and per (slot, candidate) where some are not (cc_own).
+    float xc[SCORE_SLOTS][SCORE_GROUP] = {}, xx[SCORE_SLOTS][SCORE_GROUP] = {};
+    float cc[SCORE_GROUP] = {}, cc_own[SCORE_SLOTS][SCORE_GROUP] = {};
+    long lo, hi;
+    chunk_span(chunk, job.rows, edge, rows_per_chunk, lo, hi);
+    for (long t = lo; t < hi; ++t) {
         const X *xr = job.x + t * job.x_stride + (long)s0 * cols;
         const C *cr[SCORE_GROUP];
         bool in[SCORE_GROUP];
@@ -195,19 +227,48 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
             in[i] = g.use[i] && rt >= 0 && rt < job.ref_rows;
             cr[i] = g.row0[i] + (in[i] ? rt : 0) * job.ref_stride;
         }
+        float row_xx[SCORE_SLOTS] = {};
         for (int c = threadIdx.x; c < cols4; c += SCORE_VEC_THREADS) {
-            float xv[SCORE_SLOTS][4];
-            bool ok[SCORE_SLOTS][4];
+            float xv[SCORE_SLOTS][4], sq[SCORE_SLOTS];
 #pragma unroll
             for (int s = 0; s < SCORE_SLOTS; ++s) {
-                float e[4] = {0.f, 0.f, 0.f, 0.f};
-                if (s < ns) load4(xr + (long)s * cols + 4 * c, e);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    ok[s][i] = isfinite(e[i]);
-                    xv[s][i] = ok[s][i] ? e[i] : 0.f;
-                }
+                for (int e = 0; e < 4; ++e) xv[s][e] = 0.f;
+                if (s < ns) load4(xr + (long)s * cols + 4 * c, xv[s]);
+                sq[s] = xv[s][0] * xv[s][0];
+#pragma unroll
+                for (int e = 1; e < 4; ++e) sq[s] = fmaf(xv[s][e], xv[s][e], sq[s]);
             }
+            if (isfinite((sq[0] + sq[1]) + (sq[2] + sq[3]))) {
+                // Every value finite (squares of non-negative terms: a non-finite value, or
+                // one whose square overflows, makes the sum infinite or NaN).
+#pragma unroll
+                for (int s = 0; s < SCORE_SLOTS; ++s) row_xx[s] += sq[s];
+#pragma unroll
+                for (int i = 0; i < SCORE_GROUP; ++i) {
+                    if (!in[i]) continue;
+                    float cv[4];
+                    load4(cr[i] + 4 * c, cv);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) cc[i] = fmaf(cv[e], cv[e], cc[i]);
+#pragma unroll
+                    for (int s = 0; s < SCORE_SLOTS; ++s) {
+                        if (s >= ns) continue;
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) xc[s][i] = fmaf(xv[s][e], cv[e], xc[s][i]);
+                    }
+                }
+                continue;
+            }
+            bool ok[SCORE_SLOTS][4];
+#pragma unroll
+            for (int s = 0; s < SCORE_SLOTS; ++s)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    ok[s][e] = isfinite(xv[s][e]);
+                    xv[s][e] = ok[s][e] ? xv[s][e] : 0.f;
+                    row_xx[s] += xv[s][e] * xv[s][e];
+                }
 #pragma unroll
             for (int i = 0; i < SCORE_GROUP; ++i) {
                 if (!in[i]) continue;
@@ -219,25 +280,31 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const float cs = ok[s][e] ? cv[e] : 0.f;
-                        acc[s][i][0] += xv[s][e] * xv[s][e];
-                        acc[s][i][1] += xv[s][e] * cs;
-                        acc[s][i][2] += cs * cs;
+                        xc[s][i] += xv[s][e] * cs;
+                        cc_own[s][i] += cs * cs;
                     }
                 }
             }
         }
+#pragma unroll
+        for (int i = 0; i < SCORE_GROUP; ++i)
+#pragma unroll
+            for (int s = 0; s < SCORE_SLOTS; ++s)
+                if (in[i]) xx[s][i] += row_xx[s];
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int s = 0; s < SCORE_SLOTS; ++s)
 #pragma unroll
-        for (int i = 0; i < SCORE_GROUP; ++i)
+        for (int i = 0; i < SCORE_GROUP; ++i) {
+            if (s >= ns) continue;
+            const float sums[3] = {xx[s][i], xc[s][i], cc[i] + cc_own[s][i]};
 #pragma unroll
             for (int m = 0; m < 3; ++m) {
-                if (s >= ns) continue;
-                const double v = warp_sum((double)acc[s][i][m]);
+                const double v = warp_sum((double)sums[m]);
                 if (lane == 0) scratch[warp][(s * SCORE_GROUP + i) * 3 + m] = v;
             }
+        }
     __syncthreads();
     const int n_out = ns * SCORE_GROUP * 3;
     for (int o = threadIdx.x; o < n_out; o += SCORE_VEC_THREADS) {
@@ -255,9 +322,10 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
 // against bf16 (_bb: a state read as a slot).
 #define SCORE_ARGS                                                                                 \
     const long long *cand, int n_cand, const long long *jobs, int n_jobs,                         \
-        const long long *state_ptr, int n_states, int cols, int k, int rows_per_chunk,             \
+        const long long *state_ptr, int n_states, int cols, int k, int rows_per_chunk, int edge,   \
         double *partials
-#define SCORE_PASS cand, n_cand, jobs, n_jobs, state_ptr, n_states, cols, k, rows_per_chunk, partials
+#define SCORE_PASS                                                                                 \
+    cand, n_cand, jobs, n_jobs, state_ptr, n_states, cols, k, rows_per_chunk, edge, partials
 #define SCORE_ENTRIES(suffix, X, C)                                                                \
     extern "C" __global__ void score_partials##suffix(SCORE_ARGS) {                               \
         score_partials_impl<X, C, float>(SCORE_PASS);                                              \
@@ -275,23 +343,37 @@ SCORE_ENTRIES(_bb, __nv_bfloat16, __nv_bfloat16)
 
 extern "C" __global__ void score_finish(const double *partials, int chunks, int k, int n_cand,
                                         const long long *cand, const long long *jobs, int n_jobs,
-                                        double *out) {
+                                        int edge, double *out) {
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x; // (slot, candidate)
     if (i >= (long)k * n_cand) return;
+    const int width = edge > 0 ? 8 : 4;
     const double *p = partials + i * chunks * 3;
-    double s[3] = {0.0, 0.0, 0.0};
+    double s[3] = {0.0, 0.0, 0.0}, inner[3] = {0.0, 0.0, 0.0};
     for (int c = 0; c < chunks; ++c)
-        for (int m = 0; m < 3; ++m) s[m] += p[c * 3 + m];
-    for (int m = 0; m < 3; ++m) out[i * 4 + m] = s[m];
+        for (int m = 0; m < 3; ++m) {
+            s[m] += p[c * 3 + m];
+            if (edge > 0 && c >= 2) inner[m] += p[c * 3 + m];
+        }
+    double *o = out + i * width;
+    for (int m = 0; m < 3; ++m) {
+        o[m] = s[m];
+        if (edge > 0) o[4 + m] = inner[m];
+    }
     const int j = (int)(i % n_cand);
     const long long job = cand[2 * n_cand + j];
-    if (job < 0 || job >= n_jobs) {
-        out[i * 4 + 3] = 0.0;
-        return;
-    }
+    o[3] = 0.0;
+    if (edge > 0) o[7] = 0.0;
+    if (job < 0 || job >= n_jobs) return;
     const long shift = (long)cand[n_cand + j];
     const long rows = (long)jobs[JOB_ROWS * n_jobs + job];
     const long ref_rows = (long)jobs[JOB_REF_ROWS * n_jobs + job];
-    const long lo = max(0l, -shift), hi = min(rows, ref_rows - shift);
-    out[i * 4 + 3] = (double)max(0l, hi - lo);
+    // The rows t in lo .. hi with 0 <= t + shift < ref_rows.
+    const auto paired = [&](long lo, long hi) {
+        return (double)max(0l, min(hi, ref_rows - shift) - max(lo, -shift));
+    };
+    o[3] = paired(0, rows);
+    if (edge > 0) {
+        const long head = min((long)edge, rows), tail = max(head, rows - edge);
+        o[7] = paired(head, tail);
+    }
 }

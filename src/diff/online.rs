@@ -26,7 +26,7 @@
 
 use super::identify::{Candidate, SlotId, State};
 use crate::error::{CandleContext, Result};
-use crate::kernels::score::{Elems, Job, Precision, score_jobs};
+use crate::kernels::score::{Elems, Job, Precision, score_jobs, score_jobs_split};
 use crate::model::{Produced, phases};
 use crate::score::{PairSums, Pairing, Score, View, non_finite, pair_sums, score_all};
 use crate::tolerance::{CaptureTolerance, identification_angle};
@@ -566,6 +566,14 @@ impl OnlineSample {
             .collect()
     }
 
+    /// Whether group `g`'s sums over every row and over the interior rows are one ask (on the
+    /// device, where both read the same slots): an ask over every row with an edge of
+    /// [`INNER`] rows, which leaves each interior row paired with the state row it is in
+    /// [`Self::slots_ask`]'s interior ask (every shift is within one row).
+    fn split(&self, g: &Group) -> bool {
+        !self.keep_all && g.clean.is_none() && g.device.is_some()
+    }
+
     /// Group `g`'s slots against `pairs` (`(state, shift)`, the state indexing `datas`): over
     /// every row (`interior` false, the diff's sums) or over the interior rows only.
     fn slots_ask(
@@ -608,6 +616,7 @@ impl OnlineSample {
             ref_rows: if interior { len + 2 } else { self.rows },
             hidden: self.hidden,
             pairs: pairs.iter().map(|&(p, s)| (p, s + extra)).collect(),
+            edge: 0,
         }
     }
 
@@ -1106,18 +1115,26 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
             .collect();
         let datas: Vec<Data> = p.iter().map(|(_, d)| d.clone()).collect();
         for (g, group) in s.groups.iter().enumerate() {
-            asks.push(s.slots_ask(group, &datas, &pairs, false));
-            if !s.keep_all {
+            let split = s.split(group);
+            asks.push(Ask {
+                edge: if split { INNER } else { 0 },
+                ..s.slots_ask(group, &datas, &pairs, false)
+            });
+            if !s.keep_all && !split {
                 asks.push(s.slots_ask(group, &datas, &pairs, true));
             }
-            whose.push((i, g));
+            whose.push((i, g, split));
         }
     }
     let mut sums = run_asks(&asks, Precision::F32, "scoring reference states")?.into_iter();
-    for (i, g) in whose {
+    for (i, g, split) in whose {
         let s = &mut *samples[i];
-        let full = sums.next().unwrap_or_default();
-        let inner = if s.keep_all { None } else { sums.next() };
+        let mut full = sums.next().unwrap_or_default();
+        let inner = match (s.keep_all, split) {
+            (true, _) => None,
+            (false, true) => Some(full.split_off(full.len() / 2)),
+            (false, false) => sums.next(),
+        };
         s.take_sums(&pending[i], g, &full, inner.as_deref());
     }
     phases::mark("diff: flush, sums", &device);
@@ -1290,7 +1307,8 @@ fn rescore_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
 
 /// One scoring a flush asks for: `k` slots of `cols` columns, `spacing` apart from column
 /// `col0` in rows of `stride`, rows `x0..x0 + rows` of `x`, against rows `r0..r0 + ref_rows` of `states` (rows
-/// of `hidden`) for each `(state, shift)` of `pairs`.
+/// of `hidden`) for each `(state, shift)` of `pairs`; with an `edge`, also over the rows
+/// `edge..rows - edge` alone, in the same pass ([`score_jobs_split`]).
 struct Ask {
     x: Data,
     stride: usize,
@@ -1305,6 +1323,7 @@ struct Ask {
     ref_rows: usize,
     hidden: usize,
     pairs: Vec<(usize, isize)>,
+    edge: usize,
 }
 
 impl Ask {
@@ -1333,31 +1352,26 @@ impl Ask {
             ref_rows: rows,
             hidden,
             pairs,
+            edge: 0,
         }
     }
 }
 
-/// Every ask's sums, slot-major (`[k, pairs]`): host asks by [`pair_sums`], device ones by
-/// [`crate::kernels::score::score_jobs`], one launch per slot shape.
+/// Every ask's sums, slot-major (`[k, pairs]`; with an edge, the interior's after them): host
+/// asks by [`pair_sums`], device ones by [`crate::kernels::score::score_jobs`] (or
+/// [`score_jobs_split`]), one launch per slot shape.
 /// In `precision` F64 the device asks' sums are `score_all`'s arithmetic (the rescoring); the
 /// host asks are always [`pair_sums`]'s.
 fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<PairSums>>> {
     let ctx = || what.to_string();
     let mut out: Vec<Vec<PairSums>> = vec![Vec::new(); asks.len()];
-    // Device asks by slot shape and element types: (k, cols, elems) -> the asks' indices.
-    let mut shapes: BTreeMap<(usize, usize, Option<Elems>), Vec<usize>> = BTreeMap::new();
+    // Device asks by slot shape, element types and edge: (k, cols, elems, edge) -> the asks'
+    // indices.
+    type Shape = (usize, usize, Option<Elems>, usize);
+    let mut shapes: BTreeMap<Shape, Vec<usize>> = BTreeMap::new();
     for (i, a) in asks.iter().enumerate() {
         match &a.x {
             Data::Host(x) => {
-                let xs: Vec<View> = (0..a.k)
-                    .map(|s| View {
-                        data: &x[a.x0 * a.stride..],
-                        rows: a.rows,
-                        stride: a.stride,
-                        col: a.col0 + s * a.spacing,
-                        cols: a.cols,
-                    })
-                    .collect();
                 let states = a
                     .states
                     .iter()
@@ -1374,7 +1388,28 @@ fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<Pa
                         )),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                out[i] = pair_sums(&xs, &states, &a.pairs);
+                // Rows x0.. of the ask's rows, each shift moved by as many.
+                let sums = |x0: usize, rows: usize| {
+                    let xs: Vec<View> = (0..a.k)
+                        .map(|s| View {
+                            data: &x[(a.x0 + x0) * a.stride..],
+                            rows,
+                            stride: a.stride,
+                            col: a.col0 + s * a.spacing,
+                            cols: a.cols,
+                        })
+                        .collect();
+                    let pairs: Vec<(usize, isize)> =
+                        a.pairs.iter().map(|&(q, d)| (q, d + x0 as isize)).collect();
+                    pair_sums(&xs, &states, &pairs)
+                };
+                out[i] = sums(0, a.rows);
+                if a.edge > 0 {
+                    out[i].extend(match a.rows.checked_sub(2 * a.edge) {
+                        Some(rows) => sums(a.edge, rows),
+                        None => vec![PairSums::default(); a.k * a.pairs.len()],
+                    });
+                }
             }
             Data::Device(x) => {
                 let states = a.states.iter().find_map(|d| match d {
@@ -1382,11 +1417,14 @@ fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<Pa
                     Data::Host(_) => None,
                 });
                 let elems = Elems::of(x.dtype(), states.unwrap_or(x.dtype()));
-                shapes.entry((a.k, a.cols, elems)).or_default().push(i)
+                shapes
+                    .entry((a.k, a.cols, elems, a.edge))
+                    .or_default()
+                    .push(i)
             }
         }
     }
-    for ((k, cols, _), which) in shapes {
+    for ((k, cols, _, edge), which) in shapes {
         let mut xs = Vec::with_capacity(which.len());
         let mut states = Vec::with_capacity(which.len());
         for &i in &which {
@@ -1421,7 +1459,18 @@ fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<Pa
                 candidates: asks[i].pairs.clone(),
             })
             .collect();
-        let sums = score_jobs(&jobs, k, cols, precision).ctx(ctx)?;
+        let sums = if edge == 0 {
+            score_jobs(&jobs, k, cols, precision).ctx(ctx)?
+        } else {
+            score_jobs_split(&jobs, k, cols, precision, edge)
+                .ctx(ctx)?
+                .into_iter()
+                .map(|(mut full, inner)| {
+                    full.extend(inner);
+                    full
+                })
+                .collect()
+        };
         for (i, s) in which.into_iter().zip(sums) {
             out[i] = s;
         }
@@ -2116,6 +2165,67 @@ mod tests {
                     "shift {shift}: {a} vs {b}"
                 );
             }
+        }
+    }
+
+    /// An ask over every row with an edge of INNER rows gives every row's sums and then the
+    /// interior's, those of the two asks a group without a split makes (the interior's rows and
+    /// its states' window, every shift moved by one), for slots on the host and as tensors.
+    #[test]
+    fn a_split_ask_is_the_full_and_the_interior_asks() {
+        let (t, h, k) = (20, 8, 2);
+        let mut noise = Noise(7);
+        let x = noise.vec(t * k * h, 1.0);
+        let states: Vec<Vec<f32>> = (0..2).map(|_| noise.vec(t * h, 1.0)).collect();
+        let pairs = vec![(0, 0), (0, 1), (0, -1), (1, 0)];
+        let xt = Tensor::from_slice(&x, (t, k * h), &Device::Cpu).unwrap();
+        let as_data = |v: &[f32], rows: usize, cols: usize, tensor: bool| {
+            if tensor {
+                Data::Device(Tensor::from_slice(v, (rows, cols), &Device::Cpu).unwrap())
+            } else {
+                Data::Host(Arc::new(v.to_vec()))
+            }
+        };
+        for tensor in [false, true] {
+            let xd = if tensor {
+                Data::Device(xt.clone())
+            } else {
+                Data::Host(Arc::new(x.clone()))
+            };
+            let datas: Vec<Data> = states.iter().map(|v| as_data(v, t, h, tensor)).collect();
+            let full = Ask {
+                stride: k * h,
+                k,
+                spacing: h,
+                ..Ask::one_slot(xd.clone(), h, t, h, datas.clone(), pairs.clone())
+            };
+            let inner = Ask {
+                x0: INNER,
+                rows: t - 2 * INNER,
+                r0: INNER - 1,
+                ref_rows: t - 2 * INNER + 2,
+                pairs: pairs.iter().map(|&(q, d)| (q, d + 1)).collect(),
+                ..Ask::one_slot(xd.clone(), h, t, h, datas.clone(), pairs.clone())
+            };
+            let inner = Ask {
+                stride: k * h,
+                k,
+                spacing: h,
+                ..inner
+            };
+            let split = Ask {
+                edge: INNER,
+                stride: k * h,
+                k,
+                spacing: h,
+                ..Ask::one_slot(xd, h, t, h, datas, pairs.clone())
+            };
+            let got = run_asks(&[split, full, inner], Precision::F32, "split").unwrap();
+            let m = k * pairs.len();
+            assert_eq!(got[0].len(), 2 * m, "tensor {tensor}");
+            assert_eq!(got[0][..m], got[1][..], "tensor {tensor}: every row's");
+            assert_eq!(got[0][m..], got[2][..], "tensor {tensor}: the interior's");
+            assert!(got[2].iter().all(|p| p.rows == t - 2 * INNER));
         }
     }
 

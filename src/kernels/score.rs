@@ -163,7 +163,31 @@ pub fn score_jobs(
     cols: usize,
     precision: Precision,
 ) -> Result<Vec<Vec<PairSums>>> {
-    score_jobs_with(jobs, slots, cols, precision, SCORE_KERNEL).map(|(sums, _)| sums)
+    score_jobs_with(jobs, slots, cols, precision, SCORE_KERNEL, 0).map(|(sums, _)| sums)
+}
+
+/// [`score_jobs`] over every row and, in the same pass, over the interior rows `edge..rows -
+/// edge` alone (each captured row t still paired with state row t + shift; no interior when
+/// rows < 2 * edge): per job (every row's sums, the interior's), each slot-major. One read of
+/// the slots and states for both, where two jobs would read them twice.
+pub fn score_jobs_split(
+    jobs: &[Job],
+    slots: usize,
+    cols: usize,
+    precision: Precision,
+    edge: usize,
+) -> Result<Vec<(Vec<PairSums>, Vec<PairSums>)>> {
+    if edge == 0 {
+        candle_core::bail!("score_jobs_split: an edge of 0 rows has no interior to split");
+    }
+    let (sums, _) = score_jobs_with(jobs, slots, cols, precision, SCORE_KERNEL, edge)?;
+    Ok(sums
+        .into_iter()
+        .map(|mut full| {
+            let inner = full.split_off(full.len() / 2);
+            (full, inner)
+        })
+        .collect())
 }
 
 /// The element types a launch reads (kernels/score.cu's entry points): the captured rows and
@@ -259,13 +283,15 @@ fn job_shape(job: &Job, slots: usize, cols: usize) -> Result<JobShape> {
 }
 
 /// [`score_jobs`] with the f32 kernel chosen (the tests run both); returns the kernel that ran
-/// (`None` on the CPU).
+/// (`None` on the CPU). With an `edge`, each job's sums are every row's followed by the
+/// interior's ([`score_jobs_split`]).
 fn score_jobs_with(
     jobs: &[Job],
     slots: usize,
     cols: usize,
     precision: Precision,
     kernel: ScoreKernel,
+    edge: usize,
 ) -> Result<(Vec<Vec<PairSums>>, Option<ScoreKernel>)> {
     let Some(first) = jobs.first() else {
         return Ok((Vec::new(), None));
@@ -275,7 +301,13 @@ fn score_jobs_with(
             let _ = kernel; // one CPU pass
             let sums = jobs
                 .iter()
-                .map(|job| score_job_cpu(job, slots, cols, precision))
+                .map(|job| {
+                    let mut sums = score_job_cpu(job, slots, cols, precision)?;
+                    if edge > 0 {
+                        sums.extend(interior_cpu(job, slots, cols, precision, edge)?);
+                    }
+                    Ok(sums)
+                })
                 .collect::<Result<_>>()?;
             Ok((sums, None))
         }
@@ -285,7 +317,8 @@ fn score_jobs_with(
             let (mut sums, mut ran) = (Vec::with_capacity(jobs.len()), kernel);
             for part in launches(&counts) {
                 // Every launch chooses its kernel by the same alignment rule.
-                let (part, k) = score_on_gpu(dev, &jobs[part], slots, cols, precision, kernel)?;
+                let (part, k) =
+                    score_on_gpu(dev, &jobs[part], slots, cols, precision, kernel, edge)?;
                 sums.extend(part);
                 ran = k;
             }
@@ -350,6 +383,32 @@ fn score_job_cpu(
     })
 }
 
+/// One job's sums over its interior rows `edge..rows - edge` on the CPU: the job with those rows
+/// of `x` alone and every shift moved by `edge`, so that each row keeps its state row.
+fn interior_cpu(
+    job: &Job,
+    slots: usize,
+    cols: usize,
+    precision: Precision,
+    edge: usize,
+) -> Result<Vec<PairSums>> {
+    let rows = job.x.dim(0)?;
+    if rows < 2 * edge {
+        return Ok(vec![PairSums::default(); slots * job.candidates.len()]);
+    }
+    let x = job.x.narrow(0, edge, rows - 2 * edge)?;
+    let inner = Job {
+        x: &x,
+        states: job.states.clone(),
+        candidates: job
+            .candidates
+            .iter()
+            .map(|&(q, shift)| (q, shift + edge as isize))
+            .collect(),
+    };
+    score_job_cpu(&inner, slots, cols, precision)
+}
+
 /// Candidates per block (kernels/score.cu `SCORE_GROUP`): each job's candidates start a new
 /// group.
 #[cfg(any(feature = "cuda", test))]
@@ -388,6 +447,7 @@ fn score_on_gpu(
     cols: usize,
     precision: Precision,
     kernel: ScoreKernel,
+    edge: usize,
 ) -> Result<(Vec<Vec<PairSums>>, ScoreKernel)> {
     use super::cuda;
     let table = launch::Table::of(jobs, slots, cols)?;
@@ -401,18 +461,21 @@ fn score_on_gpu(
     let ws = cuda::alloc(
         dev,
         DType::F64,
-        launch::score_workspace_len(table.max_rows, slots, n),
+        launch::score_workspace_len(table.max_rows, slots, n, edge),
     )?;
-    let out = cuda::alloc(dev, DType::F64, slots * n * 4)?;
+    // Per pair xx, xc, cc and rows; with an edge the interior's four after them.
+    let width = if edge > 0 { 8 } else { 4 };
+    let out = cuda::alloc(dev, DType::F64, slots * n * width)?;
     let args = table.args(
         base,
         slots,
         cols,
+        edge,
         cuda::storage_ptr(&ws, 0)?,
         cuda::storage_ptr(&out, 0)?,
     );
     let ran = launch::score(dev, &args, precision, kernel)?;
-    let sums = cuda::tensor(out, slots * n * 4).to_vec1::<f64>()?;
+    let sums = cuda::tensor(out, slots * n * width).to_vec1::<f64>()?;
     let sums: Vec<PairSums> = sums
         .chunks(4)
         .map(|v| PairSums {
@@ -422,15 +485,22 @@ fn score_on_gpu(
             rows: v[3].max(0.0) as usize,
         })
         .collect();
-    // Back from the padded global list to each job's own, slot-major.
+    // Back from the padded global list to each job's own, slot-major (every row's, then with an
+    // edge the interior's: sums holds them interleaved per pair).
+    let halves = width / 4;
     let per_job = table
         .place
         .iter()
         .zip(jobs)
         .map(|(&at, job)| {
             let m = job.candidates.len();
-            (0..slots)
-                .flat_map(|s| sums[s * n + at..][..m].iter().copied())
+            (0..halves)
+                .flat_map(|h| {
+                    let sums = &sums;
+                    (0..slots).flat_map(move |s| {
+                        (0..m).map(move |j| sums[((s * n + at + j) * halves) + h])
+                    })
+                })
                 .collect()
         })
         .collect();
@@ -545,6 +615,7 @@ pub mod launch {
             base: DevPtr,
             slots: usize,
             cols: usize,
+            edge: usize,
             workspace: DevPtr,
             out: DevPtr,
         ) -> ScoreArgs {
@@ -561,6 +632,7 @@ pub mod launch {
                 max_rows: self.max_rows,
                 aligned: self.aligned && cols.is_multiple_of(4),
                 elems: self.elems,
+                edge,
                 workspace,
                 out,
             }
@@ -568,8 +640,9 @@ pub mod launch {
     }
 
     /// `score_partials*` + `score_finish`: see kernels/score.cu. `cand`, `jobs` and
-    /// `state_ptr` point into the uploaded [`Table`]; writes `out` `[slots, n_cand, 4]` f64,
-    /// using `workspace` (`score_workspace_len` doubles).
+    /// `state_ptr` point into the uploaded [`Table`]; writes `out` `[slots, n_cand, 4]` f64
+    /// (`[slots, n_cand, 8]` with an edge: the interior's four after every row's), using
+    /// `workspace` (`score_workspace_len` doubles).
     #[derive(Clone, Copy, Debug)]
     pub struct ScoreArgs {
         pub cand: DevPtr,
@@ -585,6 +658,8 @@ pub mod launch {
         /// The vector kernel may read every row four values at a time.
         pub aligned: bool,
         pub elems: Elems,
+        /// 0, or the rows at each end left out of the interior's sums.
+        pub edge: usize,
         pub workspace: DevPtr,
         pub out: DevPtr,
     }
@@ -592,9 +667,18 @@ pub mod launch {
     /// Captured rows per block of `score_partials`.
     const SCORE_ROWS_PER_CHUNK: usize = 32;
 
+    /// The chunks of a launch over jobs of at most `rows` rows (kernels/score.cu
+    /// `chunk_span`): with an edge, the head and the tail, then the interior's.
+    fn chunks(rows: usize, edge: usize) -> usize {
+        if edge == 0 {
+            return rows.div_ceil(SCORE_ROWS_PER_CHUNK).max(1);
+        }
+        2 + rows.saturating_sub(2 * edge).div_ceil(SCORE_ROWS_PER_CHUNK)
+    }
+
     /// Doubles of workspace [`score`] needs.
-    pub fn score_workspace_len(rows: usize, slots: usize, n_cand: usize) -> usize {
-        slots * n_cand * rows.div_ceil(SCORE_ROWS_PER_CHUNK).max(1) * 3
+    pub fn score_workspace_len(rows: usize, slots: usize, n_cand: usize, edge: usize) -> usize {
+        slots * n_cand * chunks(rows, edge) * 3
     }
 
     /// Slots per block of `score_partials_vec` (kernels/score.cu `SCORE_SLOTS`).
@@ -619,7 +703,7 @@ pub mod launch {
             (_, ScoreKernel::Vec4) if !a.aligned => ScoreKernel::PerSlot,
             (_, k) => k,
         };
-        let chunks = a.max_rows.div_ceil(SCORE_ROWS_PER_CHUNK).max(1);
+        let chunks = chunks(a.max_rows, a.edge);
         let groups = a.n_cand.div_ceil(SCORE_GROUP);
         let per_slot = (
             grid_dim(chunks, "score_partials")?,
@@ -659,6 +743,7 @@ pub mod launch {
                 to_i32(a.cols, "cols")?,
                 to_i32(a.slots, "slots")?,
                 SCORE_ROWS_PER_CHUNK as i32,
+                to_i32(a.edge, "edge")?,
                 a.workspace,
             ]
         );
@@ -682,6 +767,7 @@ pub mod launch {
                 a.cand,
                 a.jobs,
                 n_jobs,
+                to_i32(a.edge, "edge")?,
                 a.out,
             ]
         );
@@ -707,6 +793,9 @@ mod tests {
         if xv.len() > 7 {
             xv[5] = f32::NAN; // a non-finite captured value is skipped
             xv[7] = f32::INFINITY;
+            // and one in a middle row (an interior's, where there is one)
+            let mid = xv.len() / 2 + 1;
+            xv[mid] = f32::NEG_INFINITY;
         }
         let x = Tensor::from_vec(xv, (rows, slots * cols + 3), &Device::Cpu).unwrap();
         let refs = Tensor::from_vec(
@@ -1003,6 +1092,7 @@ mod tests {
                             cols,
                             precision,
                             kernel,
+                            0,
                         )
                         .unwrap();
                         if !device.is_cpu() && precision == Precision::F32 {
@@ -1020,6 +1110,7 @@ mod tests {
                             cols,
                             precision,
                             ran.unwrap_or(kernel),
+                            0,
                         )
                         .unwrap();
                         assert_eq!(got, want, "{what}");
@@ -1028,6 +1119,103 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn split_interior_is_the_sums_without_the_edge_rows() {
+        split_against_edge_rows_skipped(&Device::Cpu);
+    }
+
+    /// [`score_jobs_split`]: its every-row sums are [`score_jobs`]'s, and its interior's are the
+    /// sums of the same job with the edge rows' values all NaN (skipped, as a non-finite
+    /// captured value is), the interior's row count the interior rows paired: f32 and bf16, both
+    /// kernels, a middle row's non-finite value among them, jobs of different rows in one launch
+    /// (one shorter than both edges: no interior).
+    fn split_against_edge_rows_skipped(device: &Device) {
+        let (cols, slots, edge) = (64, 5, 3);
+        let shapes = [(37, 38, 3), (5, 5, 2), (300, 301, 2)];
+        for bf16 in [false, true] {
+            let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+            let mut xs = Vec::new();
+            let mut masked = Vec::new();
+            let mut states = Vec::new();
+            for (i, &(rows, ref_rows, n)) in shapes.iter().enumerate() {
+                let (x, refs) = case(rows, cols, slots, ref_rows, n, 41 + i as u64);
+                let x = x.narrow(1, 0, slots * cols).unwrap().contiguous().unwrap();
+                let refs = refs.narrow(2, 0, cols).unwrap().contiguous().unwrap();
+                let mut values = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let width = slots * cols;
+                for t in (0..edge.min(rows)).chain(rows.saturating_sub(edge)..rows) {
+                    values[t * width..][..width].fill(f32::NAN);
+                }
+                let nan = Tensor::from_vec(values, (rows, width), &Device::Cpu).unwrap();
+                let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(device).unwrap();
+                xs.push(on(&x));
+                masked.push(on(&nan));
+                states.push(
+                    (0..n)
+                        .map(|q| on(&refs.get(q).unwrap()))
+                        .collect::<Vec<_>>(),
+                );
+            }
+            fn jobs_of<'a>(xs: &'a [Tensor], states: &'a [Vec<Tensor>]) -> Vec<Job<'a>> {
+                xs.iter()
+                    .zip(states)
+                    .map(|(x, st)| Job {
+                        x,
+                        states: st.iter().collect(),
+                        candidates: candidates(st.len()),
+                    })
+                    .collect()
+            }
+            let (jobs, masked_jobs) = (jobs_of(&xs, &states), jobs_of(&masked, &states));
+            for kernel in [ScoreKernel::PerSlot, ScoreKernel::Vec4] {
+                let what = format!("bf16 {bf16}, {kernel:?}");
+                let (split, ran) =
+                    score_jobs_with(&jobs, slots, cols, Precision::F32, kernel, edge).unwrap();
+                if !device.is_cpu() {
+                    assert_eq!(ran, Some(kernel), "{what}");
+                }
+                let (full, _) =
+                    score_jobs_with(&jobs, slots, cols, Precision::F32, kernel, 0).unwrap();
+                let (skipped, _) =
+                    score_jobs_with(&masked_jobs, slots, cols, Precision::F32, kernel, 0).unwrap();
+                for (i, &(rows, ref_rows, _)) in shapes.iter().enumerate() {
+                    let m = slots * jobs[i].candidates.len();
+                    assert_eq!(split[i].len(), 2 * m, "{what}: job {i}");
+                    let (every, inner) = split[i].split_at(m);
+                    assert_sums_close(every, &full[i]);
+                    // The interior's rows: t in edge..rows - edge with 0 <= t + shift < ref_rows.
+                    let (lo, hi) = (
+                        edge.min(rows),
+                        rows.saturating_sub(edge).max(edge.min(rows)),
+                    );
+                    let want: Vec<PairSums> = skipped[i]
+                        .iter()
+                        .zip(0..)
+                        .map(|(p, at)| {
+                            let shift = jobs[i].candidates[at % jobs[i].candidates.len()].1;
+                            let paired = (lo..hi)
+                                .filter(|&t| (0..ref_rows as isize).contains(&(t as isize + shift)))
+                                .count();
+                            PairSums { rows: paired, ..*p }
+                        })
+                        .collect();
+                    assert_sums_close(inner, &want);
+                    assert!(
+                        inner.iter().any(|p| p.xc != 0.0) || rows < 2 * edge,
+                        "{what}"
+                    );
+                }
+            }
+        }
+        assert!(score_jobs_split(&[], 1, 1, Precision::F32, 0).is_err());
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_split_interior_is_the_sums_without_the_edge_rows() {
+        split_against_edge_rows_skipped(&crate::kernels::testing::gpu());
     }
 
     #[cfg(feature = "cuda")]
@@ -1091,6 +1279,7 @@ mod tests {
                         cols,
                         Precision::F32,
                         kernel,
+                        0,
                     )
                     .unwrap();
                     let expected = match kernel {
