@@ -260,6 +260,9 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
                 }
                 continue;
             }
+            // Some value is not finite: each on its own. (The two paths' loops are apart on
+            // purpose: one loop testing the case inside needs 134 registers against 128 with
+            // sm_90's ptxas, a block less on each multiprocessor.)
             bool ok[SCORE_SLOTS][4];
 #pragma unroll
             for (int s = 0; s < SCORE_SLOTS; ++s)
