@@ -1856,25 +1856,6 @@ mod tests {
         (refs, round(&packed), k)
     }
 
-    /// A sample's slots go to the device at the first flush that scores its states, not at
-    /// its first state (when the forward has queued nothing to hide the copy behind).
-    #[test]
-    fn slots_go_up_at_the_first_flush_not_the_first_state() {
-        let (l, t, h, step, seed) = CASES[0];
-        let (refs, packed, k, _) = case(l, t, h, step, seed);
-        let (mut online, g) = sample_of(&refs, &packed, k, 3, true);
-        let states = sequence(&refs);
-        for (i, (what, x)) in states.iter().take(3).enumerate() {
-            assert!(
-                online.groups[g].device.is_none(),
-                "before state {i}'s flush"
-            );
-            online.take(*what, x).unwrap();
-        }
-        assert!(online.pending.is_empty(), "three states make a flush");
-        assert!(online.groups[g].device.is_some(), "uploaded by the flush");
-    }
-
     /// A bf16 forward's states are kept as it made them, and slots of bf16 values go up in
     /// bf16 beside them: the decisions and every score are those of the same values in f32,
     /// bit for bit (a bf16 value widens to f32 exactly; run on the CPU through the tensor
