@@ -986,8 +986,8 @@ fn training_tensor(sample: &Sample, hidden: usize) -> Option<(Vec<f32>, usize)> 
 type HostPrepared = (Option<Prepared>, Vec<Finding>);
 
 /// A sample's slots and its identification, set up before its pass on any thread (no device
-/// call: the slots are uploaded by the first flush that scores its states); `None` (after a
-/// finding says why) when its slots do not fit the spec and the hidden size.
+/// call: the slots are uploaded by its first state); `None` (after a finding says why) when
+/// its slots do not fit the spec and the hidden size.
 fn prepare_host(
     sample: &Sample,
     spec: &Spec,

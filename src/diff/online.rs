@@ -435,8 +435,7 @@ impl OnlineSample {
         });
         if self.tensors {
             // Packed here (on any thread: a pass prepares its samples in parallel), uploaded
-            // by the first flush that scores the sample's states (every device call on the
-            // caller's thread; see `flush_all`).
+            // by the sample's first `take` (every device call on the caller's thread).
             let on_device = clean.as_ref().map(|c| Staged::of(self.packed(&g, c)));
             let main = if stored {
                 Staged::Stored
@@ -469,8 +468,8 @@ impl OnlineSample {
         Arc::new(packed)
     }
 
-    /// Uploads the groups' packed slots (see [`OnlineSample::group`]) once: in bf16 when they
-    /// are bf16 values and the states (of type `states`) are kept in bf16, else in f32.
+    /// Uploads the groups' packed slots (see [`OnlineSample::group`]): in bf16 when they are
+    /// bf16 values and the states (of type `states`) are kept in bf16, else in f32.
     fn upload_staged(&mut self, states: DType) -> Result<()> {
         let (rows, device) = (self.rows, self.device.clone());
         for g in &mut self.groups {
@@ -515,6 +514,7 @@ impl OnlineSample {
         if self.undecided {
             return Ok(());
         }
+        self.upload_staged(xs.dtype())?;
         self.seen[q] = true;
         let what_s = || format!("reference state {what:?}");
         let dims = xs.dims();
@@ -852,7 +852,7 @@ impl OnlineSample {
                     let x = group.view(i, self.rows);
                     rescore(x, v, self.rows, self.hidden, group.cols, sj)
                 }
-                // A device state beside slots not uploaded (no state scored since they were
+                // A device state beside slots not uploaded (no state taken since they were
                 // added): not a decision to take here; the sample's own forward takes it.
                 Data::Device(_) => return Ok(None),
             },
@@ -1091,20 +1091,6 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
         return Ok(());
     }
     let device = samples[0].device.clone();
-    // The slots of a sample scored for the first time go to the device now, not at its first
-    // state: by now the forward has queued the layers since, and the host's share of the copy
-    // (into the pinned staging) runs while the device computes them; at the first state (the
-    // embedding's, every sample of a pass at once) nothing was queued to hide it behind.
-    for (s, p) in samples.iter_mut().zip(&pending) {
-        let kept = p.iter().find_map(|(_, d)| match d {
-            Data::Device(t) => Some(t.dtype()),
-            Data::Host(_) => None,
-        });
-        if let Some(dtype) = kept {
-            s.upload_staged(dtype)?;
-        }
-    }
-    phases::mark("diff: flush, uploading slots", &device);
     // Their edge rows, for the bound.
     for (s, p) in samples.iter_mut().zip(&pending) {
         if s.keep_all {
