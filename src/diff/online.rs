@@ -566,12 +566,12 @@ impl OnlineSample {
             .collect()
     }
 
-    /// Whether group `g`'s sums over every row and over the interior rows are one ask (on the
-    /// device, where both read the same slots): an ask over every row with an edge of
-    /// [`INNER`] rows, which leaves each interior row paired with the state row it is in
-    /// [`Self::slots_ask`]'s interior ask (every shift is within one row).
+    /// Whether group `g`'s sums over every row and over the interior rows are one ask (both
+    /// read the same slots: no clean copy for the interior): an ask over every row with an
+    /// edge of [`INNER`] rows, which leaves each interior row paired with the state row it is
+    /// in [`Self::slots_ask`]'s interior ask (every shift is within one row), the same sums.
     fn split(&self, g: &Group) -> bool {
-        !self.keep_all && g.clean.is_none() && g.device.is_some()
+        !self.keep_all && g.clean.is_none()
     }
 
     /// Group `g`'s slots against `pairs` (`(state, shift)`, the state indexing `datas`): over
@@ -1460,17 +1460,11 @@ fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<Pa
             })
             .collect();
         let sums = if edge == 0 {
-            score_jobs(&jobs, k, cols, precision).ctx(ctx)?
+            score_jobs(&jobs, k, cols, precision)
         } else {
             score_jobs_split(&jobs, k, cols, precision, edge)
-                .ctx(ctx)?
-                .into_iter()
-                .map(|(mut full, inner)| {
-                    full.extend(inner);
-                    full
-                })
-                .collect()
-        };
+        }
+        .ctx(ctx)?;
         for (i, s) in which.into_iter().zip(sums) {
             out[i] = s;
         }

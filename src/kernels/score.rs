@@ -168,26 +168,19 @@ pub fn score_jobs(
 
 /// [`score_jobs`] over every row and, in the same pass, over the interior rows `edge..rows -
 /// edge` alone (each captured row t still paired with state row t + shift; no interior when
-/// rows < 2 * edge): per job (every row's sums, the interior's), each slot-major. One read of
-/// the slots and states for both, where two jobs would read them twice.
+/// rows < 2 * edge): per job every row's sums followed by the interior's, each slot-major. One
+/// read of the slots and states for both, where two jobs would read them twice.
 pub fn score_jobs_split(
     jobs: &[Job],
     slots: usize,
     cols: usize,
     precision: Precision,
     edge: usize,
-) -> Result<Vec<(Vec<PairSums>, Vec<PairSums>)>> {
+) -> Result<Vec<Vec<PairSums>>> {
     if edge == 0 {
         candle_core::bail!("score_jobs_split: an edge of 0 rows has no interior to split");
     }
-    let (sums, _) = score_jobs_with(jobs, slots, cols, precision, SCORE_KERNEL, edge)?;
-    Ok(sums
-        .into_iter()
-        .map(|mut full| {
-            let inner = full.split_off(full.len() / 2);
-            (full, inner)
-        })
-        .collect())
+    score_jobs_with(jobs, slots, cols, precision, SCORE_KERNEL, edge).map(|(sums, _)| sums)
 }
 
 /// The element types a launch reads (kernels/score.cu's entry points): the captured rows and
@@ -283,8 +276,7 @@ fn job_shape(job: &Job, slots: usize, cols: usize) -> Result<JobShape> {
 }
 
 /// [`score_jobs`] with the f32 kernel chosen (the tests run both); returns the kernel that ran
-/// (`None` on the CPU). With an `edge`, each job's sums are every row's followed by the
-/// interior's ([`score_jobs_split`]).
+/// (`None` on the CPU). With an `edge`, each job's sums are [`score_jobs_split`]'s.
 fn score_jobs_with(
     jobs: &[Job],
     slots: usize,
