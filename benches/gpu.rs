@@ -302,6 +302,7 @@ mod gpu {
                 x: &x,
                 states: states.iter().collect(),
                 candidates: cands,
+                slot_states: Vec::new(),
             };
             let table = Table::of(std::slice::from_ref(&job), k, h).unwrap();
             let n = table.n_cand;
@@ -393,16 +394,19 @@ mod gpu {
                     x,
                     states: st.iter().collect(),
                     candidates: cands.clone(),
+                    slot_states: Vec::new(),
                 });
                 two.push(Job {
                     x,
                     states: st.iter().collect(),
                     candidates: cands.clone(),
+                    slot_states: Vec::new(),
                 });
                 two.push(Job {
                     x: xi,
                     states: st.iter().collect(),
                     candidates: cands.iter().map(|&(q, d)| (q, d + edge as isize)).collect(),
+                    slot_states: Vec::new(),
                 });
             }
             let bytes = (samples * (t * k * h + 2 * t * h)) as f64 * 2.0;

@@ -7,9 +7,10 @@
 //              job's captured row t with row t + shift of state `state`, for the t < rows with
 //              0 <= t + shift < ref_rows. Every four candidates 4g..4g+3 belong to one job (the
 //              launcher pads with state -1).
-//   jobs       [5, n_jobs] int64: x (the device address of the job's row 0), x_stride,
-//              rows, ref_rows, ref_stride (elements). Slot s of a job is columns
-//              s*cols .. (s+1)*cols of its x rows.
+//   jobs       [6, n_jobs] int64: x (the device address of the job's row 0), x_stride,
+//              rows, ref_rows, ref_stride (elements), slot0. Slot s of a job is columns
+//              s*cols .. (s+1)*cols of its x rows where slot0 < 0; else slot s's rows start at
+//              state_ptr[slot0 + s], x_stride apart (states read as slots: the separations).
 //   state_ptr  [n_states] int64: the device address of each state's row 0 (rows ref_stride
 //              apart).
 //   edge       0, or e > 0: the sums are taken twice in the same pass, over every row and over
@@ -57,10 +58,11 @@
 #define JOB_ROWS 2
 #define JOB_REF_ROWS 3
 #define JOB_REF_STRIDE 4
+#define JOB_SLOT0 5
 
 template <typename X> struct Job {
     const X *x;
-    long x_stride, rows, ref_rows, ref_stride;
+    long x_stride, rows, ref_rows, ref_stride, slot0;
 };
 
 template <typename X>
@@ -71,7 +73,16 @@ __device__ __forceinline__ Job<X> job_at(const long long *jobs, int n_jobs, long
     r.rows = jobs[JOB_ROWS * n_jobs + j];
     r.ref_rows = jobs[JOB_REF_ROWS * n_jobs + j];
     r.ref_stride = jobs[JOB_REF_STRIDE * n_jobs + j];
+    r.slot0 = jobs[JOB_SLOT0 * n_jobs + j];
     return r;
+}
+
+// Row 0 of slot s of a job: columns s * cols on of x, or a state's row 0 (see `jobs`).
+template <typename X>
+__device__ __forceinline__ const X *slot_row0(const Job<X> &job, const long long *state_ptr, int s,
+                                              int cols) {
+    return job.slot0 < 0 ? job.x + (long)s * cols
+                         : reinterpret_cast<const X *>(state_ptr[job.slot0 + s]);
 }
 
 // Rows lo .. hi of a job of `rows` captured rows that chunk `chunk` sums. Without an edge, chunk
@@ -139,8 +150,9 @@ __device__ __forceinline__ void score_partials_impl(const long long *cand, int n
     Acc acc[SCORE_GROUP][3] = {};
     long lo, hi;
     chunk_span(chunk, job.rows, edge, rows_per_chunk, lo, hi);
+    const X *x0 = slot_row0(job, state_ptr, slot, cols);
     for (long t = lo; t < hi; ++t) {
-        const X *xr = job.x + t * job.x_stride + (long)slot * cols;
+        const X *xr = x0 + t * job.x_stride;
         for (int c = threadIdx.x; c < cols; c += SCORE_THREADS) {
             const float xv = to_f32(xr[c]);
             if (!isfinite(xv)) continue;
@@ -215,10 +227,12 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
     // slot's values are finite (cc) and per (slot, candidate) where some are not (cc_own).
     float xc[SCORE_SLOTS][SCORE_GROUP] = {}, xx[SCORE_SLOTS][SCORE_GROUP] = {};
     float cc[SCORE_GROUP] = {}, cc_own[SCORE_SLOTS][SCORE_GROUP] = {};
+    const X *x0[SCORE_SLOTS];
+#pragma unroll
+    for (int s = 0; s < SCORE_SLOTS; ++s) x0[s] = s < ns ? slot_row0(job, state_ptr, s0 + s, cols) : job.x;
     long lo, hi;
     chunk_span(chunk, job.rows, edge, rows_per_chunk, lo, hi);
     for (long t = lo; t < hi; ++t) {
-        const X *xr = job.x + t * job.x_stride + (long)s0 * cols;
         const C *cr[SCORE_GROUP];
         bool in[SCORE_GROUP];
 #pragma unroll
@@ -234,7 +248,7 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
             for (int s = 0; s < SCORE_SLOTS; ++s) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) xv[s][e] = 0.f;
-                if (s < ns) load4(xr + (long)s * cols + 4 * c, xv[s]);
+                if (s < ns) load4(x0[s] + t * job.x_stride + 4 * c, xv[s]);
                 sq[s] = xv[s][0] * xv[s][0];
 #pragma unroll
                 for (int e = 1; e < 4; ++e) sq[s] = fmaf(xv[s][e], xv[s][e], sq[s]);

@@ -617,6 +617,7 @@ impl OnlineSample {
             hidden: self.hidden,
             pairs: pairs.iter().map(|&(p, s)| (p, s + extra)).collect(),
             edge: 0,
+            slot_states: Vec::new(),
         }
     }
 
@@ -662,18 +663,32 @@ impl OnlineSample {
     }
 
     /// The exact cosines the best candidates still need after the states `made`: with the
-    /// candidates on those, and a new best candidate's with every state still kept. Each is
-    /// (best candidate, columns), the other candidates it is paired with, and the scoring
-    /// (j's state as the slot, every other candidate at its shift relative to j's).
-    fn nearest_asks(&mut self, made: &[usize]) -> Vec<((usize, usize), Vec<usize>, Ask)> {
-        let wanted: Vec<(usize, usize)> = self
+    /// candidates on those, and a new best candidate's with every state still kept. One ask per
+    /// slot width: each best candidate's state is a slot of it (read once however many best
+    /// candidates it holds), against every state those need at every shift relative to a best
+    /// candidate's (read once for all of them). Each ask comes with, per best candidate (its
+    /// key), its slot and the other candidates as (candidate, place in the ask's pairs).
+    fn nearest_asks(&mut self, made: &[usize]) -> Vec<(Vec<Nearest>, Ask)> {
+        let mut wanted: Vec<(usize, usize)> = Vec::new();
+        for key in self
             .groups
             .iter()
             .flat_map(|g| g.best.iter().flatten().map(move |&j| (j, g.cols)))
-            .collect();
+        {
+            if !wanted.contains(&key) {
+                wanted.push(key);
+            }
+        }
         self.near.retain(|key, _| wanted.contains(key));
         let layout = self.layout;
-        let mut asks = Vec::new();
+        // Per slot width: the asks' states (kept states by index), slot states and pairs.
+        struct Building {
+            states: Vec<usize>,
+            slots: Vec<usize>,
+            pairs: Vec<(usize, isize)>,
+            nearest: Vec<Nearest>,
+        }
+        let mut by_cols: BTreeMap<usize, Building> = BTreeMap::new();
         for key in wanted {
             let states: Vec<usize> = match self.near.entry(key) {
                 Entry::Occupied(_) => made.to_vec(),
@@ -684,32 +699,67 @@ impl OnlineSample {
             };
             let (j, cols) = key;
             let (best, qj, sj) = layout.candidate(j);
-            let Some(dj) = self.kept.get(&qj) else {
+            if !self.kept.contains_key(&qj) {
                 continue;
-            };
-            let mut datas: Vec<Data> = Vec::new();
-            let mut others: Vec<usize> = Vec::new();
-            let mut pairs: Vec<(usize, isize)> = Vec::new();
-            for p in states {
-                let Some(dp) = self.kept.get(&p) else {
-                    continue;
-                };
-                let at = datas.len();
-                datas.push(dp.clone());
+            }
+            let b = by_cols.entry(cols).or_insert_with(|| Building {
+                states: Vec::new(),
+                slots: Vec::new(),
+                pairs: Vec::new(),
+                nearest: Vec::new(),
+            });
+            fn at(q: usize, b: &mut Building) -> usize {
+                match b.states.iter().position(|&p| p == q) {
+                    Some(i) => i,
+                    None => {
+                        b.states.push(q);
+                        b.states.len() - 1
+                    }
+                }
+            }
+            let mut others = Vec::new();
+            for p in states.into_iter().filter(|p| self.kept.contains_key(p)) {
                 for i in layout.on_state(p) {
                     if i != j && layout.candidate(i).0 != best {
-                        others.push(i);
-                        pairs.push((at, layout.candidate(i).2 - sj));
+                        let pair = (at(p, b), layout.candidate(i).2 - sj);
+                        let place = match b.pairs.iter().position(|&x| x == pair) {
+                            Some(c) => c,
+                            None => {
+                                b.pairs.push(pair);
+                                b.pairs.len() - 1
+                            }
+                        };
+                        others.push((i, place));
                     }
                 }
             }
             if others.is_empty() {
                 continue;
             }
-            let ask = Ask::one_slot(dj.clone(), self.hidden, self.rows, cols, datas, pairs);
-            asks.push((key, others, ask));
+            let slot_state = at(qj, b);
+            let slot = match b.slots.iter().position(|&s| s == slot_state) {
+                Some(s) => s,
+                None => {
+                    b.slots.push(slot_state);
+                    b.slots.len() - 1
+                }
+            };
+            b.nearest.push(Nearest { key, slot, others });
         }
-        asks
+        by_cols
+            .into_iter()
+            .filter(|(_, b)| !b.nearest.is_empty())
+            .map(|(cols, b)| {
+                let datas: Vec<Data> = b.states.iter().map(|q| self.kept[q].clone()).collect();
+                let x = datas[b.slots[0]].clone();
+                let ask = Ask {
+                    k: b.slots.len(),
+                    slot_states: b.slots,
+                    ..Ask::one_slot(x, self.hidden, self.rows, cols, datas, b.pairs)
+                };
+                (b.nearest, ask)
+            })
+            .collect()
     }
 
     /// After a flush: the ring holds the states made last, and the states neither it nor a
@@ -1147,20 +1197,23 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
     let mut asks = Vec::new();
     let mut whose = Vec::new();
     for (i, (s, m)) in samples.iter_mut().zip(&made).enumerate() {
-        for (key, others, ask) in s.nearest_asks(m) {
+        for (nearest, ask) in s.nearest_asks(m) {
+            whose.push((i, ask.pairs.len(), nearest));
             asks.push(ask);
-            whose.push((i, key, others));
         }
     }
     let sums = run_asks(&asks, Precision::F32, "separating two states")?;
-    for ((i, key, others), sums) in whose.into_iter().zip(sums) {
-        let near = samples[i].near.entry(key).or_default();
-        for (c, s) in others.into_iter().zip(sums) {
-            near[c] = Some(if s.rows > 0 {
-                s.score().cosine
-            } else {
-                f64::NAN
-            });
+    for ((i, m, nearest), sums) in whose.into_iter().zip(sums) {
+        for Nearest { key, slot, others } in nearest {
+            let near = samples[i].near.entry(key).or_default();
+            for (c, place) in others {
+                let s = sums[slot * m + place];
+                near[c] = Some(if s.rows > 0 {
+                    s.score().cosine
+                } else {
+                    f64::NAN
+                });
+            }
         }
     }
     phases::mark("diff: flush, separations", &device);
@@ -1324,6 +1377,17 @@ struct Ask {
     hidden: usize,
     pairs: Vec<(usize, isize)>,
     edge: usize,
+    /// Empty (slot s is columns `col0 + s * spacing..` of `x`), or per slot the state read as
+    /// it (`states[q]`, columns `0..cols`; `x` is the first).
+    slot_states: Vec<usize>,
+}
+
+/// A best candidate's separations in a [`OnlineSample::nearest_asks`] ask: its key
+/// (candidate, columns), its slot, and each other candidate with its place in the pairs.
+struct Nearest {
+    key: (usize, usize),
+    slot: usize,
+    others: Vec<(usize, usize)>,
 }
 
 impl Ask {
@@ -1353,6 +1417,7 @@ impl Ask {
             hidden,
             pairs,
             edge: 0,
+            slot_states: Vec::new(),
         }
     }
 }
@@ -1388,14 +1453,28 @@ fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<Pa
                         )),
                     })
                     .collect::<Result<Vec<_>>>()?;
+                // Slot s's values from its row 0 and its first column.
+                let slot = |s: usize| -> Result<(&[f32], usize)> {
+                    let Some(&q) = a.slot_states.get(s) else {
+                        return Ok((&x[..], a.col0 + s * a.spacing));
+                    };
+                    match &a.states[q] {
+                        Data::Host(v) => Ok((&v[..], 0)),
+                        Data::Device(_) => Err(crate::error::Error::Device(
+                            "a reference state on the device read as a host slot".into(),
+                        )),
+                    }
+                };
+                let slots = (0..a.k).map(slot).collect::<Result<Vec<_>>>()?;
                 // Rows x0.. of the ask's rows, each shift moved by as many.
                 let sums = |x0: usize, rows: usize| {
-                    let xs: Vec<View> = (0..a.k)
-                        .map(|s| View {
-                            data: &x[(a.x0 + x0) * a.stride..],
+                    let xs: Vec<View> = slots
+                        .iter()
+                        .map(|&(data, col)| View {
+                            data: &data[(a.x0 + x0) * a.stride..],
                             rows,
                             stride: a.stride,
-                            col: a.col0 + s * a.spacing,
+                            col,
                             cols: a.cols,
                         })
                         .collect();
@@ -1457,6 +1536,7 @@ fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<Pa
                 x,
                 states: st.iter().collect(),
                 candidates: asks[i].pairs.clone(),
+                slot_states: asks[i].slot_states.clone(),
             })
             .collect();
         let sums = if edge == 0 {

@@ -127,6 +127,22 @@ pub struct Job<'a> {
     pub x: &'a Tensor,
     pub states: Vec<&'a Tensor>,
     pub candidates: Vec<(usize, isize)>,
+    /// Empty (the slots are columns of `x`), or per slot the state read as it (its columns
+    /// `0..cols`): several states against the others in one job, each read once. `x` then only
+    /// gives the rows and their type: one of the states.
+    pub slot_states: Vec<usize>,
+}
+
+impl<'a> Job<'a> {
+    /// Slots that are columns of `x`.
+    pub fn new(x: &'a Tensor, states: Vec<&'a Tensor>, candidates: Vec<(usize, isize)>) -> Job<'a> {
+        Job {
+            x,
+            states,
+            candidates,
+            slot_states: Vec::new(),
+        }
+    }
 }
 
 /// Scores `slots` slots of `cols` columns of `x`: `[rows, >= slots * cols]` f32 (any row
@@ -150,6 +166,7 @@ pub fn score_slots(
         x,
         states: states.iter().collect(),
         candidates: candidates.to_vec(),
+        slot_states: Vec::new(),
     };
     let mut out = score_jobs(&[job], slots, cols, Precision::F32)?;
     Ok(out.pop().unwrap_or_default())
@@ -237,7 +254,12 @@ fn job_shape(job: &Job, slots: usize, cols: usize) -> Result<JobShape> {
         );
     };
     let x = super::Matrix::of(job.x.layout(), "score x")?;
-    if job.x.rank() != 2 || x.cols < slots * cols {
+    let slot_cols = if job.slot_states.is_empty() {
+        slots * cols
+    } else {
+        cols
+    };
+    if job.x.rank() != 2 || x.cols < slot_cols {
         candle_core::bail!(
             "score_jobs: {slots} slots of {cols} need [rows, >= {}] of x, found {:?}",
             slots * cols,
@@ -259,6 +281,20 @@ fn job_shape(job: &Job, slots: usize, cols: usize) -> Result<JobShape> {
                 m.stride
             );
         }
+    }
+    if !job.slot_states.is_empty()
+        && (job.slot_states.len() != slots
+            || job.slot_states.iter().any(|&q| q >= states.len())
+            || (x.rows, x.stride) != (ref_rows, ref_stride))
+    {
+        candle_core::bail!(
+            "score_jobs: slot states {:?} for {slots} slots of {} states, x {:?} (row stride {}) \
+             one of them",
+            job.slot_states,
+            states.len(),
+            job.x.dims(),
+            x.stride
+        );
     }
     if let Some(&(q, _)) = job.candidates.iter().find(|(q, _)| *q >= states.len()) {
         candle_core::bail!(
@@ -294,6 +330,23 @@ fn score_jobs_with(
             let sums = jobs
                 .iter()
                 .map(|job| {
+                    // States read as slots (checked first): their columns side by side, as
+                    // slots of x are.
+                    job_shape(job, slots, cols)?;
+                    let packed = (!job.slot_states.is_empty())
+                        .then(|| {
+                            let parts = job
+                                .slot_states
+                                .iter()
+                                .map(|&q| job.states[q].narrow(1, 0, cols))
+                                .collect::<Result<Vec<_>>>()?;
+                            Tensor::cat(&parts, 1)
+                        })
+                        .transpose()?;
+                    let job = &match &packed {
+                        Some(x) => Job::new(x, job.states.clone(), job.candidates.clone()),
+                        None => Job::new(job.x, job.states.clone(), job.candidates.clone()),
+                    };
                     let mut sums = score_job_cpu(job, slots, cols, precision)?;
                     if edge > 0 {
                         sums.extend(interior_cpu(job, slots, cols, precision, edge)?);
@@ -352,6 +405,7 @@ fn score_job_cpu(
             x: &x,
             states: states.iter().collect(),
             candidates: job.candidates.clone(),
+            slot_states: Vec::new(),
         };
         return score_job_cpu(&widened, slots, cols, precision);
     }
@@ -397,6 +451,7 @@ fn interior_cpu(
             .iter()
             .map(|&(q, shift)| (q, shift + edge as isize))
             .collect(),
+        slot_states: Vec::new(),
     };
     score_job_cpu(&inner, slots, cols, precision)
 }
@@ -511,8 +566,8 @@ pub mod launch {
     use candle_core::cuda_backend::CudaDevice;
 
     /// The kernels' tables, as one i64 buffer: `[3, n_cand]` candidates (state, shift, job),
-    /// `[5, n_jobs]` jobs (x address, x stride, rows, ref rows, ref stride), `[n_states]`
-    /// state addresses.
+    /// `[6, n_jobs]` jobs (x address, x stride, rows, ref rows, ref stride, first slot state
+    /// or -1), `[n_states]` state addresses (a job's states, then those it reads as slots).
     pub struct Table {
         pub values: Vec<i64>,
         pub n_cand: usize,
@@ -537,7 +592,7 @@ pub mod launch {
         pub fn of(jobs: &[Job], slots: usize, cols: usize) -> Result<Table> {
             let mut cand: [Vec<i64>; 3] = Default::default();
             let mut state_ptr = Vec::new();
-            let mut job_cols: [Vec<i64>; 5] = Default::default();
+            let mut job_cols: [Vec<i64>; 6] = Default::default();
             let mut place = Vec::with_capacity(jobs.len());
             let (mut aligned, mut max_rows) = (true, 0);
             let mut elems = None;
@@ -572,12 +627,23 @@ pub mod launch {
                     && s.x.stride.is_multiple_of(4)
                     && s.ref_stride.is_multiple_of(4);
                 max_rows = max_rows.max(s.x.rows);
+                // States read as slots: their addresses again, in slot order, after the job's.
+                let slot0 = if job.slot_states.is_empty() {
+                    -1
+                } else {
+                    let at = state_ptr.len() as i64;
+                    for &q in &job.slot_states {
+                        state_ptr.push(state_ptr[base as usize + q]);
+                    }
+                    at
+                };
                 for (col, v) in job_cols.iter_mut().zip([
                     addr(x)?,
                     to_i64(s.x.stride, "x stride")?,
                     to_i64(s.x.rows, "rows")?,
                     to_i64(s.ref_rows, "ref rows")?,
                     to_i64(s.ref_stride, "ref stride")?,
+                    slot0,
                 ]) {
                     col.push(v);
                 }
@@ -617,7 +683,7 @@ pub mod launch {
                 n_cand: self.n_cand,
                 jobs: at(3 * self.n_cand),
                 n_jobs: self.n_jobs,
-                state_ptr: at(3 * self.n_cand + 5 * self.n_jobs),
+                state_ptr: at(3 * self.n_cand + 6 * self.n_jobs),
                 n_states: self.n_states,
                 cols,
                 slots,
@@ -998,6 +1064,7 @@ mod tests {
                 states: st.iter().collect(),
                 // Not a multiple of four: the next job's candidates start a new group.
                 candidates: candidates(st.len()).into_iter().skip(1).collect(),
+                slot_states: Vec::new(),
             })
             .collect();
         for precision in [Precision::F32, Precision::F64] {
@@ -1066,11 +1133,13 @@ mod tests {
                         x: &xs,
                         states: st.iter().collect(),
                         candidates: cands.clone(),
+                        slot_states: Vec::new(),
                     },
                     Job {
                         x: &xs32,
                         states: st32.iter().collect(),
                         candidates: cands.clone(),
+                        slot_states: Vec::new(),
                     },
                 );
                 for precision in [Precision::F32, Precision::F64] {
@@ -1157,6 +1226,7 @@ mod tests {
                         x,
                         states: st.iter().collect(),
                         candidates: candidates(st.len()),
+                        slot_states: Vec::new(),
                     })
                     .collect()
             }
@@ -1202,6 +1272,105 @@ mod tests {
             }
         }
         assert!(score_jobs_split(&[], 1, 1, Precision::F32, 0).is_err());
+    }
+
+    /// States read as a job's slots (`Job::slot_states`, in any order, one of them twice)
+    /// score as the same states' columns packed side by side into `x`, in one launch with a
+    /// job of column slots; f32 and bf16 states, both f32 kernels and f64, with and without an
+    /// edge. The reference is the scalar pass over the packed columns.
+    #[test]
+    fn states_read_as_slots_score_as_their_packed_columns() {
+        states_as_slots_against_packed(&Device::Cpu);
+    }
+
+    fn states_as_slots_against_packed(device: &Device) {
+        let (rows, cols, width, n_states) = (45, 24, 32, 5);
+        let order = [3, 0, 3, 1];
+        let slots = order.len();
+        let refs = Tensor::from_vec(
+            random_vec(n_states * rows * width, 41),
+            (n_states, rows, width),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let cands = candidates(n_states);
+        let packed = |refs: &Tensor| {
+            let parts: Vec<Tensor> = order
+                .iter()
+                .map(|&q| refs.get(q).unwrap().narrow(1, 0, cols).unwrap())
+                .collect();
+            Tensor::cat(&parts, 1).unwrap()
+        };
+        for dtype in [DType::F32, DType::BF16] {
+            let refs = refs.to_dtype(dtype).unwrap();
+            let on_device = refs.to_device(device).unwrap();
+            let st: Vec<Tensor> = (0..n_states).map(|q| on_device.get(q).unwrap()).collect();
+            let x = packed(&on_device).contiguous().unwrap();
+            let as_slots = Job {
+                x: &st[order[0]],
+                states: st.iter().collect(),
+                candidates: cands.clone(),
+                slot_states: order.to_vec(),
+            };
+            let columns = Job::new(&x, st.iter().collect(), cands[1..].to_vec());
+            let want_x = packed(&refs.to_dtype(DType::F32).unwrap());
+            let want_refs = refs.to_dtype(DType::F32).unwrap();
+            for edge in [0, 4] {
+                let narrowed = want_x.narrow(0, edge, rows - 2 * edge).unwrap();
+                let moved: Vec<(usize, isize)> =
+                    cands.iter().map(|&(q, d)| (q, d + edge as isize)).collect();
+                let mut want = reference_of(&want_x, slots, cols, &want_refs, &cands);
+                if edge > 0 {
+                    want.extend(reference_of(&narrowed, slots, cols, &want_refs, &moved));
+                }
+                for precision in [Precision::F32, Precision::F64] {
+                    for kernel in [ScoreKernel::PerSlot, ScoreKernel::Vec4] {
+                        let jobs = [as_slots_clone(&as_slots), columns_clone(&columns)];
+                        let (got, ran) =
+                            score_jobs_with(&jobs, slots, cols, precision, kernel, edge).unwrap();
+                        let what = format!("{dtype:?} edge {edge} {precision:?} {kernel:?}");
+                        if !device.is_cpu() && precision == Precision::F32 {
+                            assert_eq!(ran, Some(kernel), "{what}: the kernel asked for");
+                        }
+                        assert_eq!(got[0].len(), want.len(), "{what}");
+                        assert_sums_close(&got[0], &want);
+                        assert_eq!(
+                            got[1].len(),
+                            slots * (cands.len() - 1) * (1 + (edge > 0) as usize),
+                            "{what}"
+                        );
+                    }
+                }
+            }
+        }
+        // Slot states that are not the job's slots are refused.
+        let st: Vec<Tensor> = (0..n_states).map(|q| refs.get(q).unwrap()).collect();
+        let bad = Job {
+            x: &st[0],
+            states: st.iter().collect(),
+            candidates: cands.clone(),
+            slot_states: vec![0, n_states],
+        };
+        assert!(score_jobs(&[bad], 2, cols, Precision::F32).is_err());
+    }
+
+    fn as_slots_clone<'a>(job: &Job<'a>) -> Job<'a> {
+        Job {
+            x: job.x,
+            states: job.states.clone(),
+            candidates: job.candidates.clone(),
+            slot_states: job.slot_states.clone(),
+        }
+    }
+
+    fn columns_clone<'a>(job: &Job<'a>) -> Job<'a> {
+        Job::new(job.x, job.states.clone(), job.candidates.clone())
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_states_read_as_slots_score_as_their_packed_columns() {
+        states_as_slots_against_packed(&crate::kernels::testing::gpu());
     }
 
     #[cfg(feature = "cuda")]
@@ -1263,6 +1432,7 @@ mod tests {
                     x: &xg,
                     states: states.iter().collect(),
                     candidates: cands.clone(),
+                    slot_states: Vec::new(),
                 };
                 for kernel in [ScoreKernel::PerSlot, ScoreKernel::Vec4] {
                     let (mut got, ran) = score_jobs_with(
