@@ -149,6 +149,8 @@ struct Group {
     device: Option<Tensor>,
     /// On a device, the packed slots (and their clean form) waiting for their upload.
     staged: Option<(Staged, Option<Staged>)>,
+    /// Uploads reserved on the device and not yet copied: what, in which type, and where.
+    copies: Vec<(Staged, DType, Tensor)>,
     /// The captured rows with non-finite values read as zeros, when there are any: the
     /// bound's go-between must be one vector against every full reference state, where the
     /// diff's own sums leave out the reference values beside a non-finite one.
@@ -179,6 +181,27 @@ enum Staged {
 }
 
 impl Staged {
+    /// The type the values go to the device in against states of type `states`: bf16 where
+    /// they are bf16 values and the states are kept in bf16, else f32.
+    fn dtype(&self, states: DType, host: &HostRows) -> DType {
+        match (self, states) {
+            (Staged::Values { bf16: Some(_), .. }, DType::BF16) => DType::BF16,
+            (Staged::Stored, DType::BF16) if host.stored.is_some() => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+
+    /// The first `n` values' bytes in `dtype` (of [`Staged::dtype`]).
+    fn bytes<'a>(&'a self, dtype: DType, host: &'a HostRows, n: usize) -> &'a [u8] {
+        use crate::kernels::values_as_bytes;
+        match (self, dtype, &host.stored) {
+            (Staged::Values { bf16: Some(b), .. }, DType::BF16, _) => values_as_bytes(&b[..n]),
+            (Staged::Values { f32s, .. }, ..) => values_as_bytes(&f32s[..n]),
+            (Staged::Stored, DType::BF16, Some(t)) => &t.bytes()[..2 * n],
+            (Staged::Stored, ..) => values_as_bytes(&host.f32s()[..n]),
+        }
+    }
+
     fn of(f32s: Values) -> Staged {
         // A bf16 value is an f32 whose low 16 bits are zero; it narrows by keeping the rest.
         let exact = f32s.iter().all(|v| v.to_bits() & 0xffff == 0);
@@ -404,6 +427,7 @@ impl OnlineSample {
             width,
             device: None,
             staged: None,
+            copies: Vec::new(),
             clean: None,
             sums: vec![PairSums::default(); k * n],
             inner: vec![PairSums::default(); k * n],
@@ -468,40 +492,54 @@ impl OnlineSample {
         Arc::new(packed)
     }
 
-    /// Uploads the groups' packed slots (see [`OnlineSample::group`]): in bf16 when they are
-    /// bf16 values and the states (of type `states`) are kept in bf16, else in f32.
+    /// Puts the groups' packed slots (see [`OnlineSample::group`]) on the device: in bf16 when
+    /// they are bf16 values and the states (of type `states`) are kept in bf16, else in f32.
+    /// Where the device copies beside its work ([`crate::kernels::reserve_aside`]) only their
+    /// buffers are taken now, at the sample's first state, and their values go at the first
+    /// flush ([`OnlineSample::copy_reserved`]), when the forward has queued the layers since and
+    /// the copies run while the device computes them; elsewhere the values go now.
     fn upload_staged(&mut self, states: DType) -> Result<()> {
         let (rows, device) = (self.rows, self.device.clone());
+        let what = || "uploading the captured slots".to_string();
         for g in &mut self.groups {
             let Some((main, clean)) = g.staged.take() else {
                 continue;
             };
-            let (n, shape) = (rows * g.k * g.cols, (rows, g.k * g.cols));
-            let host = &g.host;
-            let up = |v: &Staged| {
-                match (v, states, &host.stored) {
-                    (Staged::Values { bf16: Some(b), .. }, DType::BF16, _) => {
-                        Tensor::from_slice(&b[..n], shape, &device)
-                    }
-                    (Staged::Values { f32s, .. }, _, _) => {
-                        Tensor::from_slice(&f32s[..n], shape, &device)
-                    }
-                    (Staged::Stored, DType::BF16, Some(t)) => crate::kernels::bytes_to_device(
-                        &t.bytes()[..2 * n],
-                        DType::BF16,
-                        &[shape.0, shape.1],
-                        &device,
-                    ),
-                    (Staged::Stored, ..) => Tensor::from_slice(&host.f32s()[..n], shape, &device),
+            let shape = [rows, g.k * g.cols];
+            let n = rows * g.k * g.cols;
+            let mut up = |v: Staged| -> Result<Tensor> {
+                let dtype = v.dtype(states, &g.host);
+                if let Some(t) = crate::kernels::reserve_aside(&device, dtype, &shape).ctx(what)? {
+                    g.copies.push((v, dtype, t.clone()));
+                    return Ok(t);
                 }
-                .ctx(|| "uploading the captured slots".to_string())
+                crate::kernels::bytes_to_device(v.bytes(dtype, &g.host, n), dtype, &shape, &device)
+                    .ctx(what)
             };
-            g.device = Some(up(&main)?);
+            let main = up(main)?;
+            let clean = clean.map(&mut up).transpose()?;
+            g.device = Some(main);
             if let (Some(c), Some((_, on_device))) = (clean, g.clean.as_mut()) {
-                *on_device = Some(up(&c)?);
+                *on_device = Some(c);
             }
         }
         Ok(())
+    }
+
+    /// The values of the slots [`OnlineSample::upload_staged`] reserved buffers for, copied
+    /// beside the device's work; whether there were any (the device's work must then wait for
+    /// them: [`crate::kernels::join_aside`]).
+    fn copy_reserved(&mut self) -> Result<bool> {
+        let mut copied = false;
+        for g in &mut self.groups {
+            for (v, dtype, t) in std::mem::take(&mut g.copies) {
+                let bytes = v.bytes(dtype, &g.host, t.elem_count());
+                crate::kernels::copy_aside(bytes, &t)
+                    .ctx(|| "copying the captured slots to the device".to_string())?;
+                copied = true;
+            }
+        }
+        Ok(copied)
     }
 
     /// Takes one reference state of this sample as the forward makes it. The states are
@@ -1133,6 +1171,16 @@ struct Separation {
 /// the best candidates' exact cosines; then each sample drops what no decision needs any
 /// more. A sample's decisions are those of scoring it alone, in any grouping of its states.
 pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
+    // Slots reserved on the device get their values now, beside the device's work, which
+    // then waits for them (on the device) before it scores anything.
+    let mut copied = false;
+    for s in samples.iter_mut() {
+        copied |= s.copy_reserved()?;
+    }
+    if let (true, Some(s)) = (copied, samples.first()) {
+        crate::kernels::join_aside(&s.device)
+            .ctx(|| "waiting for the captured slots' copies".to_string())?;
+    }
     let pending: Vec<Vec<(usize, Data)>> = samples
         .iter_mut()
         .map(|s| std::mem::take(&mut s.pending))
@@ -1141,6 +1189,7 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
         return Ok(());
     }
     let device = samples[0].device.clone();
+    phases::mark("diff: flush, copying slots", &device);
     // Their edge rows, for the bound.
     for (s, p) in samples.iter_mut().zip(&pending) {
         if s.keep_all {

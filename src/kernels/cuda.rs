@@ -14,7 +14,7 @@
 use super::{KernelDType, to_i32};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::{DType, Result};
-use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaStream, DevicePtr, LaunchConfig};
 
 /// A raw device address (`CUdeviceptr`).
 pub type DevPtr = u64;
@@ -393,6 +393,8 @@ struct Staging {
         cudarc::driver::CudaEvent,
     )>,
     next: usize,
+    /// The copy stream of [`reserve_aside`], made at its first use.
+    aside: Option<std::sync::Arc<CudaStream>>,
 }
 
 type StagingSlot = Option<(std::sync::Arc<cudarc::driver::CudaContext>, Option<Staging>)>;
@@ -459,7 +461,21 @@ pub fn upload_bytes(
         );
     }
     let stream = dev.cuda_stream();
-    STAGING.with(|cell| -> Result<Option<candle_core::Tensor>> {
+    with_staging(dev, |staging| {
+        let out = alloc(dev, dtype, n)?;
+        staged_copy(staging, src, storage_ptr(&out, 0)?, &stream)?;
+        Ok(tensor(out, shape))
+    })
+}
+
+/// `f` with this thread's staging buffers for `dev`'s context (made at the first call);
+/// `None` where the driver gave this thread no pinned memory.
+fn with_staging<T>(
+    dev: &CudaDevice,
+    f: impl FnOnce(&mut Staging) -> Result<T>,
+) -> Result<Option<T>> {
+    let stream = dev.cuda_stream();
+    STAGING.with(|cell| -> Result<Option<T>> {
         let mut cell = cell.borrow_mut();
         let ctx = stream.context();
         if cell
@@ -480,37 +496,95 @@ pub fn upload_bytes(
         let Some((_, Some(staging))) = cell.as_mut() else {
             return Ok(None);
         };
-        let out = alloc(dev, dtype, n)?;
-        let dst = storage_ptr(&out, 0)?;
-        for (at, piece) in (0..src.len())
-            .step_by(STAGING_BYTES)
-            .map(|at| (at, &src[at..src.len().min(at + STAGING_BYTES)]))
-        {
-            let (buf, done) = &mut staging.bufs[staging.next];
-            staging.next = (staging.next + 1) % STAGING_BUFFERS;
-            // The device's last copy out of this buffer is over before it is written again.
-            done.synchronize().map_err(candle_core::Error::wrap)?;
-            let host = &mut buf.as_mut_slice().map_err(candle_core::Error::wrap)?[..piece.len()];
-            {
-                use rayon::prelude::*;
-                host.par_chunks_mut(8 << 20)
-                    .zip(piece.par_chunks(8 << 20))
-                    .for_each(|(d, s)| d.copy_from_slice(s));
-            }
-            // SAFETY: `host` is pinned memory that stays untouched until `done` (recorded just
-            // after) has passed; `dst + at` starts a range of `piece.len()` bytes inside `out`.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    dst + at as u64,
-                    &*host,
-                    stream.cu_stream(),
-                )
-            }
-            .map_err(|e| candle_core::Error::Msg(format!("staged copy to the device: {e:?}")))?;
-            done.record(&stream).map_err(candle_core::Error::wrap)?;
-        }
-        Ok(Some(tensor(out, shape)))
+        f(staging).map(Some)
     })
+}
+
+/// `src` copied to the device at `dst` (a range of `src.len()` bytes) through the staging
+/// buffers, each piece asynchronously on `stream`: the host waits only for the last copy out
+/// of the buffer it fills next.
+fn staged_copy(staging: &mut Staging, src: &[u8], dst: DevPtr, stream: &CudaStream) -> Result<()> {
+    for (at, piece) in (0..src.len())
+        .step_by(STAGING_BYTES)
+        .map(|at| (at, &src[at..src.len().min(at + STAGING_BYTES)]))
+    {
+        let (buf, done) = &mut staging.bufs[staging.next];
+        staging.next = (staging.next + 1) % STAGING_BUFFERS;
+        // The device's last copy out of this buffer is over before it is written again.
+        done.synchronize().map_err(candle_core::Error::wrap)?;
+        let host = &mut buf.as_mut_slice().map_err(candle_core::Error::wrap)?[..piece.len()];
+        {
+            use rayon::prelude::*;
+            host.par_chunks_mut(8 << 20)
+                .zip(piece.par_chunks(8 << 20))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+        }
+        // SAFETY: `host` is pinned memory that stays untouched until `done` (recorded just
+        // after) has passed; `dst + at` starts a range of `piece.len()` bytes the caller owns.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst + at as u64, &*host, stream.cu_stream())
+        }
+        .map_err(|e| candle_core::Error::Msg(format!("staged copy to the device: {e:?}")))?;
+        done.record(stream).map_err(candle_core::Error::wrap)?;
+    }
+    Ok(())
+}
+
+/// A device buffer of `dtype` and `shape` that [`copy_aside`] fills later, on this thread's
+/// copy stream, beside the device's stream: copies there wait neither for the work queued on
+/// the device's stream nor hold it up, so the host's share (into the pinned staging) and the
+/// transfer run while the device computes. Allocated on the device's stream, from its pool,
+/// which may hand out memory that work still queued there last used: the copy stream waits
+/// for that work first (take these before queueing much). `None` where the thread has no
+/// pinned staging (the caller copies as it otherwise would).
+pub fn reserve_aside(
+    dev: &CudaDevice,
+    dtype: DType,
+    shape: candle_core::Shape,
+) -> Result<Option<candle_core::Tensor>> {
+    with_staging(dev, |staging| {
+        let out = alloc(dev, dtype, shape.elem_count())?;
+        staging
+            .aside(dev)?
+            .join(&dev.cuda_stream())
+            .map_err(candle_core::Error::wrap)?;
+        Ok(tensor(out, shape))
+    })
+}
+
+/// `src` (the little-endian bytes of `dst`'s values) into `dst`, a tensor of
+/// [`reserve_aside`], on this thread's copy stream; the device's stream reads it only after
+/// [`join_aside`].
+pub fn copy_aside(src: &[u8], dst: &candle_core::Tensor) -> Result<()> {
+    let candle_core::Device::Cuda(dev) = dst.device() else {
+        candle_core::bail!("copy_aside: a destination on {:?}", dst.device().location());
+    };
+    let bytes = dst.elem_count() * dst.dtype().size_in_bytes();
+    if src.len() != bytes || !dst.is_contiguous() {
+        candle_core::bail!(
+            "copy_aside: {} bytes into {:?} {:?}",
+            src.len(),
+            dst.dtype(),
+            dst.dims()
+        );
+    }
+    let dst_ptr = tensor_ptr(dst)?;
+    let copied = with_staging(dev, |staging| {
+        let aside = staging.aside(dev)?;
+        staged_copy(staging, src, dst_ptr, &aside)
+    })?;
+    copied.ok_or_else(|| candle_core::Error::Msg("copy_aside: no pinned staging".into()))
+}
+
+/// The device's stream waits (on the device) for this thread's copies aside so far.
+pub fn join_aside(dev: &CudaDevice) -> Result<()> {
+    let joined = with_staging(dev, |staging| {
+        let aside = staging.aside(dev)?;
+        dev.cuda_stream()
+            .join(&aside)
+            .map_err(candle_core::Error::wrap)
+    })?;
+    joined.ok_or_else(|| candle_core::Error::Msg("join_aside: no pinned staging".into()))
 }
 
 impl Drop for Staging {
@@ -535,6 +609,24 @@ impl Staging {
                 Ok((buf, done))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Staging { bufs, next: 0 })
+        Ok(Staging {
+            bufs,
+            next: 0,
+            aside: None,
+        })
+    }
+
+    /// This thread's copy stream for `dev` (the staging's context).
+    fn aside(&mut self, dev: &CudaDevice) -> Result<std::sync::Arc<CudaStream>> {
+        if let Some(s) = &self.aside {
+            return Ok(s.clone());
+        }
+        let s = dev
+            .cuda_stream()
+            .context()
+            .new_stream()
+            .map_err(candle_core::Error::wrap)?;
+        self.aside = Some(s.clone());
+        Ok(s)
     }
 }
