@@ -394,3 +394,16 @@ extern "C" __global__ void score_finish(const double *partials, int chunks, int 
         o[7] = paired(head, tail);
     }
 }
+
+// gather_blocks: n blocks of `bytes` bytes each (a multiple of 16, every address 16-byte
+// aligned; the launcher checks), block b from src[b] to dst + b * bytes: the edge rows of every
+// state a flush scores, each state's head and tail rows one block each, in one launch. Grid
+// (x, n), 256 threads; each block of the grid strides over its copy 16 bytes a thread.
+extern "C" __global__ void gather_blocks(const long long *src, long long bytes, uint4 *dst) {
+    const long long n16 = bytes / 16;
+    const uint4 *from = reinterpret_cast<const uint4 *>(src[blockIdx.y]);
+    uint4 *to = dst + (long long)blockIdx.y * n16;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16;
+         i += (long long)gridDim.x * blockDim.x)
+        to[i] = from[i];
+}

@@ -1190,13 +1190,32 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
     }
     let device = samples[0].device.clone();
     phases::mark("diff: flush, copying slots", &device);
-    // Their edge rows, for the bound.
-    for (s, p) in samples.iter_mut().zip(&pending) {
+    // Their edge rows, for the bound: a host state's copied; a device state's stay there (the
+    // bound's edge sums are taken there, for the few pairs that need them, rather than every
+    // state's rows read back), from one gather per state shape, a narrow of it each.
+    type Shape = (Vec<usize>, &'static str);
+    let mut shapes: BTreeMap<Shape, Vec<(usize, usize, &Tensor)>> = BTreeMap::new();
+    for (i, (s, p)) in samples.iter_mut().zip(&pending).enumerate() {
         if s.keep_all {
             continue;
         }
         for (q, data) in p {
-            s.edges[*q] = Some(edge_rows(data, s.rows)?);
+            match data {
+                Data::Host(v) => s.edges[*q] = Some(host_edge_rows(v, s.rows)),
+                Data::Device(t) => shapes
+                    .entry((t.dims().to_vec(), t.dtype().as_str()))
+                    .or_default()
+                    .push((i, *q, t)),
+            }
+        }
+    }
+    let what = || "the edge rows of the reference states".to_string();
+    for states in shapes.into_values() {
+        let all: Vec<&Tensor> = states.iter().map(|&(_, _, t)| t).collect();
+        let edges = crate::kernels::score::edge_rows_all(&all, EDGE).ctx(what)?;
+        for (n, (i, q, _)) in states.into_iter().enumerate() {
+            let e = edges.narrow(0, 2 * EDGE * n, 2 * EDGE).ctx(what)?;
+            samples[i].edges[q] = Some(Data::Device(e));
         }
     }
     phases::mark("diff: flush, edge rows", &device);
@@ -1601,23 +1620,12 @@ fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<Pa
     Ok(out)
 }
 
-/// Rows `0..EDGE` and `rows - EDGE..rows` of a state (`[2 * EDGE, H]`), where it is: a
-/// device state's stay there (the bound's edge sums are taken there, for the few pairs that
-/// need them, rather than every state's rows read back).
-fn edge_rows(state: &Data, rows: usize) -> Result<Data> {
-    let what = || "the edge rows of a reference state".to_string();
-    Ok(match state {
-        Data::Host(v) => {
-            let h = v.len() / rows.max(1);
-            let mut e = v[..EDGE * h].to_vec();
-            e.extend_from_slice(&v[(rows - EDGE) * h..rows * h]);
-            Data::Host(Arc::new(e))
-        }
-        Data::Device(d) => {
-            let (first, last) = (d.narrow(0, 0, EDGE), d.narrow(0, rows - EDGE, EDGE));
-            Data::Device(Tensor::cat(&[first.ctx(what)?, last.ctx(what)?], 0).ctx(what)?)
-        }
-    })
+/// Rows `0..EDGE` and `rows - EDGE..rows` of a host state (`[2 * EDGE, H]`).
+fn host_edge_rows(v: &[f32], rows: usize) -> Data {
+    let h = v.len() / rows.max(1);
+    let mut e = v[..EDGE * h].to_vec();
+    e.extend_from_slice(&v[(rows - EDGE) * h..rows * h]);
+    Data::Host(Arc::new(e))
 }
 
 /// The best pair again in f64 throughout (`score_all`), on the host.

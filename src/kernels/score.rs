@@ -200,6 +200,92 @@ pub fn score_jobs_split(
     score_jobs_with(jobs, slots, cols, precision, SCORE_KERNEL, edge).map(|(sums, _)| sums)
 }
 
+/// Rows `0..edge` and `rows - edge..rows` of every state (each `[rows, h]` with `rows >= edge`,
+/// all of one shape, type and device), as one tensor `[2 * edge * n, h]`: state i's head then
+/// tail rows at rows `2 * edge * i..`. On a GPU in one launch for all where every state is
+/// contiguous and the copies are whole 16-byte words (kernels/score.cu `gather_blocks`; one
+/// copy per state's rows took 12 us a state, run 49); elsewhere each state's rows joined.
+pub fn edge_rows_all(states: &[&Tensor], edge: usize) -> Result<Tensor> {
+    let Some(first) = states.first() else {
+        candle_core::bail!("edge_rows_all: no states");
+    };
+    let (rows, _) = first.dims2()?;
+    if rows < edge {
+        candle_core::bail!("edge_rows_all: {edge} edge rows of {rows}");
+    }
+    for t in states {
+        if t.dims() != first.dims()
+            || t.dtype() != first.dtype()
+            || !t.device().same_device(first.device())
+        {
+            candle_core::bail!(
+                "edge_rows_all: a state {:?} {:?} among {:?} {:?}",
+                t.dims(),
+                t.dtype(),
+                first.dims(),
+                first.dtype()
+            );
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = first.device()
+        && let Some(t) = edge_rows_on_gpu(dev, states, first.dims2()?, edge)?
+    {
+        return Ok(t);
+    }
+    let parts = states
+        .iter()
+        .flat_map(|t| [t.narrow(0, 0, edge), t.narrow(0, rows - edge, edge)])
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 0)
+}
+
+/// [`edge_rows_all`] in one `gather_blocks` launch; `None` where a state is not contiguous, a
+/// copy is not whole 16-byte words, or there are more copies than a grid's column.
+#[cfg(feature = "cuda")]
+fn edge_rows_on_gpu(
+    dev: &candle_core::CudaDevice,
+    states: &[&Tensor],
+    (rows, h): (usize, usize),
+    edge: usize,
+) -> Result<Option<Tensor>> {
+    use super::cuda::{Module, alloc, cfg, function, launch, storage_ptr, tensor, tensor_ptr};
+    let dtype = states[0].dtype();
+    let bytes = edge * h * dtype.size_in_bytes();
+    let tail = ((rows - edge) * h * dtype.size_in_bytes()) as u64;
+    let copies = 2 * states.len();
+    if bytes == 0 || !bytes.is_multiple_of(16) || copies > MAX_GROUPS {
+        return Ok(None);
+    }
+    let mut src = Vec::with_capacity(copies);
+    for t in states {
+        let p = tensor_ptr(t)?;
+        if !t.is_contiguous() || !p.is_multiple_of(16) || !tail.is_multiple_of(16) {
+            return Ok(None);
+        }
+        for at in [p, p + tail] {
+            src.push(
+                i64::try_from(at)
+                    .map_err(|_| candle_core::Error::Msg(format!("address {at:#x}")))?,
+            );
+        }
+    }
+    let gpu = Device::Cuda(dev.clone());
+    let table = Tensor::new(src.as_slice(), &gpu)?;
+    let out = alloc(dev, dtype, copies * edge * h)?;
+    let words = bytes / 16;
+    let x = words.div_ceil(256).min(64);
+    let func = function(dev, Module::Score, "gather_blocks")?;
+    launch!(
+        dev,
+        func,
+        "gather_blocks",
+        cfg((x as u32, copies as u32, 1), 256, 0)?,
+        [tensor_ptr(&table)?, bytes as i64, storage_ptr(&out, 0)?,]
+    );
+    Ok(Some(tensor(out, (copies * edge, h))))
+}
+
 /// The element types a launch reads (kernels/score.cu's entry points): the captured rows and
 /// the states both f32, f32 rows against bf16 states (a forward's states as it made them), or
 /// both bf16 (a state read as a slot).
@@ -1371,6 +1457,55 @@ mod tests {
     #[test]
     fn device_states_read_as_slots_score_as_their_packed_columns() {
         states_as_slots_against_packed(&crate::kernels::testing::gpu());
+    }
+
+    /// Every state's edge rows in one tensor, each state's head then tail: the rows of the
+    /// states themselves, for whole 16-byte copies (the GPU's one launch) and ragged ones
+    /// (joined narrows), bf16 and f32, states that are views into a larger tensor; mixed
+    /// shapes are refused.
+    #[test]
+    fn edge_rows_all_are_each_states_head_and_tail() {
+        edge_rows_against_states(&Device::Cpu);
+    }
+
+    fn edge_rows_against_states(device: &Device) {
+        let edge = 8;
+        for (rows, h, n) in [(40, 64, 3), (17, 7, 5), (16, 32, 1)] {
+            let all =
+                Tensor::from_vec(random_vec(n * rows * h, 53), (n, rows, h), &Device::Cpu).unwrap();
+            for dtype in [DType::BF16, DType::F32] {
+                let on = all.to_dtype(dtype).unwrap().to_device(device).unwrap();
+                let states: Vec<Tensor> = (0..n).map(|q| on.get(q).unwrap()).collect();
+                let got = edge_rows_all(&states.iter().collect::<Vec<_>>(), edge).unwrap();
+                assert_eq!(got.dims(), [2 * edge * n, h], "{rows} {h} {dtype:?}");
+                let got = got
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap();
+                let host = all.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+                for q in 0..n {
+                    let state = host.get(q).unwrap();
+                    for (e, row) in (0..edge).chain(rows - edge..rows).enumerate() {
+                        let want = state.get(row).unwrap().to_vec1::<f32>().unwrap();
+                        let have = got.get(2 * edge * q + e).unwrap().to_vec1::<f32>().unwrap();
+                        assert!(want == have, "{rows} {h} {dtype:?}: state {q} edge row {e}");
+                    }
+                }
+            }
+        }
+        let (a, b) = (
+            Tensor::zeros((20, 8), DType::F32, device).unwrap(),
+            Tensor::zeros((21, 8), DType::F32, device).unwrap(),
+        );
+        assert!(edge_rows_all(&[&a, &b], edge).is_err());
+        assert!(edge_rows_all(&[], edge).is_err());
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_edge_rows_all_are_each_states_head_and_tail() {
+        edge_rows_against_states(&crate::kernels::testing::gpu());
     }
 
     #[cfg(feature = "cuda")]
