@@ -1173,13 +1173,24 @@ struct Separation {
 pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
     // Slots reserved on the device get their values now, beside the device's work, which
     // then waits for them (on the device) before it scores anything.
-    let mut copied = false;
+    // Where a copy fails, the device's stream still waits for those already under way: their
+    // buffers are freed on it.
+    let (mut copied, mut failed) = (false, None);
     for s in samples.iter_mut() {
-        copied |= s.copy_reserved()?;
+        match s.copy_reserved() {
+            Ok(c) => copied |= c,
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
     }
-    if let (true, Some(s)) = (copied, samples.first()) {
+    if let (true, Some(s)) = (copied || failed.is_some(), samples.first()) {
         crate::kernels::join_aside(&s.device)
             .ctx(|| "waiting for the captured slots' copies".to_string())?;
+    }
+    if let Some(e) = failed {
+        return Err(e);
     }
     let pending: Vec<Vec<(usize, Data)>> = samples
         .iter_mut()
