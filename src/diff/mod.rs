@@ -227,6 +227,7 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
         let _closed = ahead.closer();
         let mut pending = Pass::default();
         while let Some(read) = ahead.pop() {
+            crate::model::phases::mark("diff: waiting for the captures", &device);
             let (read, bytes) = read?;
             if !batched {
                 let (unit, _) = read;
@@ -689,6 +690,7 @@ impl Judge<'_> {
                 })
                 .collect()
         };
+        crate::model::phases::mark("diff: the reader's preparations", &device);
         let mut prepared: Vec<Vec<Option<Prepared>>> = Vec::with_capacity(units.len());
         for ((_, samples), host) in units.iter().zip(host) {
             let mut unit = Vec::with_capacity(samples.len());
@@ -757,6 +759,7 @@ impl Judge<'_> {
         if !device.is_cpu() {
             free_elsewhere(spent);
         }
+        crate::model::phases::mark("diff: recording", &device);
         Ok(())
     }
 
