@@ -746,42 +746,20 @@ impl OnlineSample {
                 pairs: Vec::new(),
                 nearest: Vec::new(),
             });
-            fn at(q: usize, b: &mut Building) -> usize {
-                match b.states.iter().position(|&p| p == q) {
-                    Some(i) => i,
-                    None => {
-                        b.states.push(q);
-                        b.states.len() - 1
-                    }
-                }
-            }
             let mut others = Vec::new();
             for p in states.into_iter().filter(|p| self.kept.contains_key(p)) {
                 for i in layout.on_state(p) {
                     if i != j && layout.candidate(i).0 != best {
-                        let pair = (at(p, b), layout.candidate(i).2 - sj);
-                        let place = match b.pairs.iter().position(|&x| x == pair) {
-                            Some(c) => c,
-                            None => {
-                                b.pairs.push(pair);
-                                b.pairs.len() - 1
-                            }
-                        };
-                        others.push((i, place));
+                        let pair = (place_of(&mut b.states, p), layout.candidate(i).2 - sj);
+                        others.push((i, place_of(&mut b.pairs, pair)));
                     }
                 }
             }
             if others.is_empty() {
                 continue;
             }
-            let slot_state = at(qj, b);
-            let slot = match b.slots.iter().position(|&s| s == slot_state) {
-                Some(s) => s,
-                None => {
-                    b.slots.push(slot_state);
-                    b.slots.len() - 1
-                }
-            };
+            let slot_state = place_of(&mut b.states, qj);
+            let slot = place_of(&mut b.slots, slot_state);
             b.nearest.push(Nearest { key, slot, others });
         }
         by_cols
@@ -1459,6 +1437,14 @@ struct Ask {
     /// Empty (slot s is columns `col0 + s * spacing..` of `x`), or per slot the state read as
     /// it (`states[q]`, columns `0..cols`; `x` is the first).
     slot_states: Vec<usize>,
+}
+
+/// Where `x` is in `v`, added at the end if it is not there.
+fn place_of<T: PartialEq + Copy>(v: &mut Vec<T>, x: T) -> usize {
+    v.iter().position(|&y| y == x).unwrap_or_else(|| {
+        v.push(x);
+        v.len() - 1
+    })
 }
 
 /// A best candidate's separations in a [`OnlineSample::nearest_asks`] ask: its key
