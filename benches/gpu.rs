@@ -298,12 +298,7 @@ mod gpu {
             let x = Tensor::randn(0f32, 1.0, (t, k * h), &device).unwrap();
             let refs = Tensor::randn(0f32, 1.0, (n_states, t, h), &device).unwrap();
             let states: Vec<Tensor> = (0..n_states).map(|q| refs.get(q).unwrap()).collect();
-            let job = Job {
-                x: &x,
-                states: states.iter().collect(),
-                candidates: cands,
-                slot_states: Vec::new(),
-            };
+            let job = Job::new(&x, states.iter().collect(), cands);
             let table = Table::of(std::slice::from_ref(&job), k, h).unwrap();
             let n = table.n_cand;
             let uploaded = Tensor::new(table.values.as_slice(), &device).unwrap();
@@ -390,24 +385,13 @@ mod gpu {
             let mut jobs = Vec::new();
             let mut two = Vec::new();
             for ((x, xi), st) in xs.iter().zip(&inner).zip(&states) {
-                jobs.push(Job {
-                    x,
-                    states: st.iter().collect(),
-                    candidates: cands.clone(),
-                    slot_states: Vec::new(),
-                });
-                two.push(Job {
-                    x,
-                    states: st.iter().collect(),
-                    candidates: cands.clone(),
-                    slot_states: Vec::new(),
-                });
-                two.push(Job {
-                    x: xi,
-                    states: st.iter().collect(),
-                    candidates: cands.iter().map(|&(q, d)| (q, d + edge as isize)).collect(),
-                    slot_states: Vec::new(),
-                });
+                jobs.push(Job::new(x, st.iter().collect(), cands.clone()));
+                two.push(Job::new(x, st.iter().collect(), cands.clone()));
+                two.push(Job::new(
+                    xi,
+                    st.iter().collect(),
+                    cands.iter().map(|&(q, d)| (q, d + edge as isize)).collect(),
+                ));
             }
             let bytes = (samples * (t * k * h + 2 * t * h)) as f64 * 2.0;
             let floor_ms = bytes / COPY_BYTES_PER_S * 1e3;

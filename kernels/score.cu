@@ -77,7 +77,7 @@ __device__ __forceinline__ Job<X> job_at(const long long *jobs, int n_jobs, long
     return r;
 }
 
-// Row 0 of slot s of a job: columns s * cols on of x, or a state's row 0 (see `jobs`).
+// Row 0 of slot s of a job: x's columns from s * cols, or a state's row 0 (see `jobs`).
 template <typename X>
 __device__ __forceinline__ const X *slot_row0(const Job<X> &job, const long long *state_ptr, int s,
                                               int cols) {
@@ -229,7 +229,8 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
     float cc[SCORE_GROUP] = {}, cc_own[SCORE_SLOTS][SCORE_GROUP] = {};
     const X *x0[SCORE_SLOTS];
 #pragma unroll
-    for (int s = 0; s < SCORE_SLOTS; ++s) x0[s] = s < ns ? slot_row0(job, state_ptr, s0 + s, cols) : job.x;
+    for (int s = 0; s < SCORE_SLOTS; ++s)
+        x0[s] = s < ns ? slot_row0(job, state_ptr, s0 + s, cols) : job.x;
     long lo, hi;
     chunk_span(chunk, job.rows, edge, rows_per_chunk, lo, hi);
     for (long t = lo; t < hi; ++t) {

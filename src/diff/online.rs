@@ -713,13 +713,12 @@ impl OnlineSample {
             .iter()
             .flat_map(|g| g.best.iter().flatten().map(move |&j| (j, g.cols)))
         {
-            if !wanted.contains(&key) {
-                wanted.push(key);
-            }
+            place_of(&mut wanted, key);
         }
         self.near.retain(|key, _| wanted.contains(key));
         let layout = self.layout;
         // Per slot width: the asks' states (kept states by index), slot states and pairs.
+        #[derive(Default)]
         struct Building {
             states: Vec<usize>,
             slots: Vec<usize>,
@@ -740,12 +739,7 @@ impl OnlineSample {
             if !self.kept.contains_key(&qj) {
                 continue;
             }
-            let b = by_cols.entry(cols).or_insert_with(|| Building {
-                states: Vec::new(),
-                slots: Vec::new(),
-                pairs: Vec::new(),
-                nearest: Vec::new(),
-            });
+            let b = by_cols.entry(cols).or_default();
             let mut others = Vec::new();
             for p in states.into_iter().filter(|p| self.kept.contains_key(p)) {
                 for i in layout.on_state(p) {
@@ -1255,12 +1249,13 @@ pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
     let mut whose = Vec::new();
     for (i, (s, m)) in samples.iter_mut().zip(&made).enumerate() {
         for (nearest, ask) in s.nearest_asks(m) {
-            whose.push((i, ask.pairs.len(), nearest));
+            whose.push((i, nearest));
             asks.push(ask);
         }
     }
     let sums = run_asks(&asks, Precision::F32, "separating two states")?;
-    for ((i, m, nearest), sums) in whose.into_iter().zip(sums) {
+    for (((i, nearest), ask), sums) in whose.into_iter().zip(&asks).zip(sums) {
+        let m = ask.pairs.len();
         for Nearest { key, slot, others } in nearest {
             let near = samples[i].near.entry(key).or_default();
             for (c, place) in others {

@@ -423,11 +423,8 @@ pub fn upload(t: &candle_core::Tensor, dev: &CudaDevice) -> Result<Option<candle
     if !layout.is_contiguous() {
         return Ok(None);
     }
+    use super::values_as_bytes as bytes_of;
     use candle_core::CpuStorage as C;
-    fn bytes_of<T>(v: &[T]) -> &[u8] {
-        // SAFETY: plain numeric values; the byte view covers exactly the slice's memory.
-        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
-    }
     let (all, dtype) = match cpu {
         C::F32(v) => (bytes_of(v), DType::F32),
         C::F16(v) => (bytes_of(v), DType::F16),

@@ -468,19 +468,9 @@ mod tests {
         let mut copies = Vec::new();
         for dtype in [DType::BF16, DType::F32] {
             let t = host.to_dtype(dtype).unwrap();
-            let bytes: Vec<u8> = match dtype {
-                DType::BF16 => t
-                    .to_vec1::<bf16>()
-                    .unwrap()
-                    .into_iter()
-                    .flat_map(bf16::to_le_bytes)
-                    .collect(),
-                _ => t
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .into_iter()
-                    .flat_map(f32::to_le_bytes)
-                    .collect(),
+            let bytes = match dtype {
+                DType::BF16 => values_as_bytes(&t.to_vec1::<bf16>().unwrap()).to_vec(),
+                _ => values_as_bytes(&t.to_vec1::<f32>().unwrap()).to_vec(),
             };
             let dst = reserve_aside(&gpu, dtype, &[n])
                 .unwrap()

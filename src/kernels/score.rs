@@ -123,6 +123,7 @@ pub enum Precision {
 /// states, shift)`. A batch of samples is one job per sample, scored in one launch. The values
 /// are f32 or bf16 ([`Elems`]): a bf16 value widens to f32 exactly, so the sums are those of
 /// the widened tensors.
+#[derive(Clone)]
 pub struct Job<'a> {
     pub x: &'a Tensor,
     pub states: Vec<&'a Tensor>,
@@ -162,12 +163,7 @@ pub fn score_slots(
     let states = (0..n_states)
         .map(|q| refs.get(q))
         .collect::<Result<Vec<_>>>()?;
-    let job = Job {
-        x,
-        states: states.iter().collect(),
-        candidates: candidates.to_vec(),
-        slot_states: Vec::new(),
-    };
+    let job = Job::new(x, states.iter().collect(), candidates.to_vec());
     let mut out = score_jobs(&[job], slots, cols, Precision::F32)?;
     Ok(out.pop().unwrap_or_default())
 }
@@ -203,8 +199,8 @@ pub fn score_jobs_split(
 /// Rows `0..edge` and `rows - edge..rows` of every state (each `[rows, h]` with `rows >= edge`,
 /// all of one shape, type and device), as one tensor `[2 * edge * n, h]`: state i's head then
 /// tail rows at rows `2 * edge * i..`. On a GPU in one launch for all where every state is
-/// contiguous and the copies are whole 16-byte words (kernels/score.cu `gather_blocks`; one
-/// copy per state's rows took 12 us a state, run 49); elsewhere each state's rows joined.
+/// contiguous and the copies are whole 16-byte words (kernels/score.cu `gather_blocks`; a join
+/// of two narrows per state took 12-13 us a state, run 49); elsewhere each state's rows joined.
 pub fn edge_rows_all(states: &[&Tensor], edge: usize) -> Result<Tensor> {
     let Some(first) = states.first() else {
         candle_core::bail!("edge_rows_all: no states");
@@ -254,13 +250,13 @@ fn edge_rows_on_gpu(
     let bytes = edge * h * dtype.size_in_bytes();
     let tail = ((rows - edge) * h * dtype.size_in_bytes()) as u64;
     let copies = 2 * states.len();
-    if bytes == 0 || !bytes.is_multiple_of(16) || copies > MAX_GROUPS {
+    if bytes == 0 || !bytes.is_multiple_of(16) || !tail.is_multiple_of(16) || copies > MAX_GROUPS {
         return Ok(None);
     }
     let mut src = Vec::with_capacity(copies);
     for t in states {
         let p = tensor_ptr(t)?;
-        if !t.is_contiguous() || !p.is_multiple_of(16) || !tail.is_multiple_of(16) {
+        if !t.is_contiguous() || !p.is_multiple_of(16) {
             return Ok(None);
         }
         for at in [p, p + tail] {
@@ -348,7 +344,7 @@ fn job_shape(job: &Job, slots: usize, cols: usize) -> Result<JobShape> {
     if job.x.rank() != 2 || x.cols < slot_cols {
         candle_core::bail!(
             "score_jobs: {slots} slots of {cols} need [rows, >= {}] of x, found {:?}",
-            slots * cols,
+            slot_cols,
             job.x.dims()
         );
     }
@@ -429,10 +425,10 @@ fn score_jobs_with(
                             Tensor::cat(&parts, 1)
                         })
                         .transpose()?;
-                    let job = &match &packed {
-                        Some(x) => Job::new(x, job.states.clone(), job.candidates.clone()),
-                        None => Job::new(job.x, job.states.clone(), job.candidates.clone()),
-                    };
+                    let packed_job = packed
+                        .as_ref()
+                        .map(|x| Job::new(x, job.states.clone(), job.candidates.clone()));
+                    let job = packed_job.as_ref().unwrap_or(job);
                     let mut sums = score_job_cpu(job, slots, cols, precision)?;
                     if edge > 0 {
                         sums.extend(interior_cpu(job, slots, cols, precision, edge)?);
@@ -487,12 +483,7 @@ fn score_job_cpu(
             .iter()
             .map(|t| t.to_dtype(DType::F32))
             .collect::<Result<Vec<_>>>()?;
-        let widened = Job {
-            x: &x,
-            states: states.iter().collect(),
-            candidates: job.candidates.clone(),
-            slot_states: Vec::new(),
-        };
+        let widened = Job::new(&x, states.iter().collect(), job.candidates.clone());
         return score_job_cpu(&widened, slots, cols, precision);
     }
     let x = host_rows(job.x, &s.x, "score x")?;
@@ -529,16 +520,12 @@ fn interior_cpu(
         return Ok(vec![PairSums::default(); slots * job.candidates.len()]);
     }
     let x = job.x.narrow(0, edge, rows - 2 * edge)?;
-    let inner = Job {
-        x: &x,
-        states: job.states.clone(),
-        candidates: job
-            .candidates
-            .iter()
-            .map(|&(q, shift)| (q, shift + edge as isize))
-            .collect(),
-        slot_states: Vec::new(),
-    };
+    let moved = job
+        .candidates
+        .iter()
+        .map(|&(q, shift)| (q, shift + edge as isize))
+        .collect();
+    let inner = Job::new(&x, job.states.clone(), moved);
     score_job_cpu(&inner, slots, cols, precision)
 }
 
@@ -1145,12 +1132,13 @@ mod tests {
         let jobs: Vec<Job> = cases
             .iter()
             .zip(&states)
-            .map(|((x, _), st)| Job {
-                x,
-                states: st.iter().collect(),
-                // Not a multiple of four: the next job's candidates start a new group.
-                candidates: candidates(st.len()).into_iter().skip(1).collect(),
-                slot_states: Vec::new(),
+            .map(|((x, _), st)| {
+                Job::new(
+                    x,
+                    st.iter().collect(),
+                    // Not a multiple of four: the next job's candidates start a new group.
+                    candidates(st.len()).into_iter().skip(1).collect(),
+                )
             })
             .collect();
         for precision in [Precision::F32, Precision::F64] {
@@ -1215,18 +1203,8 @@ mod tests {
                 let st: Vec<Tensor> = (0..n_states).map(|q| rs.get(q).unwrap()).collect();
                 let st32: Vec<Tensor> = (0..n_states).map(|q| rs32.get(q).unwrap()).collect();
                 let (job, job32) = (
-                    Job {
-                        x: &xs,
-                        states: st.iter().collect(),
-                        candidates: cands.clone(),
-                        slot_states: Vec::new(),
-                    },
-                    Job {
-                        x: &xs32,
-                        states: st32.iter().collect(),
-                        candidates: cands.clone(),
-                        slot_states: Vec::new(),
-                    },
+                    Job::new(&xs, st.iter().collect(), cands.clone()),
+                    Job::new(&xs32, st32.iter().collect(), cands.clone()),
                 );
                 for precision in [Precision::F32, Precision::F64] {
                     for kernel in [ScoreKernel::PerSlot, ScoreKernel::Vec4] {
@@ -1308,12 +1286,7 @@ mod tests {
             fn jobs_of<'a>(xs: &'a [Tensor], states: &'a [Vec<Tensor>]) -> Vec<Job<'a>> {
                 xs.iter()
                     .zip(states)
-                    .map(|(x, st)| Job {
-                        x,
-                        states: st.iter().collect(),
-                        candidates: candidates(st.len()),
-                        slot_states: Vec::new(),
-                    })
+                    .map(|(x, st)| Job::new(x, st.iter().collect(), candidates(st.len())))
                     .collect()
             }
             let (jobs, masked_jobs) = (jobs_of(&xs, &states), jobs_of(&masked, &states));
@@ -1411,7 +1384,7 @@ mod tests {
                 }
                 for precision in [Precision::F32, Precision::F64] {
                     for kernel in [ScoreKernel::PerSlot, ScoreKernel::Vec4] {
-                        let jobs = [as_slots_clone(&as_slots), columns_clone(&columns)];
+                        let jobs = [as_slots.clone(), columns.clone()];
                         let (got, ran) =
                             score_jobs_with(&jobs, slots, cols, precision, kernel, edge).unwrap();
                         let what = format!("{dtype:?} edge {edge} {precision:?} {kernel:?}");
@@ -1438,19 +1411,6 @@ mod tests {
             slot_states: vec![0, n_states],
         };
         assert!(score_jobs(&[bad], 2, cols, Precision::F32).is_err());
-    }
-
-    fn as_slots_clone<'a>(job: &Job<'a>) -> Job<'a> {
-        Job {
-            x: job.x,
-            states: job.states.clone(),
-            candidates: job.candidates.clone(),
-            slot_states: job.slot_states.clone(),
-        }
-    }
-
-    fn columns_clone<'a>(job: &Job<'a>) -> Job<'a> {
-        Job::new(job.x, job.states.clone(), job.candidates.clone())
     }
 
     #[cfg(feature = "cuda")]
@@ -1563,12 +1523,7 @@ mod tests {
                 let xg = xw.to_device(&gpu).unwrap();
                 let rg = rw.to_device(&gpu).unwrap();
                 let states: Vec<Tensor> = (0..n_states).map(|q| rg.get(q).unwrap()).collect();
-                let job = Job {
-                    x: &xg,
-                    states: states.iter().collect(),
-                    candidates: cands.clone(),
-                    slot_states: Vec::new(),
-                };
+                let job = Job::new(&xg, states.iter().collect(), cands.clone());
                 for kernel in [ScoreKernel::PerSlot, ScoreKernel::Vec4] {
                     let (mut got, ran) = score_jobs_with(
                         std::slice::from_ref(&job),
