@@ -260,10 +260,7 @@ fn edge_rows_on_gpu(
             return Ok(None);
         }
         for at in [p, p + tail] {
-            src.push(
-                i64::try_from(at)
-                    .map_err(|_| candle_core::Error::Msg(format!("address {at:#x}")))?,
-            );
+            src.push(launch::addr(at)?);
         }
     }
     let gpu = Device::Cuda(dev.clone());
@@ -656,7 +653,8 @@ pub mod launch {
         pub elems: Elems,
     }
 
-    fn addr(p: DevPtr) -> Result<i64> {
+    /// A device address as the kernels' tables hold it.
+    pub(super) fn addr(p: DevPtr) -> Result<i64> {
         i64::try_from(p).map_err(|_| candle_core::Error::Msg(format!("address {p:#x}")))
     }
 
