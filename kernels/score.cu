@@ -7,10 +7,13 @@
 //              job's captured row t with row t + shift of state `state`, for the t < rows with
 //              0 <= t + shift < ref_rows. Every four candidates 4g..4g+3 belong to one job (the
 //              launcher pads with state -1).
-//   jobs       [6, n_jobs] int64: x (the device address of the job's row 0), x_stride,
-//              rows, ref_rows, ref_stride (elements), slot0. Slot s of a job is columns
+//   jobs       [7, n_jobs] int64: x (the device address of the job's row 0), x_stride,
+//              rows, ref_rows, ref_stride (elements), slot0, slots. Slot s of a job is columns
 //              s*cols .. (s+1)*cols of its x rows where slot0 < 0; else slot s's rows start at
 //              state_ptr[slot0 + s], x_stride apart (states read as slots: the separations).
+//              A job scores its own `slots` (at most the launch's k): the blocks of its higher
+//              slots return at once, and score_finish gives those pairs NaN sums and no rows,
+//              so jobs of several slot counts share one launch.
 //   state_ptr  [n_states] int64: the device address of each state's row 0 (rows ref_stride
 //              apart).
 //   edge       0, or e > 0: the sums are taken twice in the same pass, over every row and over
@@ -59,10 +62,11 @@
 #define JOB_REF_ROWS 3
 #define JOB_REF_STRIDE 4
 #define JOB_SLOT0 5
+#define JOB_SLOTS 6
 
 template <typename X> struct Job {
     const X *x;
-    long x_stride, rows, ref_rows, ref_stride, slot0;
+    long x_stride, rows, ref_rows, ref_stride, slot0, slots;
 };
 
 template <typename X>
@@ -74,6 +78,7 @@ __device__ __forceinline__ Job<X> job_at(const long long *jobs, int n_jobs, long
     r.ref_rows = jobs[JOB_REF_ROWS * n_jobs + j];
     r.ref_stride = jobs[JOB_REF_STRIDE * n_jobs + j];
     r.slot0 = jobs[JOB_SLOT0 * n_jobs + j];
+    r.slots = jobs[JOB_SLOTS * n_jobs + j];
     return r;
 }
 
@@ -147,6 +152,7 @@ __device__ __forceinline__ void score_partials_impl(const long long *cand, int n
     const int chunks = gridDim.x;
     const Group4<C> g = group_at<C>(cand, n_cand, state_ptr, n_states, n_jobs, j0);
     const Job<X> job = job_at<X>(jobs, n_jobs, g.job);
+    if (slot >= job.slots) return; // uniform over the block; score_finish writes NaN
     Acc acc[SCORE_GROUP][3] = {};
     long lo, hi;
     chunk_span(chunk, job.rows, edge, rows_per_chunk, lo, hi);
@@ -220,9 +226,11 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
                                                         int edge, double *partials) {
     __shared__ double scratch[SCORE_VEC_THREADS / 32][3 * SCORE_GROUP * SCORE_SLOTS];
     const int j0 = blockIdx.x * SCORE_GROUP, chunk = blockIdx.y, s0 = blockIdx.z * SCORE_SLOTS;
-    const int chunks = gridDim.y, ns = min(SCORE_SLOTS, k - s0), cols4 = cols / 4;
     const Group4<C> g = group_at<C>(cand, n_cand, state_ptr, n_states, n_jobs, j0);
     const Job<X> job = job_at<X>(jobs, n_jobs, g.job);
+    const int chunks = gridDim.y, ns = (int)min((long)SCORE_SLOTS, job.slots - s0),
+              cols4 = cols / 4;
+    if (ns <= 0) return; // uniform over the block; score_finish writes NaN
     // xx per (slot, candidate) over the rows the candidate pairs; c*c per candidate where every
     // slot's values are finite (cc) and per (slot, candidate) where some are not (cc_own).
     float xc[SCORE_SLOTS][SCORE_GROUP] = {}, xx[SCORE_SLOTS][SCORE_GROUP] = {};
@@ -351,7 +359,8 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
     extern "C" __global__ void score_partials_f64##suffix(SCORE_ARGS) {                           \
         score_partials_impl<X, C, double>(SCORE_PASS);                                             \
     }                                                                                              \
-    extern "C" __global__ void score_partials_vec##suffix(SCORE_ARGS) {                           \
+    extern "C" __global__ void __launch_bounds__(SCORE_VEC_THREADS, 4)                            \
+        score_partials_vec##suffix(SCORE_ARGS) {                                                  \
         score_partials_vec_impl<X, C>(SCORE_PASS);                                                 \
     }
 
@@ -377,11 +386,19 @@ extern "C" __global__ void score_finish(const double *partials, int chunks, int 
         o[m] = s[m];
         if (edge > 0) o[4 + m] = inner[m];
     }
-    const int j = (int)(i % n_cand);
+    const int j = (int)(i % n_cand), slot = (int)(i / n_cand);
     const long long job = cand[2 * n_cand + j];
     o[3] = 0.0;
     if (edge > 0) o[7] = 0.0;
     if (job < 0 || job >= n_jobs) return;
+    if (slot >= jobs[JOB_SLOTS * n_jobs + job]) {
+        // A slot past the job's own: no block summed it.
+        for (int m = 0; m < 3; ++m) {
+            o[m] = __longlong_as_double(0x7ff8000000000000ll);
+            if (edge > 0) o[4 + m] = o[m];
+        }
+        return;
+    }
     const long shift = (long)cand[n_cand + j];
     const long rows = (long)jobs[JOB_ROWS * n_jobs + job];
     const long ref_rows = (long)jobs[JOB_REF_ROWS * n_jobs + job];

@@ -1484,15 +1484,21 @@ impl Ask {
 
 /// Every ask's sums, slot-major (`[k, pairs]`; with an edge, the interior's after them): host
 /// asks by [`pair_sums`], device ones by [`crate::kernels::score::score_jobs`] (or
-/// [`score_jobs_split`]), one launch per slot shape.
+/// [`score_jobs_split`]), one launch per slot shape, element types and edge.
 /// In `precision` F64 the device asks' sums are `score_all`'s arithmetic (the rescoring); the
 /// host asks are always [`pair_sums`]'s.
 fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<PairSums>>> {
     let ctx = || what.to_string();
     let mut out: Vec<Vec<PairSums>> = vec![Vec::new(); asks.len()];
-    // Device asks by slot shape, element types and edge: (k, cols, elems, edge) -> the asks'
-    // indices.
+    // Device asks by slot count, slot width, element types and edge: (k, cols, elems, edge)
+    // -> the asks' indices. With EAGLE_CHECK_SCORE_ONE_LAUNCH=1, asks of several slot counts
+    // share a launch (each job scores its own, k is then 0 here), so that a sample's aux slots
+    // and its training target read the flush's states once, not once each: off until a device
+    // run has measured it (BENCHMARKS.md, stop 45).
     type Shape = (usize, usize, Option<Elems>, usize);
+    static ONE_LAUNCH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let by_k = !*ONE_LAUNCH
+        .get_or_init(|| std::env::var("EAGLE_CHECK_SCORE_ONE_LAUNCH").as_deref() == Ok("1"));
     let mut shapes: BTreeMap<Shape, Vec<usize>> = BTreeMap::new();
     for (i, a) in asks.iter().enumerate() {
         match &a.x {
@@ -1557,13 +1563,14 @@ fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<Pa
                 });
                 let elems = Elems::of(x.dtype(), states.unwrap_or(x.dtype()));
                 shapes
-                    .entry((a.k, a.cols, elems, a.edge))
+                    .entry((if by_k { a.k } else { 0 }, a.cols, elems, a.edge))
                     .or_default()
                     .push(i)
             }
         }
     }
-    for ((k, cols, _, edge), which) in shapes {
+    for ((_, cols, _, edge), which) in shapes {
+        let k = which.iter().map(|&i| asks[i].k).max().unwrap_or(0);
         let mut xs = Vec::with_capacity(which.len());
         let mut states = Vec::with_capacity(which.len());
         for &i in &which {
@@ -1592,11 +1599,12 @@ fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<Pa
             .iter()
             .zip(&xs)
             .zip(&states)
-            .map(|((&i, x), st)| Job {
-                x,
-                states: st.iter().collect(),
-                candidates: asks[i].pairs.clone(),
-                slot_states: asks[i].slot_states.clone(),
+            .map(|((&i, x), st)| {
+                Job {
+                    slot_states: asks[i].slot_states.clone(),
+                    ..Job::new(x, st.iter().collect(), asks[i].pairs.clone())
+                }
+                .with_slots(asks[i].k)
             })
             .collect();
         let sums = if edge == 0 {

@@ -132,6 +132,10 @@ pub struct Job<'a> {
     /// `0..cols`): several states against the others in one job, each read once. `x` then only
     /// gives the rows and their type: one of the states.
     pub slot_states: Vec<usize>,
+    /// The job's own slot count, at most the launch's (`None`: the launch's). Jobs of several
+    /// slot counts share one launch (a sample's three aux slots and its one training target
+    /// read the flush's states once); each gets its own count's sums back.
+    pub slots: Option<usize>,
 }
 
 impl<'a> Job<'a> {
@@ -142,7 +146,21 @@ impl<'a> Job<'a> {
             states,
             candidates,
             slot_states: Vec::new(),
+            slots: None,
         }
+    }
+
+    /// The job with `slots` slots of its own (see [`Job::slots`]).
+    pub fn with_slots(self, slots: usize) -> Job<'a> {
+        Job {
+            slots: Some(slots),
+            ..self
+        }
+    }
+
+    /// The slots the job scores in a launch of `launch` slots.
+    pub fn own_slots(&self, launch: usize) -> usize {
+        self.slots.unwrap_or(launch)
     }
 }
 
@@ -313,6 +331,8 @@ impl Elems {
 
 /// Where one job's rows sit.
 struct JobShape {
+    /// The job's own slot count.
+    slots: usize,
     x: super::Matrix,
     ref_rows: usize,
     ref_stride: usize,
@@ -320,8 +340,15 @@ struct JobShape {
     elems: Elems,
 }
 
-/// Checks a job against `slots` x `cols` and reads its layouts.
-fn job_shape(job: &Job, slots: usize, cols: usize) -> Result<JobShape> {
+/// Checks a job against a launch of `launch` slots x `cols` and reads its layouts.
+fn job_shape(job: &Job, launch: usize, cols: usize) -> Result<JobShape> {
+    let slots = job.own_slots(launch);
+    if slots > launch {
+        candle_core::bail!(
+            "score_jobs: a job of {slots} slots in a launch of {launch}: a launch takes at \
+             most its own slot count"
+        );
+    }
     let state_dtype = job.states.first().map_or(job.x.dtype(), |t| t.dtype());
     let elems = Elems::of(job.x.dtype(), state_dtype);
     let Some(elems) = elems.filter(|_| job.states.iter().all(|t| t.dtype() == state_dtype)) else {
@@ -382,6 +409,7 @@ fn job_shape(job: &Job, slots: usize, cols: usize) -> Result<JobShape> {
         );
     }
     Ok(JobShape {
+        slots,
         x,
         ref_rows,
         ref_stride,
@@ -410,8 +438,8 @@ fn score_jobs_with(
                 .iter()
                 .map(|job| {
                     // States read as slots (checked first): their columns side by side, as
-                    // slots of x are.
-                    job_shape(job, slots, cols)?;
+                    // slots of x are. Each job scores its own slot count.
+                    let slots = job_shape(job, slots, cols)?.slots;
                     let packed = (!job.slot_states.is_empty())
                         .then(|| {
                             let parts = job
@@ -614,7 +642,7 @@ fn score_on_gpu(
             (0..halves)
                 .flat_map(|h| {
                     let sums = &sums;
-                    (0..slots).flat_map(move |s| {
+                    (0..job.own_slots(slots)).flat_map(move |s| {
                         (0..m).map(move |j| sums[((s * n + at + j) * halves) + h])
                     })
                 })
@@ -636,8 +664,8 @@ pub mod launch {
     use candle_core::cuda_backend::CudaDevice;
 
     /// The kernels' tables, as one i64 buffer: `[3, n_cand]` candidates (state, shift, job),
-    /// `[6, n_jobs]` jobs (x address, x stride, rows, ref rows, ref stride, first slot state
-    /// or -1), `[n_states]` state addresses (a job's states, then those it reads as slots).
+    /// `[7, n_jobs]` jobs (x address, x stride, rows, ref rows, ref stride, first slot state
+    /// or -1, slot count), `[n_states]` state addresses (a job's states, then those it reads as slots).
     pub struct Table {
         pub values: Vec<i64>,
         pub n_cand: usize,
@@ -663,7 +691,7 @@ pub mod launch {
         pub fn of(jobs: &[Job], slots: usize, cols: usize) -> Result<Table> {
             let mut cand: [Vec<i64>; 3] = Default::default();
             let mut state_ptr = Vec::new();
-            let mut job_cols: [Vec<i64>; 6] = Default::default();
+            let mut job_cols: [Vec<i64>; 7] = Default::default();
             let mut place = Vec::with_capacity(jobs.len());
             let (mut aligned, mut max_rows) = (true, 0);
             let mut elems = None;
@@ -715,6 +743,7 @@ pub mod launch {
                     to_i64(s.ref_rows, "ref rows")?,
                     to_i64(s.ref_stride, "ref stride")?,
                     slot0,
+                    to_i64(s.slots, "slots")?,
                 ]) {
                     col.push(v);
                 }
@@ -754,7 +783,7 @@ pub mod launch {
                 n_cand: self.n_cand,
                 jobs: at(3 * self.n_cand),
                 n_jobs: self.n_jobs,
-                state_ptr: at(3 * self.n_cand + 6 * self.n_jobs),
+                state_ptr: at(3 * self.n_cand + 7 * self.n_jobs),
                 n_states: self.n_states,
                 cols,
                 slots,
@@ -1368,6 +1397,7 @@ mod tests {
                 states: st.iter().collect(),
                 candidates: cands.clone(),
                 slot_states: order.to_vec(),
+                slots: None,
             };
             let columns = Job::new(&x, st.iter().collect(), cands[1..].to_vec());
             let want_x = packed(&refs.to_dtype(DType::F32).unwrap());
@@ -1407,6 +1437,7 @@ mod tests {
             states: st.iter().collect(),
             candidates: cands.clone(),
             slot_states: vec![0, n_states],
+            slots: None,
         };
         assert!(score_jobs(&[bad], 2, cols, Precision::F32).is_err());
     }
@@ -1421,6 +1452,112 @@ mod tests {
     /// states themselves, for whole 16-byte copies (the GPU's one launch) and ragged ones
     /// (joined narrows), bf16 and f32, states that are views into a larger tensor; mixed
     /// shapes are refused.
+    /// Jobs of 5, 3 and 1 slots of their own, and 2 read from states, in one launch of 5
+    /// slots: each job's sums are its own alone, bit for bit (the same blocks sum them), in
+    /// f32 and bf16, both precisions and kernels, with and without an edge. A job of more
+    /// slots than its launch is refused.
+    #[test]
+    fn jobs_of_their_own_slot_counts_score_as_each_alone() {
+        own_slot_counts_against_each_alone(&Device::Cpu);
+    }
+
+    fn own_slot_counts_against_each_alone(device: &Device) {
+        let (cols, width, launch) = (24, 28, 5);
+        // (rows, states, own slots); every row stride a multiple of four (the vector kernel).
+        let shapes = [(45, 3, 5), (40, 2, 3), (9, 2, 1)];
+        for dtype in [DType::F32, DType::BF16] {
+            let on = |v: Vec<f32>, shape: (usize, usize)| {
+                Tensor::from_vec(v, shape, &Device::Cpu)
+                    .and_then(|t| t.to_dtype(dtype))
+                    .and_then(|t| t.to_device(device))
+                    .unwrap()
+            };
+            let xs: Vec<Tensor> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, &(rows, _, k))| {
+                    let mut v = random_vec(rows * launch * cols, 60 + i as u64);
+                    v[(rows / 2) * launch * cols + 3] = f32::NAN; // a middle row's
+                    // Columns past the job's own slots: a kernel reading them would be wrong.
+                    for r in 0..rows {
+                        v[r * launch * cols + k * cols..(r + 1) * launch * cols].fill(1e30);
+                    }
+                    on(v, (rows, launch * cols))
+                })
+                .collect();
+            let states: Vec<Vec<Tensor>> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, &(rows, n, _))| {
+                    (0..n)
+                        .map(|q| {
+                            on(
+                                random_vec(rows * width, 70 + 10 * i as u64 + q as u64),
+                                (rows, width),
+                            )
+                        })
+                        .collect()
+                })
+                .collect();
+            let mut jobs: Vec<Job> = shapes
+                .iter()
+                .zip(xs.iter().zip(&states))
+                .map(|(&(_, n, k), (x, st))| {
+                    Job::new(x, st.iter().collect(), candidates(n)).with_slots(k)
+                })
+                .collect();
+            // Two slots read from the first job's states.
+            jobs.push(
+                Job {
+                    slot_states: vec![2, 0],
+                    ..Job::new(&states[0][2], states[0].iter().collect(), candidates(3))
+                }
+                .with_slots(2),
+            );
+            for edge in [0, 3] {
+                for precision in [Precision::F32, Precision::F64] {
+                    for kernel in [ScoreKernel::PerSlot, ScoreKernel::Vec4] {
+                        let what = format!("{dtype:?} edge {edge} {precision:?} {kernel:?}");
+                        let (got, ran) =
+                            score_jobs_with(&jobs, launch, cols, precision, kernel, edge).unwrap();
+                        if !device.is_cpu() && precision == Precision::F32 {
+                            assert_eq!(ran, Some(kernel), "{what}: the kernel asked for");
+                        }
+                        for (i, job) in jobs.iter().enumerate() {
+                            let own = job.own_slots(launch);
+                            let alone = Job {
+                                slots: None,
+                                ..job.clone()
+                            };
+                            let (want, _) =
+                                score_jobs_with(&[alone], own, cols, precision, kernel, edge)
+                                    .unwrap();
+                            let halves = 1 + (edge > 0) as usize;
+                            assert_eq!(
+                                got[i].len(),
+                                own * job.candidates.len() * halves,
+                                "{what}: job {i}"
+                            );
+                            assert_eq!(got[i], want[0], "{what}: job {i}");
+                        }
+                    }
+                }
+            }
+            let over = jobs[1].clone().with_slots(launch + 1);
+            let err = score_jobs(&[over], launch, cols, Precision::F32).unwrap_err();
+            assert!(
+                err.to_string().contains("6 slots in a launch of 5"),
+                "{err}"
+            );
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_jobs_of_their_own_slot_counts_score_as_each_alone() {
+        own_slot_counts_against_each_alone(&crate::kernels::testing::gpu());
+    }
+
     #[test]
     fn edge_rows_all_are_each_states_head_and_tail() {
         edge_rows_against_states(&Device::Cpu);
