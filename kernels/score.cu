@@ -42,6 +42,10 @@
 //   that pairs the row), c*c once per candidate for the slots together where the values read
 //   are all finite (a thread's four columns of every slot: the sum of their squares is
 //   finite); elsewhere every value on its own, a non-finite one selecting zeros as above.
+// score_partials_vec2, score_partials_vec3: score_partials_vec's sums and grid with every read
+//   of one (vec2) or two (vec3) column groups issued before any is used (see
+//   score_partials_vec2_impl); chosen by EAGLE_CHECK_SCORE_VEC=2 or 3 for a device A/B, until
+//   one replaces score_partials_vec.
 // score_finish: one thread per (slot, candidate) sums its chunks in order into
 //   out [k, n_cand, 4] (double: xx, xc, cc and the pair's row count), so that one read-back
 //   brings every sum of a launch; with an edge, out [k, n_cand, 8]: those, then the same four
@@ -343,6 +347,197 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
     }
 }
 
+// The raw bits of four consecutive values: loaded first, widened later, so that all of an
+// iteration's reads are in flight before any is used. Through the read-only path (`__ldg`):
+// nothing writes the slots or the states while a launch reads them.
+template <typename T> struct Raw4;
+template <> struct Raw4<float> {
+    float4 v;
+    __device__ __forceinline__ void load(const float *p) { v = __ldg(reinterpret_cast<const float4 *>(p)); }
+    __device__ __forceinline__ void zero() { v = make_float4(0.f, 0.f, 0.f, 0.f); }
+    __device__ __forceinline__ void widen(float out[4]) const {
+        out[0] = v.x;
+        out[1] = v.y;
+        out[2] = v.z;
+        out[3] = v.w;
+    }
+};
+template <> struct Raw4<__nv_bfloat16> {
+    uint2 v;
+    __device__ __forceinline__ void load(const __nv_bfloat16 *p) {
+        v = __ldg(reinterpret_cast<const uint2 *>(p));
+    }
+    __device__ __forceinline__ void zero() { v = make_uint2(0u, 0u); }
+    __device__ __forceinline__ void widen(float out[4]) const {
+        // bf16 is the high half of an f32: widening is a shift, exact.
+        out[0] = __uint_as_float(v.x << 16);
+        out[1] = __uint_as_float(v.x & 0xffff0000u);
+        out[2] = __uint_as_float(v.y << 16);
+        out[3] = __uint_as_float(v.y & 0xffff0000u);
+    }
+};
+
+// score_partials_vec2 (U = 1) and score_partials_vec3 (U = 2): score_partials_vec's sums and
+// grid, with every read of U column groups (the slots' and the four candidates') issued before
+// any value is used, and no branch around a candidate's read or arithmetic: a candidate that
+// does not pair the row reads zeros (a zero adds nothing to its sums). What a thread sums
+// rarely sits in shared memory, one column per thread, so the registers hold the common sums
+// only: a row's x*x for the candidates where not all of the group pair it (an edge row), and
+// the c*c beside a non-finite captured value. Every sum is added in one fixed order.
+template <typename X, typename C, int U>
+__device__ __forceinline__ void score_partials_vec2_impl(const long long *cand, int n_cand,
+                                                         const long long *jobs, int n_jobs,
+                                                         const long long *state_ptr,
+                                                         int n_states, int cols, int k,
+                                                         int rows_per_chunk, int edge,
+                                                         double *partials) {
+    constexpr int NS = SCORE_SLOTS, NG = SCORE_GROUP, NT = SCORE_VEC_THREADS;
+    __shared__ double scratch[NT / 32][3 * NG * NS];
+    __shared__ float rare_xx[NS * NG][NT], rare_cc[NS * NG][NT];
+    const int j0 = blockIdx.x * NG, chunk = blockIdx.y, s0 = blockIdx.z * NS;
+    const Group4<C> g = group_at<C>(cand, n_cand, state_ptr, n_states, n_jobs, j0);
+    const Job<X> job = job_at<X>(jobs, n_jobs, g.job);
+    const int chunks = gridDim.y, ns = (int)min((long)NS, job.slots - s0), cols4 = cols / 4,
+              tid = threadIdx.x;
+    if (ns <= 0) return; // uniform over the block; score_finish writes NaN
+#pragma unroll
+    for (int o = 0; o < NS * NG; ++o) rare_xx[o][tid] = rare_cc[o][tid] = 0.f;
+    // xc per (slot, candidate); xx per slot over the rows every scored candidate pairs; c*c
+    // per candidate where the captured values are all finite.
+    float xc[NS][NG] = {}, xx[NS] = {}, cc[NG] = {};
+    const X *x0[NS];
+#pragma unroll
+    for (int s = 0; s < NS; ++s) x0[s] = s < ns ? slot_row0(job, state_ptr, s0 + s, cols) : job.x;
+    long lo, hi;
+    chunk_span(chunk, job.rows, edge, rows_per_chunk, lo, hi);
+    for (long t = lo; t < hi; ++t) {
+        const C *cr[NG];
+        bool in[NG], all_in = true;
+#pragma unroll
+        for (int i = 0; i < NG; ++i) {
+            const long rt = t + g.shift[i];
+            in[i] = g.use[i] && rt >= 0 && rt < job.ref_rows;
+            all_in &= in[i] || !g.use[i];
+            cr[i] = g.row0[i] + (in[i] ? rt : 0) * job.ref_stride;
+        }
+        const X *xr[NS];
+#pragma unroll
+        for (int s = 0; s < NS; ++s) xr[s] = x0[s] + t * job.x_stride;
+        float row_xx[NS] = {};
+        for (int c = tid; c < cols4; c += U * NT) {
+            Raw4<X> xraw[U][NS];
+            Raw4<C> craw[U][NG];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int cu = c + u * NT;
+                const bool col_ok = cu < cols4;
+#pragma unroll
+                for (int s = 0; s < NS; ++s) {
+                    if (s < ns && col_ok)
+                        xraw[u][s].load(xr[s] + 4 * cu);
+                    else
+                        xraw[u][s].zero();
+                }
+#pragma unroll
+                for (int i = 0; i < NG; ++i) {
+                    if (in[i] && col_ok)
+                        craw[u][i].load(cr[i] + 4 * cu);
+                    else
+                        craw[u][i].zero();
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float xv[NS][4], cv[NG][4], sq[NS];
+#pragma unroll
+                for (int s = 0; s < NS; ++s) {
+                    xraw[u][s].widen(xv[s]);
+                    sq[s] = xv[s][0] * xv[s][0];
+#pragma unroll
+                    for (int e = 1; e < 4; ++e) sq[s] = fmaf(xv[s][e], xv[s][e], sq[s]);
+                }
+#pragma unroll
+                for (int i = 0; i < NG; ++i) craw[u][i].widen(cv[i]);
+                if (isfinite((sq[0] + sq[1]) + (sq[2] + sq[3]))) {
+                    // Every value finite (as in score_partials_vec).
+#pragma unroll
+                    for (int s = 0; s < NS; ++s) row_xx[s] += sq[s];
+#pragma unroll
+                    for (int i = 0; i < NG; ++i) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) cc[i] = fmaf(cv[i][e], cv[i][e], cc[i]);
+#pragma unroll
+                        for (int s = 0; s < NS; ++s) {
+                            if (s >= ns) continue;
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                xc[s][i] = fmaf(xv[s][e], cv[i][e], xc[s][i]);
+                        }
+                    }
+                    continue;
+                }
+                // Some value is not finite: each on its own, a non-finite one selecting zeros.
+#pragma unroll
+                for (int s = 0; s < NS; ++s) {
+                    bool ok[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        ok[e] = isfinite(xv[s][e]);
+                        xv[s][e] = ok[e] ? xv[s][e] : 0.f;
+                        row_xx[s] += xv[s][e] * xv[s][e];
+                    }
+                    if (s >= ns) continue;
+#pragma unroll
+                    for (int i = 0; i < NG; ++i) {
+                        float own = rare_cc[s * NG + i][tid];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float cs = ok[e] ? cv[i][e] : 0.f;
+                            xc[s][i] += xv[s][e] * cs;
+                            own += cs * cs;
+                        }
+                        rare_cc[s * NG + i][tid] = own;
+                    }
+                }
+            }
+        }
+        if (all_in) {
+#pragma unroll
+            for (int s = 0; s < NS; ++s) xx[s] += row_xx[s];
+        } else {
+#pragma unroll
+            for (int s = 0; s < NS; ++s)
+#pragma unroll
+                for (int i = 0; i < NG; ++i)
+                    if (in[i]) rare_xx[s * NG + i][tid] += row_xx[s];
+        }
+    }
+    const int lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+    for (int s = 0; s < NS; ++s)
+#pragma unroll
+        for (int i = 0; i < NG; ++i) {
+            if (s >= ns) continue;
+            const float sums[3] = {xx[s] + rare_xx[s * NG + i][tid], xc[s][i],
+                                   cc[i] + rare_cc[s * NG + i][tid]};
+#pragma unroll
+            for (int m = 0; m < 3; ++m) {
+                const double v = warp_sum((double)sums[m]);
+                if (lane == 0) scratch[warp][(s * NG + i) * 3 + m] = v;
+            }
+        }
+    __syncthreads();
+    const int n_out = ns * NG * 3;
+    for (int o = tid; o < n_out; o += NT) {
+        const int s = o / (3 * NG), i = (o / 3) % NG, m = o % 3, j = j0 + i;
+        if (j >= n_cand) continue;
+        double v = 0.0;
+        for (int w = 0; w < NT / 32; ++w) v += scratch[w][o];
+        if (!g.use[i]) v = __longlong_as_double(0x7ff8000000000000ll);
+        partials[(((long)(s0 + s) * n_cand + j) * chunks + chunk) * 3 + m] = v;
+    }
+}
+
 // The entry points, by the element types of the captured rows and of the states: f32 and f32
 // (no suffix), f32 slots against bf16 states (_fb: a forward's states as it made them), bf16
 // against bf16 (_bb: a state read as a slot).
@@ -362,6 +557,14 @@ __device__ __forceinline__ void score_partials_vec_impl(const long long *cand, i
     extern "C" __global__ void __launch_bounds__(SCORE_VEC_THREADS, 4)                            \
         score_partials_vec##suffix(SCORE_ARGS) {                                                  \
         score_partials_vec_impl<X, C>(SCORE_PASS);                                                 \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(SCORE_VEC_THREADS, 4)                            \
+        score_partials_vec2##suffix(SCORE_ARGS) {                                                 \
+        score_partials_vec2_impl<X, C, 1>(SCORE_PASS);                                             \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(SCORE_VEC_THREADS, 4)                            \
+        score_partials_vec3##suffix(SCORE_ARGS) {                                                 \
+        score_partials_vec2_impl<X, C, 2>(SCORE_PASS);                                             \
     }
 
 SCORE_ENTRIES(, float, float)
