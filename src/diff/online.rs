@@ -1488,17 +1488,28 @@ impl Ask {
 /// In `precision` F64 the device asks' sums are `score_all`'s arithmetic (the rescoring); the
 /// host asks are always [`pair_sums`]'s.
 fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<PairSums>>> {
+    static ONE_LAUNCH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let one_launch = *ONE_LAUNCH
+        .get_or_init(|| std::env::var("EAGLE_CHECK_SCORE_ONE_LAUNCH").as_deref() == Ok("1"));
+    run_asks_grouped(asks, precision, what, one_launch)
+}
+
+/// [`run_asks`], the device asks of several slot counts in one launch where `one_launch`.
+fn run_asks_grouped(
+    asks: &[Ask],
+    precision: Precision,
+    what: &str,
+    one_launch: bool,
+) -> Result<Vec<Vec<PairSums>>> {
     let ctx = || what.to_string();
     let mut out: Vec<Vec<PairSums>> = vec![Vec::new(); asks.len()];
     // Device asks by slot count, slot width, element types and edge: (k, cols, elems, edge)
-    // -> the asks' indices. With EAGLE_CHECK_SCORE_ONE_LAUNCH=1, asks of several slot counts
-    // share a launch (each job scores its own, k is then 0 here), so that a sample's aux slots
-    // and its training target read the flush's states once, not once each: off until a device
-    // run has measured it (BENCHMARKS.md, stop 45).
+    // -> the asks' indices. With `one_launch` (EAGLE_CHECK_SCORE_ONE_LAUNCH=1), asks of several
+    // slot counts share a launch (each job scores its own, k is then 0 here), so that a
+    // sample's aux slots and its training target read the flush's states once, not once each:
+    // off until a device run has measured it.
     type Shape = (usize, usize, Option<Elems>, usize);
-    static ONE_LAUNCH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let by_k = !*ONE_LAUNCH
-        .get_or_init(|| std::env::var("EAGLE_CHECK_SCORE_ONE_LAUNCH").as_deref() == Ok("1"));
+    let by_k = !one_launch;
     let mut shapes: BTreeMap<Shape, Vec<usize>> = BTreeMap::new();
     for (i, a) in asks.iter().enumerate() {
         match &a.x {
@@ -2357,6 +2368,48 @@ mod tests {
             assert_eq!(got[0][..m], got[1][..], "tensor {tensor}: every row's");
             assert_eq!(got[0][m..], got[2][..], "tensor {tensor}: the interior's");
             assert!(got[2].iter().all(|p| p.rows == t - 2 * INNER));
+        }
+    }
+
+    /// Tensor asks of 3 and 1 slots (a sample's aux and target groups), with and without an
+    /// edge, give the same sums in one launch as in one launch per slot count, in both
+    /// precisions; and an ask's sums are its own alone.
+    #[test]
+    fn asks_of_several_slot_counts_in_one_launch_are_each_alone() {
+        let (t, h) = (24, 8);
+        let mut noise = Noise(11);
+        let states: Vec<Tensor> = (0..2)
+            .map(|_| Tensor::from_vec(noise.vec(t * h, 1.0), (t, h), &Device::Cpu).unwrap())
+            .collect();
+        let datas: Vec<Data> = states.iter().map(|s| Data::Device(s.clone())).collect();
+        let pairs = vec![(0, 0), (0, 1), (0, -1), (1, 0)];
+        let ask = |k: usize, edge: usize, seed: u64| {
+            let x = Tensor::from_vec(Noise(seed).vec(t * k * h, 1.0), (t, k * h), &Device::Cpu)
+                .unwrap();
+            Ask {
+                stride: k * h,
+                k,
+                spacing: h,
+                edge,
+                ..Ask::one_slot(Data::Device(x), h, t, h, datas.clone(), pairs.clone())
+            }
+        };
+        let asks = [
+            ask(3, INNER, 1),
+            ask(1, INNER, 2),
+            ask(3, 0, 3),
+            ask(1, 0, 4),
+        ];
+        for precision in [Precision::F32, Precision::F64] {
+            let one = run_asks_grouped(&asks, precision, "one launch", true).unwrap();
+            let by_k = run_asks_grouped(&asks, precision, "by slot count", false).unwrap();
+            assert_eq!(one, by_k, "{precision:?}");
+            for (i, a) in asks.iter().enumerate() {
+                let halves = 1 + (a.edge > 0) as usize;
+                assert_eq!(one[i].len(), a.k * pairs.len() * halves, "ask {i}");
+                let alone = run_asks_grouped(std::slice::from_ref(a), precision, "alone", true);
+                assert_eq!(one[i], alone.unwrap()[0], "{precision:?} ask {i}");
+            }
         }
     }
 
