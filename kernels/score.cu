@@ -42,10 +42,11 @@
 //   that pairs the row), c*c once per candidate for the slots together where the values read
 //   are all finite (a thread's four columns of every slot: the sum of their squares is
 //   finite); elsewhere every value on its own, a non-finite one selecting zeros as above.
-// score_partials_vec2, score_partials_vec3: score_partials_vec's sums and grid with every read
-//   of one (vec2) or two (vec3) column groups issued before any is used (see
-//   score_partials_vec2_impl); chosen by EAGLE_CHECK_SCORE_VEC=2 or 3 for a device A/B, until
-//   one replaces score_partials_vec.
+//   All of an iteration's reads are issued before any is used (`Raw4`), so a thread waits for
+//   one memory latency an iteration, not one per candidate; the rarely touched sums sit in
+//   shared memory, and the kernel fits 128 registers (four blocks a multiprocessor). On an H100
+//   this took the flush bench's split pass from 0.34 to 0.56 of the HBM floor at T = 2,048
+//   (BENCHMARKS.md, run 53).
 // score_finish: one thread per (slot, candidate) sums its chunks in order into
 //   out [k, n_cand, 4] (double: xx, xc, cc and the pair's row count), so that one read-back
 //   brings every sum of a launch; with an edge, out [k, n_cand, 8]: those, then the same four
@@ -200,153 +201,6 @@ __device__ __forceinline__ void score_partials_impl(const long long *cand, int n
 #define SCORE_SLOTS 4
 #define SCORE_VEC_THREADS 128
 
-// Four consecutive values from p (16-byte aligned for f32, 8-byte for bf16), as f32.
-__device__ __forceinline__ void load4(const float *p, float out[4]) {
-    const float4 v = *reinterpret_cast<const float4 *>(p);
-    out[0] = v.x;
-    out[1] = v.y;
-    out[2] = v.z;
-    out[3] = v.w;
-}
-
-__device__ __forceinline__ void load4(const __nv_bfloat16 *p, float out[4]) {
-    union {
-        uint2 raw;
-        __nv_bfloat162 v[2];
-    } u;
-    u.raw = *reinterpret_cast<const uint2 *>(p);
-    const float2 a = __bfloat1622float2(u.v[0]), b = __bfloat1622float2(u.v[1]);
-    out[0] = a.x;
-    out[1] = a.y;
-    out[2] = b.x;
-    out[3] = b.y;
-}
-
-template <typename X, typename C>
-__device__ __forceinline__ void score_partials_vec_impl(const long long *cand, int n_cand,
-                                                        const long long *jobs, int n_jobs,
-                                                        const long long *state_ptr, int n_states,
-                                                        int cols, int k, int rows_per_chunk,
-                                                        int edge, double *partials) {
-    __shared__ double scratch[SCORE_VEC_THREADS / 32][3 * SCORE_GROUP * SCORE_SLOTS];
-    const int j0 = blockIdx.x * SCORE_GROUP, chunk = blockIdx.y, s0 = blockIdx.z * SCORE_SLOTS;
-    const Group4<C> g = group_at<C>(cand, n_cand, state_ptr, n_states, n_jobs, j0);
-    const Job<X> job = job_at<X>(jobs, n_jobs, g.job);
-    const int chunks = gridDim.y, ns = (int)min((long)SCORE_SLOTS, job.slots - s0),
-              cols4 = cols / 4;
-    if (ns <= 0) return; // uniform over the block; score_finish writes NaN
-    // xx per (slot, candidate) over the rows the candidate pairs; c*c per candidate where every
-    // slot's values are finite (cc) and per (slot, candidate) where some are not (cc_own).
-    float xc[SCORE_SLOTS][SCORE_GROUP] = {}, xx[SCORE_SLOTS][SCORE_GROUP] = {};
-    float cc[SCORE_GROUP] = {}, cc_own[SCORE_SLOTS][SCORE_GROUP] = {};
-    const X *x0[SCORE_SLOTS];
-#pragma unroll
-    for (int s = 0; s < SCORE_SLOTS; ++s)
-        x0[s] = s < ns ? slot_row0(job, state_ptr, s0 + s, cols) : job.x;
-    long lo, hi;
-    chunk_span(chunk, job.rows, edge, rows_per_chunk, lo, hi);
-    for (long t = lo; t < hi; ++t) {
-        const C *cr[SCORE_GROUP];
-        bool in[SCORE_GROUP];
-#pragma unroll
-        for (int i = 0; i < SCORE_GROUP; ++i) {
-            const long rt = t + g.shift[i];
-            in[i] = g.use[i] && rt >= 0 && rt < job.ref_rows;
-            cr[i] = g.row0[i] + (in[i] ? rt : 0) * job.ref_stride;
-        }
-        float row_xx[SCORE_SLOTS] = {};
-        for (int c = threadIdx.x; c < cols4; c += SCORE_VEC_THREADS) {
-            float xv[SCORE_SLOTS][4], sq[SCORE_SLOTS];
-#pragma unroll
-            for (int s = 0; s < SCORE_SLOTS; ++s) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) xv[s][e] = 0.f;
-                if (s < ns) load4(x0[s] + t * job.x_stride + 4 * c, xv[s]);
-                sq[s] = xv[s][0] * xv[s][0];
-#pragma unroll
-                for (int e = 1; e < 4; ++e) sq[s] = fmaf(xv[s][e], xv[s][e], sq[s]);
-            }
-            if (isfinite((sq[0] + sq[1]) + (sq[2] + sq[3]))) {
-                // Every value finite (squares of non-negative terms: a non-finite value, or
-                // one whose square overflows, makes the sum infinite or NaN).
-#pragma unroll
-                for (int s = 0; s < SCORE_SLOTS; ++s) row_xx[s] += sq[s];
-#pragma unroll
-                for (int i = 0; i < SCORE_GROUP; ++i) {
-                    if (!in[i]) continue;
-                    float cv[4];
-                    load4(cr[i] + 4 * c, cv);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) cc[i] = fmaf(cv[e], cv[e], cc[i]);
-#pragma unroll
-                    for (int s = 0; s < SCORE_SLOTS; ++s) {
-                        if (s >= ns) continue;
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) xc[s][i] = fmaf(xv[s][e], cv[e], xc[s][i]);
-                    }
-                }
-                continue;
-            }
-            // Some value is not finite: each on its own. (The two paths' loops are apart on
-            // purpose: one loop testing the case inside needs 134 registers against 128 with
-            // sm_90's ptxas, a block less on each multiprocessor.)
-            bool ok[SCORE_SLOTS][4];
-#pragma unroll
-            for (int s = 0; s < SCORE_SLOTS; ++s)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    ok[s][e] = isfinite(xv[s][e]);
-                    xv[s][e] = ok[s][e] ? xv[s][e] : 0.f;
-                    row_xx[s] += xv[s][e] * xv[s][e];
-                }
-#pragma unroll
-            for (int i = 0; i < SCORE_GROUP; ++i) {
-                if (!in[i]) continue;
-                float cv[4];
-                load4(cr[i] + 4 * c, cv);
-#pragma unroll
-                for (int s = 0; s < SCORE_SLOTS; ++s) {
-                    if (s >= ns) continue;
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float cs = ok[s][e] ? cv[e] : 0.f;
-                        xc[s][i] += xv[s][e] * cs;
-                        cc_own[s][i] += cs * cs;
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < SCORE_GROUP; ++i)
-#pragma unroll
-            for (int s = 0; s < SCORE_SLOTS; ++s)
-                if (in[i]) xx[s][i] += row_xx[s];
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int s = 0; s < SCORE_SLOTS; ++s)
-#pragma unroll
-        for (int i = 0; i < SCORE_GROUP; ++i) {
-            if (s >= ns) continue;
-            const float sums[3] = {xx[s][i], xc[s][i], cc[i] + cc_own[s][i]};
-#pragma unroll
-            for (int m = 0; m < 3; ++m) {
-                const double v = warp_sum((double)sums[m]);
-                if (lane == 0) scratch[warp][(s * SCORE_GROUP + i) * 3 + m] = v;
-            }
-        }
-    __syncthreads();
-    const int n_out = ns * SCORE_GROUP * 3;
-    for (int o = threadIdx.x; o < n_out; o += SCORE_VEC_THREADS) {
-        const int s = o / (3 * SCORE_GROUP), i = (o / 3) % SCORE_GROUP, m = o % 3, j = j0 + i;
-        if (j >= n_cand) continue;
-        double v = 0.0;
-        for (int w = 0; w < SCORE_VEC_THREADS / 32; ++w) v += scratch[w][o];
-        if (!g.use[i]) v = __longlong_as_double(0x7ff8000000000000ll);
-        partials[(((long)(s0 + s) * n_cand + j) * chunks + chunk) * 3 + m] = v;
-    }
-}
-
 // The raw bits of four consecutive values: loaded first, widened later, so that all of an
 // iteration's reads are in flight before any is used. Through the read-only path (`__ldg`):
 // nothing writes the slots or the states while a launch reads them.
@@ -377,20 +231,19 @@ template <> struct Raw4<__nv_bfloat16> {
     }
 };
 
-// score_partials_vec2 (U = 1) and score_partials_vec3 (U = 2): score_partials_vec's sums and
-// grid, with every read of U column groups (the slots' and the four candidates') issued before
-// any value is used, and no branch around a candidate's read or arithmetic: a candidate that
-// does not pair the row reads zeros (a zero adds nothing to its sums). What a thread sums
-// rarely sits in shared memory, one column per thread, so the registers hold the common sums
-// only: a row's x*x for the candidates where not all of the group pair it (an edge row), and
-// the c*c beside a non-finite captured value. Every sum is added in one fixed order.
-template <typename X, typename C, int U>
-__device__ __forceinline__ void score_partials_vec2_impl(const long long *cand, int n_cand,
-                                                         const long long *jobs, int n_jobs,
-                                                         const long long *state_ptr,
-                                                         int n_states, int cols, int k,
-                                                         int rows_per_chunk, int edge,
-                                                         double *partials) {
+// The vector kernel (see score_partials_vec above): every read of an iteration (the slots' and
+// the four candidates' four values) issued before any value is used, and no branch around a
+// candidate's read or arithmetic: a candidate that does not pair the row reads zeros (a zero
+// adds nothing to its sums). What a thread sums rarely sits in shared memory, one column per
+// thread, so the registers hold the common sums only: a row's x*x for the candidates where not
+// all of the group pair it (an edge row), and the c*c beside a non-finite captured value.
+// Every sum is added in one fixed order.
+template <typename X, typename C>
+__device__ __forceinline__ void score_partials_vec_impl(const long long *cand, int n_cand,
+                                                        const long long *jobs, int n_jobs,
+                                                        const long long *state_ptr, int n_states,
+                                                        int cols, int k, int rows_per_chunk,
+                                                        int edge, double *partials) {
     constexpr int NS = SCORE_SLOTS, NG = SCORE_GROUP, NT = SCORE_VEC_THREADS;
     __shared__ double scratch[NT / 32][3 * NG * NS];
     __shared__ float rare_xx[NS * NG][NT], rare_cc[NS * NG][NT];
@@ -424,80 +277,72 @@ __device__ __forceinline__ void score_partials_vec2_impl(const long long *cand, 
 #pragma unroll
         for (int s = 0; s < NS; ++s) xr[s] = x0[s] + t * job.x_stride;
         float row_xx[NS] = {};
-        for (int c = tid; c < cols4; c += U * NT) {
-            Raw4<X> xraw[U][NS];
-            Raw4<C> craw[U][NG];
+        for (int c = tid; c < cols4; c += NT) {
+            Raw4<X> xraw[NS];
+            Raw4<C> craw[NG];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int cu = c + u * NT;
-                const bool col_ok = cu < cols4;
-#pragma unroll
-                for (int s = 0; s < NS; ++s) {
-                    if (s < ns && col_ok)
-                        xraw[u][s].load(xr[s] + 4 * cu);
-                    else
-                        xraw[u][s].zero();
-                }
-#pragma unroll
-                for (int i = 0; i < NG; ++i) {
-                    if (in[i] && col_ok)
-                        craw[u][i].load(cr[i] + 4 * cu);
-                    else
-                        craw[u][i].zero();
-                }
+            for (int s = 0; s < NS; ++s) {
+                if (s < ns)
+                    xraw[s].load(xr[s] + 4 * c);
+                else
+                    xraw[s].zero();
             }
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                float xv[NS][4], cv[NG][4], sq[NS];
+            for (int i = 0; i < NG; ++i) {
+                if (in[i])
+                    craw[i].load(cr[i] + 4 * c);
+                else
+                    craw[i].zero();
+            }
+            float xv[NS][4], cv[NG][4], sq[NS];
 #pragma unroll
-                for (int s = 0; s < NS; ++s) {
-                    xraw[u][s].widen(xv[s]);
-                    sq[s] = xv[s][0] * xv[s][0];
+            for (int s = 0; s < NS; ++s) {
+                xraw[s].widen(xv[s]);
+                sq[s] = xv[s][0] * xv[s][0];
 #pragma unroll
-                    for (int e = 1; e < 4; ++e) sq[s] = fmaf(xv[s][e], xv[s][e], sq[s]);
-                }
+                for (int e = 1; e < 4; ++e) sq[s] = fmaf(xv[s][e], xv[s][e], sq[s]);
+            }
 #pragma unroll
-                for (int i = 0; i < NG; ++i) craw[u][i].widen(cv[i]);
-                if (isfinite((sq[0] + sq[1]) + (sq[2] + sq[3]))) {
-                    // Every value finite (as in score_partials_vec).
+            for (int i = 0; i < NG; ++i) craw[i].widen(cv[i]);
+            if (isfinite((sq[0] + sq[1]) + (sq[2] + sq[3]))) {
+                // Every value finite (squares of non-negative terms: a non-finite value, or
+                // one whose square overflows, makes the sum infinite or NaN).
 #pragma unroll
-                    for (int s = 0; s < NS; ++s) row_xx[s] += sq[s];
+                for (int s = 0; s < NS; ++s) row_xx[s] += sq[s];
 #pragma unroll
-                    for (int i = 0; i < NG; ++i) {
+                for (int i = 0; i < NG; ++i) {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) cc[i] = fmaf(cv[i][e], cv[i][e], cc[i]);
+                    for (int e = 0; e < 4; ++e) cc[i] = fmaf(cv[i][e], cv[i][e], cc[i]);
 #pragma unroll
-                        for (int s = 0; s < NS; ++s) {
-                            if (s >= ns) continue;
+                    for (int s = 0; s < NS; ++s) {
+                        if (s >= ns) continue;
 #pragma unroll
-                            for (int e = 0; e < 4; ++e)
-                                xc[s][i] = fmaf(xv[s][e], cv[i][e], xc[s][i]);
-                        }
+                        for (int e = 0; e < 4; ++e) xc[s][i] = fmaf(xv[s][e], cv[i][e], xc[s][i]);
                     }
-                    continue;
                 }
-                // Some value is not finite: each on its own, a non-finite one selecting zeros.
+                continue;
+            }
+            // Some value is not finite: each on its own, a non-finite one selecting zeros.
 #pragma unroll
-                for (int s = 0; s < NS; ++s) {
-                    bool ok[4];
+            for (int s = 0; s < NS; ++s) {
+                bool ok[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    ok[e] = isfinite(xv[s][e]);
+                    xv[s][e] = ok[e] ? xv[s][e] : 0.f;
+                    row_xx[s] += xv[s][e] * xv[s][e];
+                }
+                if (s >= ns) continue;
+#pragma unroll
+                for (int i = 0; i < NG; ++i) {
+                    float own = rare_cc[s * NG + i][tid];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        ok[e] = isfinite(xv[s][e]);
-                        xv[s][e] = ok[e] ? xv[s][e] : 0.f;
-                        row_xx[s] += xv[s][e] * xv[s][e];
+                        const float cs = ok[e] ? cv[i][e] : 0.f;
+                        xc[s][i] += xv[s][e] * cs;
+                        own += cs * cs;
                     }
-                    if (s >= ns) continue;
-#pragma unroll
-                    for (int i = 0; i < NG; ++i) {
-                        float own = rare_cc[s * NG + i][tid];
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const float cs = ok[e] ? cv[i][e] : 0.f;
-                            xc[s][i] += xv[s][e] * cs;
-                            own += cs * cs;
-                        }
-                        rare_cc[s * NG + i][tid] = own;
-                    }
+                    rare_cc[s * NG + i][tid] = own;
                 }
             }
         }
@@ -557,14 +402,6 @@ __device__ __forceinline__ void score_partials_vec2_impl(const long long *cand, 
     extern "C" __global__ void __launch_bounds__(SCORE_VEC_THREADS, 4)                            \
         score_partials_vec##suffix(SCORE_ARGS) {                                                  \
         score_partials_vec_impl<X, C>(SCORE_PASS);                                                 \
-    }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(SCORE_VEC_THREADS, 4)                            \
-        score_partials_vec2##suffix(SCORE_ARGS) {                                                 \
-        score_partials_vec2_impl<X, C, 1>(SCORE_PASS);                                             \
-    }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(SCORE_VEC_THREADS, 4)                            \
-        score_partials_vec3##suffix(SCORE_ARGS) {                                                 \
-        score_partials_vec2_impl<X, C, 2>(SCORE_PASS);                                             \
     }
 
 SCORE_ENTRIES(, float, float)

@@ -1484,32 +1484,18 @@ impl Ask {
 
 /// Every ask's sums, slot-major (`[k, pairs]`; with an edge, the interior's after them): host
 /// asks by [`pair_sums`], device ones by [`crate::kernels::score::score_jobs`] (or
-/// [`score_jobs_split`]), one launch per slot shape, element types and edge.
+/// [`score_jobs_split`]), one launch per slot width, element types and edge (each job its own
+/// slot count).
 /// In `precision` F64 the device asks' sums are `score_all`'s arithmetic (the rescoring); the
 /// host asks are always [`pair_sums`]'s.
 fn run_asks(asks: &[Ask], precision: Precision, what: &str) -> Result<Vec<Vec<PairSums>>> {
-    static ONE_LAUNCH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let one_launch = *ONE_LAUNCH
-        .get_or_init(|| std::env::var("EAGLE_CHECK_SCORE_ONE_LAUNCH").as_deref() == Ok("1"));
-    run_asks_grouped(asks, precision, what, one_launch)
-}
-
-/// [`run_asks`], the device asks of several slot counts in one launch where `one_launch`.
-fn run_asks_grouped(
-    asks: &[Ask],
-    precision: Precision,
-    what: &str,
-    one_launch: bool,
-) -> Result<Vec<Vec<PairSums>>> {
     let ctx = || what.to_string();
     let mut out: Vec<Vec<PairSums>> = vec![Vec::new(); asks.len()];
-    // Device asks by slot count, slot width, element types and edge: (k, cols, elems, edge)
-    // -> the asks' indices. With `one_launch` (EAGLE_CHECK_SCORE_ONE_LAUNCH=1), asks of several
-    // slot counts share a launch (each job scores its own, k is then 0 here), so that a
-    // sample's aux slots and its training target read the flush's states once, not once each:
-    // off until a device run has measured it.
-    type Shape = (usize, usize, Option<Elems>, usize);
-    let by_k = !one_launch;
+    // Device asks by slot width, element types and edge: (cols, elems, edge) -> the asks'
+    // indices. Asks of several slot counts share a launch (each job scores its own), so that a
+    // sample's aux slots and its training target read the flush's states once, not once each
+    // (BENCHMARKS.md, run 53).
+    type Shape = (usize, Option<Elems>, usize);
     let mut shapes: BTreeMap<Shape, Vec<usize>> = BTreeMap::new();
     for (i, a) in asks.iter().enumerate() {
         match &a.x {
@@ -1573,14 +1559,11 @@ fn run_asks_grouped(
                     Data::Host(_) => None,
                 });
                 let elems = Elems::of(x.dtype(), states.unwrap_or(x.dtype()));
-                shapes
-                    .entry((if by_k { a.k } else { 0 }, a.cols, elems, a.edge))
-                    .or_default()
-                    .push(i)
+                shapes.entry((a.cols, elems, a.edge)).or_default().push(i)
             }
         }
     }
-    for ((_, cols, _, edge), which) in shapes {
+    for ((cols, _, edge), which) in shapes {
         let k = which.iter().map(|&i| asks[i].k).max().unwrap_or(0);
         let mut xs = Vec::with_capacity(which.len());
         let mut states = Vec::with_capacity(which.len());
@@ -2372,8 +2355,8 @@ mod tests {
     }
 
     /// Tensor asks of 3 and 1 slots (a sample's aux and target groups), with and without an
-    /// edge, give the same sums in one launch as in one launch per slot count, in both
-    /// precisions; and an ask's sums are its own alone.
+    /// edge, scored together (one launch per edge), give each ask's own sums alone, in both
+    /// precisions.
     #[test]
     fn asks_of_several_slot_counts_in_one_launch_are_each_alone() {
         let (t, h) = (24, 8);
@@ -2401,14 +2384,12 @@ mod tests {
             ask(1, 0, 4),
         ];
         for precision in [Precision::F32, Precision::F64] {
-            let one = run_asks_grouped(&asks, precision, "one launch", true).unwrap();
-            let by_k = run_asks_grouped(&asks, precision, "by slot count", false).unwrap();
-            assert_eq!(one, by_k, "{precision:?}");
+            let together = run_asks(&asks, precision, "together").unwrap();
             for (i, a) in asks.iter().enumerate() {
                 let halves = 1 + (a.edge > 0) as usize;
-                assert_eq!(one[i].len(), a.k * pairs.len() * halves, "ask {i}");
-                let alone = run_asks_grouped(std::slice::from_ref(a), precision, "alone", true);
-                assert_eq!(one[i], alone.unwrap()[0], "{precision:?} ask {i}");
+                assert_eq!(together[i].len(), a.k * pairs.len() * halves, "ask {i}");
+                let alone = run_asks(std::slice::from_ref(a), precision, "alone").unwrap();
+                assert_eq!(together[i], alone[0], "{precision:?} ask {i}");
             }
         }
     }

@@ -844,18 +844,6 @@ pub mod launch {
     /// Threads per block of `score_partials_vec`.
     const SCORE_VEC_THREADS: u32 = 128;
 
-    /// The vector kernel's entry: `score_partials_vec`, or for an A/B on the device
-    /// `EAGLE_CHECK_SCORE_VEC=2` (`score_partials_vec2`: every read of a column group issued
-    /// before any is used) or `=3` (`score_partials_vec3`: two column groups' reads).
-    fn vec_kernel() -> &'static str {
-        static NAME: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
-        NAME.get_or_init(|| match std::env::var("EAGLE_CHECK_SCORE_VEC").as_deref() {
-            Ok("2") => "score_partials_vec2",
-            Ok("3") => "score_partials_vec3",
-            _ => "score_partials_vec",
-        })
-    }
-
     /// Launches the scoring: f64 through `score_partials_f64`; f32 with `kernel`, or with
     /// `score_partials` where `Vec4` cannot read the rows as float4s. Returns the f32 kernel
     /// that ran (`PerSlot` for f64).
@@ -884,7 +872,7 @@ pub mod launch {
             (Precision::F64, _) => ("score_partials_f64", per_slot, 256),
             (_, ScoreKernel::PerSlot) => ("score_partials", per_slot, 256),
             (_, ScoreKernel::Vec4) => (
-                vec_kernel(),
+                "score_partials_vec",
                 (
                     grid_dim(groups, "score_partials_vec candidates")?,
                     grid_dim_yz(chunks, "score_partials_vec chunks")?,
