@@ -55,7 +55,8 @@
 //
 // Checked by: src/kernels/score.rs, `tests::reference_matches_score_all` (the reference vs
 // diff::score::score_all), `tests::jobs_match_each_job_alone`, `tests::device_matches_reference`
-// (with and without an edge) and `tests::device_bf16_values_score_as_their_widening`.
+// (with and without an edge), `tests::device_bf16_values_score_as_their_widening` and
+// `tests::device_jobs_of_their_own_slot_counts_score_as_each_alone` (bit for bit).
 #include "common.cuh"
 
 #define SCORE_THREADS 256

@@ -345,8 +345,8 @@ fn job_shape(job: &Job, launch: usize, cols: usize) -> Result<JobShape> {
     let slots = job.own_slots(launch);
     if slots > launch {
         candle_core::bail!(
-            "score_jobs: a job of {slots} slots in a launch of {launch}: a launch takes at \
-             most its own slot count"
+            "score_jobs: a job of {slots} slots in a launch of {launch}: no job may have more \
+             slots than its launch"
         );
     }
     let state_dtype = job.states.first().map_or(job.x.dtype(), |t| t.dtype());
