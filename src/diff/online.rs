@@ -20,9 +20,10 @@
 //! ([`OnlineSample::finish`] returns `None`).
 //!
 //! A pass's samples are scored together ([`Batch`]): a flush scores every sample's waiting
-//! states in one launch per slot shape (a job per sample, `kernels/score.cu`), and at the end
-//! the best candidates' f64 rescoring and the bounds' edge sums (the edge rows stay on the
-//! device) run in one launch each for the pass, then the samples decide in parallel.
+//! states in one launch per slot width (a job per sample group, each its own slot count,
+//! `kernels/score.cu`), and at the end the best candidates' f64 rescoring and the bounds' edge
+//! sums (the edge rows stay on the device) run in one launch each for the pass, then the
+//! samples decide in parallel.
 
 use super::identify::{Candidate, SlotId, State};
 use crate::error::{CandleContext, Result};
@@ -1139,7 +1140,7 @@ struct Separation {
 }
 
 /// Scores the states every sample has waiting, together: their edge rows kept (on a GPU they
-/// stay there), one launch and read-back per slot shape for every sample's sums, and one for
+/// stay there), one launch and read-back per slot width for every sample's sums, and one for
 /// the best candidates' exact cosines; then each sample drops what no decision needs any
 /// more. A sample's decisions are those of scoring it alone, in any grouping of its states.
 pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
