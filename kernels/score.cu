@@ -208,7 +208,9 @@ __device__ __forceinline__ void score_partials_impl(const long long *cand, int n
 template <typename T> struct Raw4;
 template <> struct Raw4<float> {
     float4 v;
-    __device__ __forceinline__ void load(const float *p) { v = __ldg(reinterpret_cast<const float4 *>(p)); }
+    __device__ __forceinline__ void load(const float *p) {
+        v = __ldg(reinterpret_cast<const float4 *>(p));
+    }
     __device__ __forceinline__ void zero() { v = make_float4(0.f, 0.f, 0.f, 0.f); }
     __device__ __forceinline__ void widen(float out[4]) const {
         out[0] = v.x;
