@@ -1,15 +1,23 @@
-//! Compiles `kernels/*.cu` to PTX with nvcc when the `cuda` feature is on; without it, does
-//! nothing (the CPU build needs no CUDA toolkit).
+//! Compiles `kernels/*.cu` with nvcc when the `cuda` feature is on; without it, does nothing
+//! (the CPU build needs no CUDA toolkit).
 //!
-//! Why PTX at build time rather than NVRTC at run time: a kernel that does not compile fails
-//! the build (and `cargo check --features cuda` in CI) instead of the first GPU run; a run pays
-//! no compile latency; and the binary needs no NVRTC library. The PTX targets `compute_80`
-//! (mma.sync on bf16 needs sm_80+); the driver JITs it for the GPU it loads on (sm_90 on the
-//! H200). `EAGLE_CHECK_CUDA_ARCH` overrides the architecture, e.g. `compute_90`. Files named
-//! `*_sm90.cu` use Hopper-only instructions (wgmma, setmaxnreg) and always target `compute_90a`:
-//! their PTX loads on sm_90 devices only, and the runner picks them only there.
+//! Each file becomes a fatbin `{stem}.fatbin` holding machine code (SASS) for the GPUs this
+//! build targets and PTX for any other. Why at build time rather than NVRTC at run time: a
+//! kernel that does not compile fails the build (and `cargo check --features cuda` in CI)
+//! instead of the first GPU run, and the binary needs no NVRTC library. Why machine code and
+//! not PTX alone: the driver compiles PTX when a module first loads, in every process whose
+//! compute cache is empty (a fresh machine, a container), and `ptxas` takes seconds on the
+//! largest files (attention.cu, moe_gemm_sm90.cu).
 //!
-//! nvcc is `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on the PATH.
+//! The PTX targets `compute_80` (mma.sync on bf16 needs sm_80+; `EAGLE_CHECK_CUDA_ARCH`
+//! overrides, e.g. `compute_90`); the machine code is for `sm_90`, the H100 and H200
+//! (`EAGLE_CHECK_CUDA_SASS` overrides: a comma list such as `sm_80,sm_90`, or `none` for PTX
+//! alone). Files named `*_sm90.cu` use Hopper-only instructions (wgmma, setmaxnreg) and always
+//! target `compute_90a` with `sm_90a` machine code: they load on sm_90 devices only, and the
+//! runner picks them only there.
+//!
+//! nvcc is `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on the PATH. The files compile in
+//! parallel.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,7 +27,12 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    for var in ["NVCC", "CUDA_HOME", "EAGLE_CHECK_CUDA_ARCH"] {
+    for var in [
+        "NVCC",
+        "CUDA_HOME",
+        "EAGLE_CHECK_CUDA_ARCH",
+        "EAGLE_CHECK_CUDA_SASS",
+    ] {
         println!("cargo::rerun-if-env-changed={var}");
     }
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
@@ -42,28 +55,52 @@ fn main() {
     }
     let nvcc = nvcc();
     let arch = std::env::var("EAGLE_CHECK_CUDA_ARCH").unwrap_or_else(|_| "compute_80".into());
-    for src in &sources {
-        let stem = src.file_stem().expect("a .cu file has a stem");
-        let ptx = out_dir.join(stem).with_extension("ptx");
-        let hopper = stem.to_string_lossy().ends_with("_sm90");
-        let output = Command::new(&nvcc)
-            .args(["-ptx", "-O3", "-std=c++17"])
-            .arg(format!(
-                "-arch={}",
-                if hopper { "compute_90a" } else { arch.as_str() }
-            ))
-            .arg("-I")
-            .arg(kernels)
-            .arg(src)
-            .arg("-o")
-            .arg(&ptx)
-            .output()
-            .unwrap_or_else(|e| panic!("could not run {}: {e}", nvcc.display()));
-        if !output.status.success() {
-            eprintln!("{}", String::from_utf8_lossy(&output.stderr));
-            panic!("nvcc failed on {} ({})", src.display(), output.status);
+    let sass = std::env::var("EAGLE_CHECK_CUDA_SASS").unwrap_or_else(|_| "sm_90".into());
+    let sass: Vec<&str> = match sass.trim() {
+        "none" | "" => Vec::new(),
+        list => list.split(',').map(str::trim).collect(),
+    };
+    std::thread::scope(|scope| {
+        let builds: Vec<_> = sources
+            .iter()
+            .map(|src| {
+                let stem = src.file_stem().expect("a .cu file has a stem");
+                let hopper = stem.to_string_lossy().ends_with("_sm90");
+                let gencode = if hopper {
+                    gencode("compute_90a", &["sm_90a"])
+                } else {
+                    gencode(&arch, &sass)
+                };
+                let out = out_dir.join(stem).with_extension("fatbin");
+                let mut command = Command::new(&nvcc);
+                command
+                    .args(["-fatbin", "-O3", "-std=c++17"])
+                    .arg(gencode)
+                    .arg("-I")
+                    .arg(kernels)
+                    .arg(src)
+                    .arg("-o")
+                    .arg(out);
+                (src, scope.spawn(move || command.output()))
+            })
+            .collect();
+        for (src, build) in builds {
+            let output = build
+                .join()
+                .expect("an nvcc thread does not panic")
+                .unwrap_or_else(|e| panic!("could not run {}: {e}", nvcc.display()));
+            if !output.status.success() {
+                eprintln!("{}", String::from_utf8_lossy(&output.stderr));
+                panic!("nvcc failed on {} ({})", src.display(), output.status);
+            }
         }
-    }
+    });
+}
+
+/// nvcc's `-gencode`: PTX for the virtual architecture `ptx`, machine code for each of `sass`.
+fn gencode(ptx: &str, sass: &[&str]) -> String {
+    let codes: Vec<&str> = sass.iter().copied().chain([ptx]).collect();
+    format!("-gencode=arch={ptx},code=[{}]", codes.join(","))
 }
 
 fn nvcc() -> PathBuf {

@@ -1,6 +1,7 @@
-//! The CUDA machinery of [`crate::kernels`]: the PTX of `kernels/*.cu` (compiled by build.rs)
-//! loaded once per device ([`Module`], one registration line per file), the `launch!` macro and
-//! the launch-configuration helpers every op's launch uses, device buffers (allocation, raw
+//! The CUDA machinery of [`crate::kernels`]: the modules of `kernels/*.cu` (fatbins compiled by
+//! build.rs: machine code for the GPUs the build targets, PTX for any other) loaded once per
+//! device context ([`Module`], one registration line per file), the `launch!` macro and the
+//! launch-configuration helpers every op's launch uses, device buffers (allocation, raw
 //! pointers, copies), TMA tensor maps for the Hopper kernels, and device set-up. Each op's
 //! arguments and launch live in its own room (`kernels::X::launch`, e.g.
 //! [`crate::kernels::rmsnorm::launch`]); which path an op takes on which device is
@@ -14,34 +15,39 @@
 use super::{KernelDType, to_i32};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::{DType, Result};
-use cudarc::driver::{CudaFunction, CudaStream, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, DevicePtr, LaunchConfig};
+use std::sync::{Arc, Mutex};
 
 /// A raw device address (`CUdeviceptr`).
 pub type DevPtr = u64;
 
-/// Declares [`Module`], one PTX module per `.cu` file, from one line per file: the variant and
-/// the file's stem. candle caches the loaded module as `eagle_check_{stem}` (unique among custom
-/// modules); the PTX is build.rs's `{stem}.ptx`.
+/// Declares [`Module`], one module per `.cu` file, from one line per file: the variant and the
+/// file's stem; its image is build.rs's `{stem}.fatbin`.
 macro_rules! modules {
     ($($module:ident => $stem:literal,)*) => {
-        /// One PTX module per `.cu` file.
-        #[derive(Clone, Copy, Debug)]
+        /// One module per `.cu` file.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         pub(crate) enum Module {
             $($module,)*
         }
 
         impl Module {
-            /// The name candle caches the loaded module under (unique among custom modules).
-            fn name(self) -> &'static str {
+            /// Every module, in registration order.
+            #[cfg_attr(not(test), allow(dead_code))]
+            pub(crate) const ALL: &[Module] = &[$(Module::$module,)*];
+
+            /// The `.cu` file's stem, for messages.
+            pub(crate) fn stem(self) -> &'static str {
                 match self {
-                    $(Module::$module => concat!("eagle_check_", $stem),)*
+                    $(Module::$module => $stem,)*
                 }
             }
 
-            fn ptx(self) -> &'static str {
+            /// nvcc's fatbin of the file ([`fatbin_entries`] reads what it holds).
+            pub(crate) fn image(self) -> &'static [u8] {
                 match self {
                     $(Module::$module => {
-                        include_str!(concat!(env!("OUT_DIR"), "/", $stem, ".ptx"))
+                        include_bytes!(concat!(env!("OUT_DIR"), "/", $stem, ".fatbin"))
                     })*
                 }
             }
@@ -65,11 +71,109 @@ modules! {
     SiluMul => "silu_mul",
 }
 
-/// The function `name` of `module`, loading the module on first use on this device.
+/// The modules loaded so far, per device context (the context's address): candle's own cache of
+/// custom modules takes PTX text only, and a fatbin is bytes.
+type Loaded = Vec<(usize, Module, Arc<CudaModule>)>;
+static LOADED: Mutex<Loaded> = Mutex::new(Vec::new());
+
+/// The function `name` of `module`, loading the module on first use in this device's context.
+/// The driver takes the fatbin's machine code for the device where it holds some, and compiles
+/// its PTX otherwise (said once per module under `EAGLE_CHECK_TRACE`).
 pub(crate) fn function(dev: &CudaDevice, module: Module, name: &str) -> Result<CudaFunction> {
-    Ok(dev
-        .get_or_load_custom_func(name, module.name(), module.ptx())?
-        .into_cuda_function())
+    let loaded = loaded_module(dev, module)?;
+    loaded.load_function(name).map_err(|e| {
+        candle_core::Error::Msg(format!("kernel {name} of {}.cu: {e:?}", module.stem()))
+    })
+}
+
+fn loaded_module(dev: &CudaDevice, module: Module) -> Result<Arc<CudaModule>> {
+    let stream = dev.cuda_stream();
+    let context = stream.context();
+    let key = Arc::as_ptr(context) as usize;
+    let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, _, m)) = loaded.iter().find(|(k, m, _)| *k == key && *m == module) {
+        return Ok(m.clone());
+    }
+    let (major, minor) = context
+        .compute_capability()
+        .map_err(candle_core::Error::wrap)?;
+    let arch = u32::try_from(10 * major + minor).unwrap_or(0);
+    let machine_code = fatbin_entries(module.image()).is_some_and(|e| {
+        e.iter()
+            .any(|e| e.kind == EntryKind::MachineCode && e.arch == arch)
+    });
+    if !machine_code {
+        crate::progress::trace(|| {
+            format!(
+                "kernels: {}.cu has no machine code for sm_{arch}; the driver compiles its PTX",
+                module.stem()
+            )
+        });
+    }
+    // The driver reads the fatbin in place: give it an 8-byte-aligned copy (the embedded bytes
+    // are aligned to 1).
+    let image = cudarc::nvrtc::Ptx::from_binary(module.image().to_vec());
+    let m = context.load_module(image).map_err(|e| {
+        candle_core::Error::Msg(format!("loading kernels/{}.cu: {e:?}", module.stem()))
+    })?;
+    loaded.push((key, module, m.clone()));
+    Ok(m)
+}
+
+/// What an entry of a fatbin holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EntryKind {
+    Ptx,
+    MachineCode,
+    Other(u16),
+}
+
+/// One entry of a fatbin: its kind and the architecture it is for (`10 * major + minor`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FatbinEntry {
+    pub kind: EntryKind,
+    pub arch: u32,
+}
+
+/// The entries of an nvcc fatbin, `None` where `image` is not one. The layout, as nvcc 13.0
+/// writes it (`nvcc -fatbin`, read back with `cuobjdump -lelf -lptx`): a 16-byte header (magic
+/// `0xBA55ED50` as u32, version u16, header size u16, payload size u64), then the entries, each
+/// a header (kind u16: 1 PTX, 2 ELF machine code; its header size u32 at byte 4; its payload
+/// size u64 at byte 8; the architecture u32 at byte 28) followed by its payload. All
+/// little-endian.
+pub(crate) fn fatbin_entries(image: &[u8]) -> Option<Vec<FatbinEntry>> {
+    let u16_at = |at: usize| Some(u16::from_le_bytes(image.get(at..at + 2)?.try_into().ok()?));
+    let u32_at = |at: usize| Some(u32::from_le_bytes(image.get(at..at + 4)?.try_into().ok()?));
+    let u64_at = |at: usize| Some(u64::from_le_bytes(image.get(at..at + 8)?.try_into().ok()?));
+    if u32_at(0)? != 0xBA55_ED50 {
+        return None;
+    }
+    let header = usize::from(u16_at(6)?);
+    let end = header.checked_add(usize::try_from(u64_at(8)?).ok()?)?;
+    if end > image.len() {
+        return None;
+    }
+    let mut entries = Vec::new();
+    let mut at = header;
+    while at < end {
+        let kind = match u16_at(at)? {
+            1 => EntryKind::Ptx,
+            2 => EntryKind::MachineCode,
+            k => EntryKind::Other(k),
+        };
+        let entry_header = usize::try_from(u32_at(at + 4)?).ok()?;
+        let payload = usize::try_from(u64_at(at + 8)?).ok()?;
+        entries.push(FatbinEntry {
+            kind,
+            arch: u32_at(at + 28)?,
+        });
+        let next = at.checked_add(entry_header)?.checked_add(payload)?;
+        if next <= at || next > end {
+            return None;
+        }
+        at = next;
+    }
+    Some(entries)
 }
 
 /// Pushes each argument (by reference; each lives until the end of the enclosing block) and
@@ -625,5 +729,71 @@ impl Staging {
             .map_err(candle_core::Error::wrap)?;
         self.aside = Some(s.clone());
         Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Every module carries machine code for sm_90 (the H100 and H200) beside its PTX, so on
+    /// those GPUs no module waits for the driver's compiler (seconds for attention.cu). Fails on
+    /// a build made with `EAGLE_CHECK_CUDA_SASS=none`.
+    #[test]
+    fn every_module_holds_sm90_machine_code_and_ptx() {
+        for &m in Module::ALL {
+            let entries = fatbin_entries(m.image())
+                .unwrap_or_else(|| panic!("{}.fatbin is not a fatbin", m.stem()));
+            assert!(
+                entries
+                    .iter()
+                    .any(|e| e.kind == EntryKind::MachineCode && e.arch == 90),
+                "{}: no sm_90 machine code in {entries:?}",
+                m.stem()
+            );
+            assert!(
+                entries.iter().any(|e| e.kind == EntryKind::Ptx),
+                "{}: no PTX in {entries:?}",
+                m.stem()
+            );
+        }
+    }
+
+    /// A fatbin cut short, of another magic or with an entry running past the end reads as
+    /// none, never a panic or a loop.
+    #[test]
+    fn a_malformed_fatbin_reads_as_none() {
+        let image = Module::Gather.image();
+        let entries = fatbin_entries(image).expect("gather.fatbin reads");
+        assert!(entries.len() >= 2, "{entries:?}");
+        assert_eq!(fatbin_entries(&image[..image.len() - 1]), None, "cut short");
+        assert_eq!(fatbin_entries(&image[..40]), None, "header only");
+        let mut other = image.to_vec();
+        other[0] ^= 1;
+        assert_eq!(fatbin_entries(&other), None, "another magic");
+        let mut past = image.to_vec();
+        // The first entry's payload size, past the end.
+        past[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert_eq!(fatbin_entries(&past), None, "an entry past the end");
+        assert_eq!(fatbin_entries(&[]), None, "empty");
+    }
+
+    /// Every module loads on the device, once per context: a second ask returns the same
+    /// module.
+    #[test]
+    fn device_every_module_loads_once() {
+        let Device::Cuda(dev) = crate::kernels::testing::gpu() else {
+            unreachable!("gpu() is a CUDA device")
+        };
+        let sm90 = crate::kernels::dispatch::hopper_device(&dev);
+        for &m in Module::ALL {
+            if !sm90 && m.stem().ends_with("_sm90") {
+                continue;
+            }
+            let first = loaded_module(&dev, m).expect("loads");
+            let again = loaded_module(&dev, m).expect("loads again");
+            assert!(Arc::ptr_eq(&first, &again), "{} loaded twice", m.stem());
+        }
     }
 }
