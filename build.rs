@@ -2,7 +2,8 @@
 //! (the CPU build needs no CUDA toolkit).
 //!
 //! Each file becomes a fatbin `{stem}.fatbin` holding machine code (SASS) for the GPUs this
-//! build targets and PTX for any other. Why at build time rather than NVRTC at run time: a
+//! build targets and PTX for any other, and that PTX alone, `{stem}.ptx` (the loader's
+//! fallback where a driver refuses the fatbin). Why at build time rather than NVRTC at run time: a
 //! kernel that does not compile fails the build (and `cargo check --features cuda` in CI)
 //! instead of the first GPU run, and the binary needs no NVRTC library. Why machine code and
 //! not PTX alone: the driver compiles PTX when a module first loads, in every process whose
@@ -71,17 +72,31 @@ fn main() {
                 } else {
                     gencode(&arch, &sass)
                 };
-                let out = out_dir.join(stem).with_extension("fatbin");
-                let mut command = Command::new(&nvcc);
-                command
-                    .args(["-fatbin", "-O3", "-std=c++17"])
-                    .arg(gencode)
-                    .arg("-I")
-                    .arg(kernels)
-                    .arg(src)
-                    .arg("-o")
-                    .arg(out);
-                (src, scope.spawn(move || command.output()))
+                let nvcc = |kind: &str, code: &str, ext: &str| {
+                    let mut command = Command::new(&nvcc);
+                    command
+                        .args([kind, "-O3", "-std=c++17", code])
+                        .arg("-I")
+                        .arg(kernels)
+                        .arg(src)
+                        .arg("-o")
+                        .arg(out_dir.join(stem).with_extension(ext));
+                    command
+                };
+                let ptx = if hopper { "compute_90a" } else { arch.as_str() };
+                let mut fatbin = nvcc("-fatbin", &gencode, "fatbin");
+                // The PTX alone too: what the loader falls back to where the driver refuses
+                // the fatbin.
+                let mut text = nvcc("-ptx", &format!("-arch={ptx}"), "ptx");
+                let build = scope.spawn(move || {
+                    let output = fatbin.output()?;
+                    if output.status.success() {
+                        text.output()
+                    } else {
+                        Ok(output)
+                    }
+                });
+                (src, build)
             })
             .collect();
         for (src, build) in builds {

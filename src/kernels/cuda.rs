@@ -16,13 +16,14 @@ use super::{KernelDType, to_i32};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::{DType, Result};
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, DevicePtr, LaunchConfig};
+use cudarc::nvrtc::Ptx;
 use std::sync::{Arc, Mutex};
 
 /// A raw device address (`CUdeviceptr`).
 pub type DevPtr = u64;
 
 /// Declares [`Module`], one module per `.cu` file, from one line per file: the variant and the
-/// file's stem; its image is build.rs's `{stem}.fatbin`.
+/// file's stem; its images are build.rs's `{stem}.fatbin` and `{stem}.ptx`.
 macro_rules! modules {
     ($($module:ident => $stem:literal,)*) => {
         /// One module per `.cu` file.
@@ -51,6 +52,15 @@ macro_rules! modules {
                     })*
                 }
             }
+
+            /// The file's PTX alone, loaded where the driver refuses [`Module::image`].
+            fn ptx(self) -> &'static str {
+                match self {
+                    $(Module::$module => {
+                        include_str!(concat!(env!("OUT_DIR"), "/", $stem, ".ptx"))
+                    })*
+                }
+            }
         }
     };
 }
@@ -71,8 +81,8 @@ modules! {
     SiluMul => "silu_mul",
 }
 
-/// The modules loaded so far, per device context (the context's address): candle's own cache of
-/// custom modules takes PTX text only, and a fatbin is bytes.
+/// The modules loaded so far, per device context (its handle): candle's own cache of custom
+/// modules takes PTX text only, and a fatbin is bytes.
 type Loaded = Vec<(usize, Module, Arc<CudaModule>)>;
 static LOADED: Mutex<Loaded> = Mutex::new(Vec::new());
 
@@ -89,7 +99,9 @@ pub(crate) fn function(dev: &CudaDevice, module: Module, name: &str) -> Result<C
 fn loaded_module(dev: &CudaDevice, module: Module) -> Result<Arc<CudaModule>> {
     let stream = dev.cuda_stream();
     let context = stream.context();
-    let key = Arc::as_ptr(context) as usize;
+    // The context's handle, not the `Arc`'s address: every `CudaDevice` of one ordinal shares
+    // its primary context, so they share its modules (the cached module keeps it retained).
+    let key = context.cu_ctx() as usize;
     let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, _, m)) = loaded.iter().find(|(k, m, _)| *k == key && *m == module) {
         return Ok(m.clone());
@@ -110,14 +122,45 @@ fn loaded_module(dev: &CudaDevice, module: Module) -> Result<Arc<CudaModule>> {
             )
         });
     }
-    // The driver reads the fatbin in place: give it an 8-byte-aligned copy (the embedded bytes
-    // are aligned to 1).
-    let image = cudarc::nvrtc::Ptx::from_binary(module.image().to_vec());
-    let m = context.load_module(image).map_err(|e| {
-        candle_core::Error::Msg(format!("loading kernels/{}.cu: {e:?}", module.stem()))
+    let m = load_either(module, |image| match image {
+        // The driver reads the fatbin in place: give it a heap copy (malloc's alignment; the
+        // embedded bytes are aligned to 1).
+        Image::Fatbin(bytes) => context.load_module(Ptx::from_binary(bytes.to_vec())),
+        Image::Ptx(text) => context.load_module(Ptx::from_src(text)),
     })?;
     loaded.push((key, module, m.clone()));
     Ok(m)
+}
+
+/// The two forms of a module build.rs writes.
+#[derive(Debug, Clone, Copy)]
+enum Image {
+    Fatbin(&'static [u8]),
+    Ptx(&'static str),
+}
+
+/// `load` of the module's fatbin, else of its PTX (a driver that refuses the fatbin still
+/// compiles the PTX, as every process did before the fatbins); the error names both refusals.
+fn load_either<T, E: std::fmt::Debug>(
+    module: Module,
+    mut load: impl FnMut(Image) -> std::result::Result<T, E>,
+) -> Result<T> {
+    let refused = match load(Image::Fatbin(module.image())) {
+        Ok(loaded) => return Ok(loaded),
+        Err(e) => e,
+    };
+    crate::progress::trace(|| {
+        format!(
+            "kernels: the driver refused {}.cu's fatbin ({refused:?}); loading its PTX",
+            module.stem()
+        )
+    });
+    load(Image::Ptx(module.ptx())).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "loading kernels/{}.cu: the fatbin: {refused:?}; the PTX: {e:?}",
+            module.stem()
+        ))
+    })
 }
 
 /// What an entry of a fatbin holds.
@@ -779,13 +822,52 @@ mod tests {
         assert_eq!(fatbin_entries(&[]), None, "empty");
     }
 
-    /// Every module loads on the device, once per context: a second ask returns the same
-    /// module.
+    /// A fatbin the driver refuses falls back to the module's PTX; where both are refused the
+    /// error names both.
+    #[test]
+    fn a_refused_fatbin_falls_back_to_the_ptx() {
+        let mut tried = Vec::new();
+        let loaded = load_either(Module::Score, |image| match image {
+            Image::Fatbin(_) => {
+                tried.push("fatbin");
+                Err("no fatbins here")
+            }
+            Image::Ptx(text) => {
+                tried.push("ptx");
+                Ok(text.len())
+            }
+        })
+        .expect("the PTX loads");
+        assert_eq!(loaded, Module::Score.ptx().len());
+        assert_eq!(tried, ["fatbin", "ptx"]);
+        assert!(Module::Score.ptx().contains(".entry score_finish"));
+        let first = load_either(Module::Score, |image| match image {
+            Image::Fatbin(bytes) => Ok(bytes.len()),
+            Image::Ptx(_) => Err("not asked"),
+        });
+        assert_eq!(
+            first.expect("the fatbin loads"),
+            Module::Score.image().len()
+        );
+        let neither = load_either(Module::Gather, |_| Err::<(), _>("refused"))
+            .expect_err("neither loads")
+            .to_string();
+        assert!(
+            neither.contains("gather.cu") && neither.matches("refused").count() == 2,
+            "{neither}"
+        );
+    }
+
+    /// Every module loads on the device, once per context: a second ask, and an ask from
+    /// another `CudaDevice` of the same ordinal (the same primary context), return the same
+    /// module, so tests that open device after device do not load module after module.
     #[test]
     fn device_every_module_loads_once() {
-        let Device::Cuda(dev) = crate::kernels::testing::gpu() else {
-            unreachable!("gpu() is a CUDA device")
+        let open = || match crate::kernels::testing::gpu() {
+            Device::Cuda(dev) => dev,
+            _ => unreachable!("gpu() is a CUDA device"),
         };
+        let (dev, other) = (open(), open());
         let sm90 = crate::kernels::dispatch::hopper_device(&dev);
         for &m in Module::ALL {
             if !sm90 && m.stem().ends_with("_sm90") {
@@ -793,7 +875,13 @@ mod tests {
             }
             let first = loaded_module(&dev, m).expect("loads");
             let again = loaded_module(&dev, m).expect("loads again");
+            let elsewhere = loaded_module(&other, m).expect("loads on another device handle");
             assert!(Arc::ptr_eq(&first, &again), "{} loaded twice", m.stem());
+            assert!(
+                Arc::ptr_eq(&first, &elsewhere),
+                "{} loaded per handle",
+                m.stem()
+            );
         }
     }
 }
