@@ -1,14 +1,14 @@
 //! Compiles `kernels/*.cu` with nvcc when the `cuda` feature is on; without it, does nothing
 //! (the CPU build needs no CUDA toolkit).
 //!
-//! Each file becomes a fatbin `{stem}.fatbin` holding machine code (SASS) for the GPUs this
-//! build targets and PTX for any other, and that PTX alone, `{stem}.ptx` (the loader's
-//! fallback where a driver refuses the fatbin). Why at build time rather than NVRTC at run time: a
-//! kernel that does not compile fails the build (and `cargo check --features cuda` in CI)
-//! instead of the first GPU run, and the binary needs no NVRTC library. Why machine code and
-//! not PTX alone: the driver compiles PTX when a module first loads, in every process whose
-//! compute cache is empty (a fresh machine, a container), and `ptxas` takes seconds on the
-//! largest files (attention.cu, moe_gemm_sm90.cu).
+//! Each file compiles once to PTX, `{stem}.ptx`, and ptxas makes a fatbin of that PTX,
+//! `{stem}.fatbin`: machine code (SASS) for the GPUs this build targets, and the PTX for any
+//! other (the PTX alone is the loader's fallback where a driver refuses the fatbin). Why at
+//! build time rather than NVRTC at run time: a kernel that does not compile fails the build
+//! (and `cargo check --features cuda` in CI) instead of the first GPU run, and the binary needs
+//! no NVRTC library. Why machine code and not PTX alone: the driver compiles PTX when a module
+//! first loads, in every process whose compute cache is empty (a fresh machine, a container),
+//! and `ptxas` takes seconds on the largest files (attention.cu, moe_gemm_sm90.cu).
 //!
 //! The PTX targets `compute_80` (mma.sync on bf16 needs sm_80+; `EAGLE_CHECK_CUDA_ARCH`
 //! overrides, e.g. `compute_90`); the machine code is for `sm_90`, the H100 and H200
@@ -66,32 +66,35 @@ fn main() {
             .iter()
             .map(|src| {
                 let stem = src.file_stem().expect("a .cu file has a stem");
-                let hopper = stem.to_string_lossy().ends_with("_sm90");
-                let gencode = if hopper {
-                    gencode("compute_90a", &["sm_90a"])
-                } else {
-                    gencode(&arch, &sass)
-                };
-                let nvcc = |kind: &str, code: &str, ext: &str| {
-                    let mut command = Command::new(&nvcc);
-                    command
-                        .args([kind, "-O3", "-std=c++17", code])
-                        .arg("-I")
-                        .arg(kernels)
-                        .arg(src)
-                        .arg("-o")
-                        .arg(out_dir.join(stem).with_extension(ext));
-                    command
-                };
-                let ptx = if hopper { "compute_90a" } else { arch.as_str() };
-                let mut fatbin = nvcc("-fatbin", &gencode, "fatbin");
-                // The PTX alone too: what the loader falls back to where the driver refuses
-                // the fatbin.
-                let mut text = nvcc("-ptx", &format!("-arch={ptx}"), "ptx");
+                let (virtual_arch, machine): (&str, &[&str]) =
+                    if stem.to_string_lossy().ends_with("_sm90") {
+                        ("compute_90a", &["sm_90a"])
+                    } else {
+                        (&arch, &sass)
+                    };
+                let ptx = out_dir.join(stem).with_extension("ptx");
+                // The source compiles once, to PTX (kept: the loader's fallback where a driver
+                // refuses the fatbin); the fatbin is ptxas's machine code of that PTX, with it.
+                let mut to_ptx = Command::new(&nvcc);
+                to_ptx
+                    .args(["-ptx", "-O3", "-std=c++17"])
+                    .arg(format!("-arch={virtual_arch}"))
+                    .arg("-I")
+                    .arg(kernels)
+                    .arg(src)
+                    .arg("-o")
+                    .arg(&ptx);
+                let mut to_fatbin = Command::new(&nvcc);
+                to_fatbin
+                    .arg("-fatbin")
+                    .arg(gencode(virtual_arch, machine))
+                    .arg(&ptx)
+                    .arg("-o")
+                    .arg(out_dir.join(stem).with_extension("fatbin"));
                 let build = scope.spawn(move || {
-                    let output = fatbin.output()?;
+                    let output = to_ptx.output()?;
                     if output.status.success() {
-                        text.output()
+                        to_fatbin.output()
                     } else {
                         Ok(output)
                     }

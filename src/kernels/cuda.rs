@@ -35,17 +35,17 @@ macro_rules! modules {
         impl Module {
             /// Every module, in registration order.
             #[cfg_attr(not(test), allow(dead_code))]
-            pub(crate) const ALL: &[Module] = &[$(Module::$module,)*];
+            const ALL: &[Module] = &[$(Module::$module,)*];
 
             /// The `.cu` file's stem, for messages.
-            pub(crate) fn stem(self) -> &'static str {
+            fn stem(self) -> &'static str {
                 match self {
                     $(Module::$module => $stem,)*
                 }
             }
 
             /// nvcc's fatbin of the file ([`fatbin_entries`] reads what it holds).
-            pub(crate) fn image(self) -> &'static [u8] {
+            fn image(self) -> &'static [u8] {
                 match self {
                     $(Module::$module => {
                         include_bytes!(concat!(env!("OUT_DIR"), "/", $stem, ".fatbin"))
@@ -165,7 +165,7 @@ fn load_either<T, E: std::fmt::Debug>(
 
 /// What an entry of a fatbin holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum EntryKind {
+enum EntryKind {
     Ptx,
     MachineCode,
     Other(u16),
@@ -173,9 +173,9 @@ pub(crate) enum EntryKind {
 
 /// One entry of a fatbin: its kind and the architecture it is for (`10 * major + minor`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct FatbinEntry {
-    pub kind: EntryKind,
-    pub arch: u32,
+struct FatbinEntry {
+    kind: EntryKind,
+    arch: u32,
 }
 
 /// The entries of an nvcc fatbin, `None` where `image` is not one. The layout, as nvcc 13.0
@@ -184,7 +184,7 @@ pub(crate) struct FatbinEntry {
 /// a header (kind u16: 1 PTX, 2 ELF machine code; its header size u32 at byte 4; its payload
 /// size u64 at byte 8; the architecture u32 at byte 28) followed by its payload. All
 /// little-endian.
-pub(crate) fn fatbin_entries(image: &[u8]) -> Option<Vec<FatbinEntry>> {
+fn fatbin_entries(image: &[u8]) -> Option<Vec<FatbinEntry>> {
     let u16_at = |at: usize| Some(u16::from_le_bytes(image.get(at..at + 2)?.try_into().ok()?));
     let u32_at = |at: usize| Some(u32::from_le_bytes(image.get(at..at + 4)?.try_into().ok()?));
     let u64_at = |at: usize| Some(u64::from_le_bytes(image.get(at..at + 8)?.try_into().ok()?));
@@ -815,10 +815,19 @@ mod tests {
         let mut other = image.to_vec();
         other[0] ^= 1;
         assert_eq!(fatbin_entries(&other), None, "another magic");
-        let mut past = image.to_vec();
-        // The first entry's payload size, past the end.
-        past[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert_eq!(fatbin_entries(&past), None, "an entry past the end");
+        // The first entry's payload size: one byte past the end, and so large that the sum
+        // overflows.
+        let first_size = u64::from_le_bytes(image[24..32].try_into().unwrap());
+        let container = u64::from_le_bytes(image[8..16].try_into().unwrap());
+        for (size, what) in [
+            (container + 1, "one past the end"),
+            (u64::MAX, "overflowing"),
+        ] {
+            assert!(size > first_size);
+            let mut past = image.to_vec();
+            past[24..32].copy_from_slice(&size.to_le_bytes());
+            assert_eq!(fatbin_entries(&past), None, "an entry {what}");
+        }
         assert_eq!(fatbin_entries(&[]), None, "empty");
     }
 
