@@ -478,6 +478,26 @@ fn read_units(captures: &[PathBuf], ahead: &ReadAhead, prepare: Option<&Prepare>
     stats
 }
 
+/// Each unit's host work: the reader's where it did it, else `prepare` of each of its
+/// samples, in parallel. A unit the reader prepared queues nothing on rayon's global pool:
+/// while the reader reads ahead its file jobs hold that pool, and a job queued behind them
+/// waits for them (on the H100, 29 ms a pass at T = 2,048 where every unit was the reader's,
+/// 0.2 ms a pass now: BENCHMARKS.md, runs 57 and 59).
+fn host_work<S: Sync, T: Send>(
+    units: &[(String, Vec<S>)],
+    host: Vec<Option<Vec<T>>>,
+    prepare: impl Fn(&S) -> T + Sync,
+) -> Vec<Vec<T>> {
+    use rayon::prelude::*;
+    units
+        .iter()
+        .zip(host)
+        .map(|((_, samples), host)| {
+            host.unwrap_or_else(|| samples.par_iter().map(&prepare).collect())
+        })
+        .collect()
+}
+
 /// The units read ahead of the diff, held up to a byte budget ([`unit_bytes`]): the reader
 /// waits while they exceed it (one unit always fits), the diff while none is there.
 struct ReadAhead {
@@ -675,21 +695,9 @@ impl Judge<'_> {
         // uploads in order on this thread.
         let (spec, hidden, l) = (self.spec, self.hidden, self.l);
         let (units, host): (Vec<Unit>, Vec<_>) = pass.units.into_iter().unzip();
-        let host: Vec<Vec<Result<HostPrepared>>> = {
-            use rayon::prelude::*;
-            units
-                .par_iter()
-                .zip(host)
-                .map(|((_, samples), host)| {
-                    host.unwrap_or_else(|| {
-                        samples
-                            .par_iter()
-                            .map(|sample| prepare_host(sample, spec, hidden, l, &device))
-                            .collect()
-                    })
-                })
-                .collect()
-        };
+        let host = host_work(&units, host, |sample| {
+            prepare_host(sample, spec, hidden, l, &device)
+        });
         crate::model::phases::mark("diff: the reader's preparations", &device);
         let mut prepared: Vec<Vec<Option<Prepared>>> = Vec::with_capacity(units.len());
         for ((_, samples), host) in units.iter().zip(host) {
@@ -1539,6 +1547,26 @@ pub fn describe_paths(paths: &[PathBuf]) -> String {
 mod tests {
     use super::*;
     use crate::readers::{DType as CaptureDType, Format};
+
+    /// A pass whose units the reader prepared sets up without rayon's global pool (the
+    /// reader's file jobs hold it), and a unit it did not prepare is prepared here, each sample
+    /// in order. Planted: the units mapped on the global pool as before; the first check
+    /// waited for the held pool and failed after its 60 s.
+    #[test]
+    fn a_pass_of_prepared_units_waits_for_no_pool() {
+        use crate::kernels::testing::{hold_the_global_pool, within};
+        let units: Vec<(String, Vec<u32>)> = vec![("a".into(), vec![1, 2]), ("b".into(), vec![3])];
+        let held = hold_the_global_pool();
+        let reader = vec![Some(vec![10, 20]), Some(vec![30])];
+        let got = within(std::time::Duration::from_secs(60), move || {
+            host_work(&units, reader, |s: &u32| s * 100)
+        });
+        drop(held);
+        assert_eq!(got, Some(vec![vec![10, 20], vec![30]]));
+        let units: Vec<(String, Vec<u32>)> = vec![("a".into(), vec![1, 2]), ("b".into(), vec![3])];
+        let got = host_work(&units, vec![Some(vec![10, 20]), None], |s: &u32| s * 100);
+        assert_eq!(got, vec![vec![10, 20], vec![300]]);
+    }
 
     /// A SpecForge-shaped sample of `rows` tokens: three aux slots and the training target,
     /// captured in `dtype` (the values do not matter here).

@@ -554,8 +554,8 @@ thread_local! {
 }
 
 /// `t` (on the host, contiguous) copied to `dev` through this thread's pinned staging buffers:
-/// each piece copied into a pinned buffer (in parallel, by rayon's threads: plain memory
-/// copies, no device call) and from there to the device asynchronously on the device's stream,
+/// each piece copied into a pinned buffer (in parallel, by [`super::copy_in_parallel`]'s
+/// threads: plain memory copies, no device call) and from there to the device asynchronously on the device's stream,
 /// so that the thread goes on filling the next buffer while the device reads this one, and a
 /// copy waits only for the work queued before it, not for the host. A pageable copy
 /// (`Tensor::to_device`) goes through the driver's own small staging at about 4 GB/s on the H100
@@ -657,12 +657,7 @@ fn staged_copy(staging: &mut Staging, src: &[u8], dst: DevPtr, stream: &CudaStre
         // The device's last copy out of this buffer is over before it is written again.
         done.synchronize().map_err(candle_core::Error::wrap)?;
         let host = &mut buf.as_mut_slice().map_err(candle_core::Error::wrap)?[..piece.len()];
-        {
-            use rayon::prelude::*;
-            host.par_chunks_mut(8 << 20)
-                .zip(piece.par_chunks(8 << 20))
-                .for_each(|(d, s)| d.copy_from_slice(s));
-        }
+        super::copy_in_parallel(host, piece);
         // SAFETY: `host` is pinned memory that stays untouched until `done` (recorded just
         // after) has passed; `dst + at` starts a range of `piece.len()` bytes the caller owns.
         unsafe {

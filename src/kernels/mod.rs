@@ -109,6 +109,43 @@ pub(crate) fn values_as_bytes<T: candle_core::WithDType>(v: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
+/// `src` copied into `dst` (of the same length) by several threads, in pieces of 8 MiB: the
+/// host's share of a copy to the device through the pinned staging. The threads are a pool of
+/// their own, not rayon's global one: during a diff the capture reader keeps the global pool
+/// busy with long jobs (a file's parsing and widening), and work queued behind them waits for
+/// them, holding up the thread that queues the device's work (the pass set-up did: 29 ms a
+/// pass at T = 2,048 on the H100, BENCHMARKS.md runs 57 and 59). Where the pool cannot be
+/// made, one thread copies.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn copy_in_parallel(dst: &mut [u8], src: &[u8]) {
+    use rayon::prelude::*;
+    const PIECE: usize = 8 << 20;
+    assert_eq!(dst.len(), src.len(), "copy_in_parallel: lengths differ");
+    match copy_pool() {
+        Some(pool) if src.len() > PIECE => pool.install(|| {
+            dst.par_chunks_mut(PIECE)
+                .zip(src.par_chunks(PIECE))
+                .for_each(|(d, s)| d.copy_from_slice(s))
+        }),
+        _ => dst.copy_from_slice(src),
+    }
+}
+
+/// The threads of [`copy_in_parallel`]: up to eight (a copy is bound by the memory's rate
+/// well before that), made at the first use.
+fn copy_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("ec-copy-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
 /// A tensor of `dtype` and `shape` on `device` whose values [`copy_aside`] brings later,
 /// beside the device's work ([`cuda::reserve_aside`]): on a GPU with pinned staging; `None`
 /// elsewhere (the caller copies as it otherwise would).
@@ -365,6 +402,30 @@ mod tests {
         assert!(cast_needs_chunks(true, last + 1));
         assert!(!cast_needs_chunks(true, last));
         assert!(!cast_needs_chunks(false, last + 1));
+    }
+
+    /// The staging's host copies never wait for rayon's global pool: with every thread of it
+    /// held by a job that ends only after the copy (as the capture reader's file jobs hold it
+    /// during a diff), a copy of several pieces still ends, and copies every byte. Copying on
+    /// the global pool would wait for those jobs: the test would fail after its 60 s.
+    #[test]
+    fn parallel_copies_do_not_wait_for_the_global_pool() {
+        use crate::kernels::testing::{hold_the_global_pool, within};
+        let held = hold_the_global_pool();
+        let src: Vec<u8> = (0..(40usize << 20) + 13)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        let outcome = within(std::time::Duration::from_secs(60), move || {
+            let mut dst = vec![0u8; src.len()];
+            copy_in_parallel(&mut dst, &src);
+            dst == src
+        });
+        drop(held);
+        assert_eq!(
+            outcome,
+            Some(true),
+            "the copy waited for the global pool, or copied other bytes"
+        );
     }
 
     /// A host tensor copied to the GPU through the pinned staging buffers holds the bits

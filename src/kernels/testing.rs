@@ -115,3 +115,64 @@ fn random_values_are_never_small() {
 fn assert_close_names_the_worst_element() {
     assert_close(&[1.0, 2.5, 3.0], &[1.0, 2.0, 3.01], 0.0, 0.01, "planted");
 }
+
+/// Every thread of rayon's global pool held by a job that ends when the returned guard drops:
+/// the global pool as the capture reader's long file jobs hold it during a diff. Work queued
+/// there meanwhile waits for the guard.
+pub fn hold_the_global_pool() -> PoolHold {
+    use std::sync::{Arc, Condvar, Mutex};
+    // One hold at a time: two tests holding it together would each wait for threads the
+    // other's jobs have.
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let threads = rayon::current_num_threads();
+    // (jobs started, released)
+    let gate = Arc::new((Mutex::new((0usize, false)), Condvar::new()));
+    for _ in 0..threads {
+        let gate = gate.clone();
+        rayon::spawn(move || {
+            let (state, changed) = &*gate;
+            let mut s = state.lock().unwrap();
+            s.0 += 1;
+            changed.notify_all();
+            while !s.1 {
+                s = changed.wait(s).unwrap();
+            }
+        });
+    }
+    {
+        let (state, changed) = &*gate;
+        let mut s = state.lock().unwrap();
+        while s.0 < threads {
+            s = changed.wait(s).unwrap();
+        }
+    }
+    PoolHold { gate, _turn: turn }
+}
+
+/// See [`hold_the_global_pool`].
+pub struct PoolHold {
+    gate: std::sync::Arc<(std::sync::Mutex<(usize, bool)>, std::sync::Condvar)>,
+    _turn: std::sync::MutexGuard<'static, ()>,
+}
+
+impl Drop for PoolHold {
+    fn drop(&mut self) {
+        let (state, changed) = &*self.gate;
+        state.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+        changed.notify_all();
+    }
+}
+
+/// `f` on a thread of its own: its result, or `None` if it takes longer than `limit` (the
+/// thread is then left to end when it can).
+pub fn within<T: Send + 'static>(
+    limit: std::time::Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let (done, result) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(f());
+    });
+    result.recv_timeout(limit).ok()
+}
