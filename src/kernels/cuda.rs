@@ -555,12 +555,12 @@ thread_local! {
 
 /// `t` (on the host, contiguous) copied to `dev` through this thread's pinned staging buffers:
 /// each piece copied into a pinned buffer (in parallel, by [`super::copy_in_parallel`]'s
-/// threads: plain memory copies, no device call) and from there to the device asynchronously on the device's stream,
-/// so that the thread goes on filling the next buffer while the device reads this one, and a
-/// copy waits only for the work queued before it, not for the host. A pageable copy
-/// (`Tensor::to_device`) goes through the driver's own small staging at about 4 GB/s on the H100
-/// machines, one buffer at a time (BENCHMARKS.md, run 42: a streamed 21.4 GiB MoE layer put on
-/// the device in 5.3 s). `None` when `t` is not a host tensor of a dtype the staging takes, or
+/// threads: plain memory copies, no device call) and from there to the device asynchronously
+/// on the device's stream, so that the thread goes on filling the next buffer while the
+/// device reads this one, and a copy waits only for the work queued before it, not for the
+/// host. A pageable copy (`Tensor::to_device`) goes through the driver's own small staging at
+/// about 4 GB/s on the H100 machines, one buffer at a time (BENCHMARKS.md, run 42: a streamed
+/// 21.4 GiB MoE layer put on the device in 5.3 s). `None` when `t` is not a host tensor of a dtype the staging takes, or
 /// the driver gave this thread no pinned memory (the caller copies it as candle does).
 pub fn upload(t: &candle_core::Tensor, dev: &CudaDevice) -> Result<Option<candle_core::Tensor>> {
     let (storage, layout) = t.storage_and_layout();
