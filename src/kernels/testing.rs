@@ -1,6 +1,7 @@
 //! Helpers for the kernel tests: seeded random inputs (never zero), the llm.c-style comparison
-//! (`|got - want| <= atol + rtol * |want|`, reporting the worst element), and the CUDA device
-//! the device tests run on, or a visible skip.
+//! (`|got - want| <= atol + rtol * |want|`, reporting the worst element), the CUDA device
+//! the device tests run on, or a visible skip; and, for any test, rayon's global pool held as
+//! the capture reader holds it ([`hold_the_global_pool`]).
 
 use candle_core::{DType, Device, Tensor};
 
