@@ -560,8 +560,9 @@ thread_local! {
 /// device reads this one, and a copy waits only for the work queued before it, not for the
 /// host. A pageable copy (`Tensor::to_device`) goes through the driver's own small staging at
 /// about 4 GB/s on the H100 machines, one buffer at a time (BENCHMARKS.md, run 42: a streamed
-/// 21.4 GiB MoE layer put on the device in 5.3 s). `None` when `t` is not a host tensor of a dtype the staging takes, or
-/// the driver gave this thread no pinned memory (the caller copies it as candle does).
+/// 21.4 GiB MoE layer put on the device in 5.3 s). `None` when `t` is not a host tensor of a
+/// dtype the staging takes, or the driver gave this thread no pinned memory (the caller copies
+/// it as candle does).
 pub fn upload(t: &candle_core::Tensor, dev: &CudaDevice) -> Result<Option<candle_core::Tensor>> {
     let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*storage else {
