@@ -9,7 +9,7 @@
 use crate::config::{MlaConfig, ModelConfig, MoeConfig, Rope, RopeScaling};
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{self, AttnParams, RopeParams};
-use crate::model::llama::{Packed, packed_rope};
+use crate::model::llama::{Packed, RopeCache};
 use crate::model::moe::{DEEPSEEK_NAMES, Ffn, MoeBlock, residual_step};
 use crate::model::nn::{Linear, Mlp, RmsNorm, RopeTables, attention, causal_mask};
 use crate::model::source::Vb;
@@ -417,10 +417,10 @@ pub(crate) struct DeepseekDecoder {
     cfg: ModelConfig,
     dtype: DType,
     path: ComputePath,
-    /// The last forward's rope tables (its length and device): a capture bench or a `diff`
-    /// over samples of one length builds them once (at T = 2048, building them and gathering
-    /// the embedding rows took 1.8 ms of a 37 ms forward on the H200 machine).
-    rope_cache: std::sync::Mutex<Option<(usize, Device, RopeTables)>>,
+    /// Rope tables kept across forwards: a capture bench or a `diff` builds them once (at
+    /// T = 2048, building them and gathering the embedding rows took 1.8 ms of a 37 ms forward
+    /// on the H200 machine).
+    rope: RopeCache,
 }
 
 /// Config checks the forward relies on, with the numbers in the message.
@@ -452,7 +452,7 @@ impl DeepseekDecoder {
             cfg: cfg.clone(),
             dtype,
             path,
-            rope_cache: std::sync::Mutex::new(None),
+            rope: RopeCache::default(),
         })
     }
 
@@ -490,26 +490,16 @@ impl Decoder for DeepseekDecoder {
     }
 
     fn context(&self, t: usize, device: &Device) -> Result<Self::Ctx> {
-        let rope = {
-            let mut cache = self
-                .rope_cache
-                .lock()
-                .map_err(|_| Error::Device("rope table cache poisoned".into()))?;
-            match cache.as_ref() {
-                Some((n, d, r)) if *n == t && d.same_device(device) => r.clone(),
-                _ => {
-                    let r =
-                        RopeTables::new(&self.cfg.rope, self.rope_dim(), t, self.dtype, device)?;
-                    *cache = Some((t, device.clone(), r.clone()));
-                    r
-                }
-            }
-        };
+        let rope = self
+            .rope
+            .packed(&self.cfg.rope, self.rope_dim(), &[t], self.dtype, device)?;
         Ok((rope, self.mask(t, device)?, Packed::default()))
     }
 
     fn context_packed(&self, lens: &[usize], device: &Device) -> Result<Option<Self::Ctx>> {
-        let rope = packed_rope(&self.cfg.rope, self.rope_dim(), lens, self.dtype, device)?;
+        let rope = self
+            .rope
+            .packed(&self.cfg.rope, self.rope_dim(), lens, self.dtype, device)?;
         let packed = Packed::new(lens, |t| self.mask(t, device))?;
         Ok(Some((rope, self.mask(1, device)?, packed)))
     }

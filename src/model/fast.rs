@@ -18,7 +18,7 @@
 
 use super::Resident;
 use super::llama::LlamaDecoder;
-use super::nn::{Linear, RopeTables};
+use super::nn::Linear;
 use super::{Capture, CaptureRequest, EmbedRows, ManyOptions, Progress, Sink, Target, phases};
 use crate::config::ModelConfig;
 use crate::error::{CandleContext, Result};
@@ -110,9 +110,9 @@ pub struct FastLlama {
     dev: CudaDevice,
     kd: KernelDType,
     layers: Vec<FastLayer>,
-    /// f32 cos/sin for the longest sequence seen so far (rows are positions, so a shorter
-    /// sequence reads a prefix): computing the table on the host costs milliseconds at T = 8192.
-    rope: std::sync::Mutex<Option<(usize, Tensor, Tensor)>>,
+    /// f32 cos/sin tables kept across forwards: computing them on the host costs milliseconds
+    /// at T = 8192, and a packed forward's are rows of them.
+    rope: super::llama::RopeCache,
 }
 
 /// The scratch of one forward: `[T, *]` buffers, reused layer after layer.
@@ -177,7 +177,7 @@ impl FastLlama {
             dev,
             kd,
             layers,
-            rope: std::sync::Mutex::new(None),
+            rope: Default::default(),
         })
     }
 
@@ -259,28 +259,6 @@ impl FastLlama {
         })
     }
 
-    /// cos/sin `[t, hd / 2]` f32: rows of the cached table when it is long enough.
-    fn rope_tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
-        let mut cache = self
-            .rope
-            .lock()
-            .map_err(|_| crate::error::Error::Device("rope table cache poisoned".into()))?;
-        if cache.as_ref().is_none_or(|(n, _, _)| *n < t) {
-            let cfg = self.cfg();
-            let r = RopeTables::new(
-                &cfg.rope,
-                cfg.head_dim,
-                t,
-                DType::F32,
-                self.inner.embed.device(),
-            )?;
-            *cache = Some((t, r.cos32, r.sin32));
-        }
-        let (_, cos, sin) = cache.as_ref().expect("filled above");
-        let rows = |x: &Tensor| x.narrow(0, 0, t).ctx(|| "rope table".to_string());
-        Ok((rows(cos)?, rows(sin)?))
-    }
-
     /// One forward over `ids`, sequences of `lens` tokens packed one after another (`[T]` for
     /// one sequence): every launch sees all rows but rope (each sequence's positions from 0)
     /// and attention (one launch per sequence, on its rows).
@@ -307,10 +285,8 @@ impl FastLlama {
         };
         let s = self.scratch(t).ctx(|| "scratch buffers".to_string())?;
         let ids_t = Tensor::new(ids, &device).ctx(|| "token ids".to_string())?;
-        let (cos_t, sin_t) = if lens.len() == 1 {
-            self.rope_tables(t)?
-        } else {
-            let r = super::llama::packed_rope(&cfg.rope, hd, lens, DType::F32, &device)?;
+        let (cos_t, sin_t) = {
+            let r = self.rope.packed(&cfg.rope, hd, lens, DType::F32, &device)?;
             (r.cos32, r.sin32)
         };
         let row = |base: DevPtr, i: usize| base + (i * t * h * self.kd.size()) as u64;

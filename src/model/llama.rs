@@ -332,29 +332,131 @@ impl Packed {
     }
 }
 
-/// Rope tables for sequences of `lens` tokens packed one after another: each sequence's own
-/// tables (positions from 0, and whatever its length decides, LongRoPE's factors say), stacked.
-pub(crate) fn packed_rope(
-    rope: &crate::config::Rope,
-    dim: usize,
-    lens: &[usize],
-    dtype: DType,
-    device: &Device,
-) -> Result<RopeTables> {
-    let tables = lens
+/// Rope tables kept across forwards, one per set of frequencies (every rope has one; LongRoPE
+/// two, short and long), each as long as the longest sequence that asked for it: a packed
+/// forward's tables are rows of these, gathered on the device. Computing them on the host for
+/// every forward (sine and cosine of each position and frequency, per sample) left the device
+/// idle 4.6 ms per packed forward of 4,096 tokens on the H100 machines (BENCHMARKS.md, run 62).
+#[derive(Default)]
+pub(crate) struct RopeCache {
+    tables: std::sync::Mutex<Vec<CachedRope>>,
+}
+
+/// Tables for positions `0..len` of the rope whose frequencies and scale have the bits `key`.
+struct CachedRope {
+    key: Vec<u64>,
+    len: usize,
+    tables: RopeTables,
+}
+
+/// The bits of the frequencies and scale a sequence of `len` tokens is rotated with: two
+/// sequences of one key have the same table row at every position they share.
+fn rope_key(rope: &crate::config::Rope, dim: usize, len: usize) -> Vec<u64> {
+    let (freqs, scale) = crate::model::nn::inv_freq_for(rope, dim, len);
+    freqs
         .iter()
-        .map(|&t| RopeTables::new(rope, dim, t, dtype, device))
-        .collect::<Result<Vec<_>>>()?;
-    let cat = |f: fn(&RopeTables) -> &Tensor| {
-        let parts: Vec<&Tensor> = tables.iter().map(f).collect();
-        Tensor::cat(&parts, 0).ctx(|| "packed rope tables".to_string())
-    };
-    Ok(RopeTables {
-        cos: cat(|r| &r.cos)?,
-        sin: cat(|r| &r.sin)?,
-        cos32: cat(|r| &r.cos32)?,
-        sin32: cat(|r| &r.sin32)?,
-    })
+        .chain(std::iter::once(&scale))
+        .map(|f| f.to_bits())
+        .collect()
+}
+
+impl RopeCache {
+    /// The tables of sequences of `lens` tokens packed one after another, positions restarting
+    /// at 0 for each: the rows of each sequence's own [`RopeTables::new`], bit for bit.
+    pub(crate) fn packed(
+        &self,
+        rope: &crate::config::Rope,
+        dim: usize,
+        lens: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<RopeTables> {
+        let mut cache = self
+            .tables
+            .lock()
+            .map_err(|_| Error::Device("rope table cache poisoned".into()))?;
+        let fits = |c: &CachedRope| {
+            c.tables.cos.dtype() == dtype && c.tables.cos.device().same_device(device)
+        };
+        // Each sequence's table, grown to the longest sequence of its key (a length of the
+        // key, so that the grown table has the same frequencies).
+        let keys: Vec<Vec<u64>> = lens.iter().map(|&len| rope_key(rope, dim, len)).collect();
+        let mut which = Vec::with_capacity(lens.len());
+        for (key, &len) in keys.iter().zip(lens) {
+            let longest = keys
+                .iter()
+                .zip(lens)
+                .filter(|(k, _)| *k == key)
+                .map(|(_, &n)| n)
+                .max()
+                .unwrap_or(len);
+            let at = cache.iter().position(|c| &c.key == key && fits(c));
+            let at = match at {
+                Some(at) if cache[at].len >= len => at,
+                _ => {
+                    let grown = CachedRope {
+                        key: key.clone(),
+                        len: longest,
+                        tables: RopeTables::new(rope, dim, longest, dtype, device)?,
+                    };
+                    match at {
+                        Some(at) => {
+                            cache[at] = grown;
+                            at
+                        }
+                        None => {
+                            cache.push(grown);
+                            cache.len() - 1
+                        }
+                    }
+                }
+            };
+            which.push(at);
+        }
+        let rows = |start: usize, len: usize, c: &CachedRope| c.tables.rows(start, len);
+        if let ([len], [at]) = (lens, which.as_slice()) {
+            return rows(0, *len, &cache[*at]);
+        }
+        // One table holding every key's in turn, and each sequence's rows in it.
+        let used: Vec<usize> = {
+            let mut u = which.clone();
+            u.sort_unstable();
+            u.dedup();
+            u
+        };
+        let mut offset = vec![0; cache.len()];
+        let mut total = 0;
+        for &at in &used {
+            offset[at] = total;
+            total += cache[at].len;
+        }
+        let idx: Vec<u32> = lens
+            .iter()
+            .zip(&which)
+            .flat_map(|(&len, &at)| {
+                let start = offset[at];
+                (start..start + len).map(|p| p as u32)
+            })
+            .collect();
+        let n = idx.len();
+        let idx = Tensor::from_vec(idx, n, device).ctx(|| "packed rope rows".to_string())?;
+        let gather = |f: fn(&RopeTables) -> &Tensor| -> Result<Tensor> {
+            let parts: Vec<&Tensor> = used.iter().map(|&at| f(&cache[at].tables)).collect();
+            let all = if parts.len() == 1 {
+                parts[0].clone()
+            } else {
+                Tensor::cat(&parts, 0).ctx(|| "packed rope tables".to_string())?
+            };
+            all.index_select(&idx, 0)
+                .ctx(|| "packed rope tables".to_string())
+        };
+        Ok(RopeTables {
+            cos: gather(|r| &r.cos)?,
+            sin: gather(|r| &r.sin)?,
+            cos32: gather(|r| &r.cos32)?,
+            sin32: gather(|r| &r.sin32)?,
+        })
+    }
 }
 
 /// One layer's attention shape, for [`Attention::with_shape`].
@@ -547,6 +649,7 @@ pub(crate) struct LlamaDecoder {
     pub(crate) cfg: ModelConfig,
     pub(crate) dtype: DType,
     path: ComputePath,
+    rope: RopeCache,
 }
 
 impl LlamaDecoder {
@@ -555,6 +658,7 @@ impl LlamaDecoder {
             cfg: cfg.clone(),
             dtype,
             path,
+            rope: RopeCache::default(),
         }
     }
 
@@ -638,7 +742,13 @@ impl Decoder for LlamaDecoder {
 
     fn context(&self, t: usize, device: &Device) -> Result<Self::Ctx> {
         Ok(LlamaCtx {
-            rope: RopeTables::new(&self.cfg.rope, self.cfg.rotary_dim, t, self.dtype, device)?,
+            rope: self.rope.packed(
+                &self.cfg.rope,
+                self.cfg.rotary_dim,
+                &[t],
+                self.dtype,
+                device,
+            )?,
             mask: self.mask(t, device)?,
             packed: Packed::default(),
         })
@@ -647,7 +757,9 @@ impl Decoder for LlamaDecoder {
     fn context_packed(&self, lens: &[usize], device: &Device) -> Result<Option<Self::Ctx>> {
         let cfg = &self.cfg;
         Ok(Some(LlamaCtx {
-            rope: packed_rope(&cfg.rope, cfg.rotary_dim, lens, self.dtype, device)?,
+            rope: self
+                .rope
+                .packed(&cfg.rope, cfg.rotary_dim, lens, self.dtype, device)?,
             mask: self.mask(1, device)?,
             packed: Packed::new(lens, |t| self.mask(t, device))?,
         }))
@@ -679,5 +791,92 @@ impl Decoder for LlamaDecoder {
             })
         };
         step().ctx(|| format!("decoder layer {i}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Rope, RopeScaling};
+
+    /// Each sequence's own tables, stacked: what a packed forward's tables were built as
+    /// before [`RopeCache`], on the host for every forward.
+    fn stacked(rope: &Rope, dim: usize, lens: &[usize], dtype: DType) -> Vec<Vec<f32>> {
+        let own: Vec<RopeTables> = lens
+            .iter()
+            .map(|&t| RopeTables::new(rope, dim, t, dtype, &Device::Cpu).unwrap())
+            .collect();
+        let values = |f: fn(&RopeTables) -> &Tensor| -> Vec<f32> {
+            own.iter()
+                .flat_map(|r| {
+                    f(r).to_dtype(DType::F32)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                })
+                .collect()
+        };
+        vec![
+            values(|r| &r.cos),
+            values(|r| &r.sin),
+            values(|r| &r.cos32),
+            values(|r| &r.sin32),
+        ]
+    }
+
+    fn values(r: &RopeTables) -> Vec<Vec<f32>> {
+        [&r.cos, &r.sin, &r.cos32, &r.sin32]
+            .iter()
+            .map(|t| {
+                t.to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    /// The cached tables' rows are each sequence's own tables bit for bit, positions
+    /// restarting per sequence, as the cache grows and across calls; LongRoPE's sequences on
+    /// either side of its original length each get their own factors (a cache keyed by
+    /// length alone would hand a short sequence the long factors' rows).
+    #[test]
+    fn packed_rope_rows_are_each_sequences_own_tables() {
+        let long = Rope {
+            theta: 10000.0,
+            scaling: RopeScaling::LongRope {
+                short_factor: vec![1.0, 1.5, 2.0, 3.0],
+                long_factor: vec![4.0, 8.0, 16.0, 32.0],
+                original_max_position_embeddings: 8.0,
+                attention_factor: 1.2,
+            },
+        };
+        let llama3 = Rope {
+            theta: 500000.0,
+            scaling: RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 16.0,
+            },
+        };
+        for rope in [&long, &llama3] {
+            for dtype in [DType::F32, DType::BF16] {
+                let cache = RopeCache::default();
+                for lens in [&[3, 12, 5][..], &[7], &[20, 2, 9, 8], &[12], &[30]] {
+                    let got = cache.packed(rope, 8, lens, dtype, &Device::Cpu).unwrap();
+                    assert_eq!(
+                        values(&got),
+                        stacked(rope, 8, lens, dtype),
+                        "{:?} {dtype:?} {lens:?}",
+                        rope.scaling
+                    );
+                }
+            }
+        }
     }
 }

@@ -31,7 +31,7 @@
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{CandleContext, Error, Result};
-use crate::model::llama::{Attention, Packed, packed_rope};
+use crate::model::llama::{Attention, Packed, RopeCache};
 use crate::model::moe::{
     DEEPSEEK_NAMES, Ffn, GPT_OSS_NAMES, MINIMAX_NAMES, MoeBlock, MoeNames, QWEN_NAMES,
     QWEN_VL_NAMES, residual_step,
@@ -94,6 +94,7 @@ pub(crate) struct SparseDecoder {
     cfg: ModelConfig,
     dtype: DType,
     path: ComputePath,
+    rope: RopeCache,
 }
 
 impl SparseDecoder {
@@ -117,6 +118,7 @@ impl SparseDecoder {
             cfg: cfg.clone(),
             dtype,
             path,
+            rope: RopeCache::default(),
         })
     }
 }
@@ -169,7 +171,13 @@ impl Decoder for SparseDecoder {
     }
 
     fn context(&self, t: usize, device: &Device) -> Result<Ctx> {
-        let rope = RopeTables::new(&self.cfg.rope, self.cfg.rotary_dim, t, self.dtype, device)?;
+        let rope = self.rope.packed(
+            &self.cfg.rope,
+            self.cfg.rotary_dim,
+            &[t],
+            self.dtype,
+            device,
+        )?;
         let (full, sliding) = self.masks(t, device)?;
         Ok(Ctx {
             rope,
@@ -182,7 +190,9 @@ impl Decoder for SparseDecoder {
 
     fn context_packed(&self, lens: &[usize], device: &Device) -> Result<Option<Ctx>> {
         let cfg = &self.cfg;
-        let rope = packed_rope(&cfg.rope, cfg.rotary_dim, lens, self.dtype, device)?;
+        let rope = self
+            .rope
+            .packed(&cfg.rope, cfg.rotary_dim, lens, self.dtype, device)?;
         let (full, sliding) = self.masks(1, device)?;
         let packed_full = Packed::new(lens, |t| Ok(self.masks(t, device)?.0))?;
         let packed_sliding = Packed::new(lens, |t| {
