@@ -13,7 +13,8 @@
 //!                                       `load`; benches/gpu/load.py drives it)
 //!
 //! With `EAGLE_CHECK_PHASES=1` each length also gets one forward timed phase by phase
-//! (`eagle_check::model::phases`), reported under "phases".
+//! (`eagle_check::model::phases`), reported under "phases"; with `EAGLE_CHECK_PHASES=timeline`
+//! the same run on the phases' timeline (nothing synchronised, device and host times apart).
 //!
 //! The roofline floor (METHOD.md): the larger of the weight bytes over 4.3 TB/s (the copy rate
 //! measured on these H200s, KINDS.md) and the FLOPs over 790 TFLOP/s (the bf16 matrix rate
@@ -627,9 +628,28 @@ mod gpu {
     }
 
     /// With `EAGLE_CHECK_PHASES` set: `run` once more with every phase closed by a
-    /// synchronisation, and each phase's total (milliseconds, marks) as JSON.
-    fn phases_of(run: impl FnOnce()) -> Option<Vec<serde_json::Value>> {
-        std::env::var_os("EAGLE_CHECK_PHASES")?;
+    /// synchronisation, and each phase's total (milliseconds, marks) as JSON; with
+    /// `EAGLE_CHECK_PHASES=timeline`, nothing synchronised: each phase's device and host
+    /// milliseconds, how far the device lagged the host at its marks, and the most of its
+    /// device time that can have been spent waiting for the host (`phases::TimelineTotal`).
+    fn phases_of(device: &Device, run: impl FnOnce()) -> Option<Vec<serde_json::Value>> {
+        let mode = std::env::var("EAGLE_CHECK_PHASES").ok()?;
+        if mode == "timeline" {
+            phases::set_timeline(true);
+            let start = Instant::now();
+            run();
+            let totals = phases::take_timeline(device);
+            let wall_ms = start.elapsed().as_secs_f64() * 1e3;
+            phases::set_timeline(false);
+            let mut out = vec![serde_json::json!({"timeline_wall_ms": wall_ms})];
+            out.extend(totals.into_iter().map(|t| {
+                serde_json::json!({
+                    "phase": t.name, "device_ms": t.device_ms, "host_ms": t.host_ms,
+                    "lag_ms": t.lag_ms, "host_bound_ms": t.host_bound_ms, "marks": t.marks,
+                })
+            }));
+            return Some(out);
+        }
         phases::set_enabled(true);
         run();
         let totals = phases::take();
@@ -787,7 +807,7 @@ mod gpu {
             let (alone_s, alone_exit, a) = time_diff(true);
             // One more batched diff with every phase closed by a synchronisation: where its
             // time goes (not part of the timings above).
-            let diff_phases = phases_of(|| {
+            let diff_phases = phases_of(&device, || {
                 time_diff(false);
             });
             let tok = (samples * t) as f64;
@@ -983,7 +1003,7 @@ mod gpu {
             });
             // One more forward with every phase closed by a synchronisation: where the time
             // goes (not part of the timings above).
-            let phases = phases_of(|| drop(run()));
+            let phases = phases_of(&device, || drop(run()));
             // The same-run peer: the forward's GEMMs alone, timed the same way (Llama family).
             let projections_ms = (cfg.mla.is_none() && cfg.moe.is_none()).then(|| {
                 let p = Projections::new(&cfg, t, &device);

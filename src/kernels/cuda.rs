@@ -497,6 +497,19 @@ pub fn keep_freed_memory(dev: &CudaDevice, keep: bool) -> Result<()> {
     }
 }
 
+/// An event with timing, recorded on `dev`'s stream (this thread's): it passes when the work
+/// queued there so far is done ([`crate::model::phases`]' timeline).
+pub fn timed_event(dev: &CudaDevice) -> Result<cudarc::driver::CudaEvent> {
+    let stream = dev.cuda_stream();
+    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let event = stream
+        .context()
+        .new_event(timed)
+        .map_err(candle_core::Error::wrap)?;
+    event.record(&stream).map_err(candle_core::Error::wrap)?;
+    Ok(event)
+}
+
 /// True when a CUDA driver and at least one device are present (asking candle for a device
 /// without a driver panics, so callers check first).
 pub fn device_available() -> bool {
@@ -888,5 +901,41 @@ mod tests {
                 m.stem()
             );
         }
+    }
+
+    /// A timeline mark stamps where the device's queue stands and waits for nothing: with
+    /// matrix products queued for a good part of a second, the phase's device time exceeds
+    /// the host's by most of it, and the device lags the host at the mark (a mark that
+    /// synchronised, as the closed marks do, would make the host's time the device's).
+    #[test]
+    fn device_timeline_marks_do_not_wait_for_the_device() {
+        use crate::model::phases;
+        let _turn = phases::TEST_TURN.lock().unwrap_or_else(|p| p.into_inner());
+        let gpu = crate::kernels::testing::gpu();
+        let a = candle_core::Tensor::ones((4096, 4096), DType::F32, &gpu).unwrap();
+        // cuBLAS starts on its first product, on the host: not in the timed phase.
+        drop(a.matmul(&a).unwrap());
+        gpu.synchronize().unwrap();
+        phases::set_timeline(true);
+        phases::mark("timeline test: start", &gpu);
+        let mut x = a.clone();
+        for _ in 0..40 {
+            x = (x.matmul(&a).unwrap() * (1.0 / 4096.0)).unwrap();
+        }
+        phases::mark("timeline test: queued", &gpu);
+        let t = phases::take_timeline(&gpu);
+        phases::set_timeline(false);
+        // Other tests' marks meanwhile are phases of their own threads.
+        let queued = t
+            .iter()
+            .find(|p| p.name == "timeline test: queued")
+            .expect("the phase");
+        assert!(
+            queued.device_ms > 2.0 * queued.host_ms && queued.lag_ms > 0.5 * queued.device_ms,
+            "{t:?}"
+        );
+        // The products ran: the ones stay ones.
+        let v = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(v.iter().all(|&y| (y - 1.0).abs() < 1e-3));
     }
 }
