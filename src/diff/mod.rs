@@ -729,6 +729,13 @@ impl Judge<'_> {
             // Every sample of the pass scored together: a flush scores all their waiting
             // states at once, and the best candidates are rescored together at the end.
             let mut batch = online::Batch::new(online, self.flush);
+            let states = if reference.state_bytes() == 2 {
+                candle_core::DType::BF16
+            } else {
+                candle_core::DType::F32
+            };
+            batch.upload_ahead(states)?;
+            crate::model::phases::mark("diff: asking for the slots' copies", &device);
             reference.run_many(&tokens, &mut |s, what, t| {
                 let at = Instant::now();
                 let taken = batch.take(s, what, t);

@@ -150,8 +150,6 @@ struct Group {
     device: Option<Tensor>,
     /// On a device, the packed slots (and their clean form) waiting for their upload.
     staged: Option<(Staged, Option<Staged>)>,
-    /// Uploads reserved on the device and not yet copied: what, in which type, and where.
-    copies: Vec<(Staged, DType, Tensor)>,
     /// The captured rows with non-finite values read as zeros, when there are any: the
     /// bound's go-between must be one vector against every full reference state, where the
     /// diff's own sums leave out the reference values beside a non-finite one.
@@ -203,6 +201,25 @@ impl Staged {
         }
     }
 
+    /// [`Staged::bytes`], owned: for a copy made on another thread.
+    fn owned(self, dtype: DType, host: &HostRows, n: usize) -> SlotBytes {
+        match (self, dtype, &host.stored) {
+            (
+                Staged::Values {
+                    bf16: Some(mut b), ..
+                },
+                DType::BF16,
+                _,
+            ) => {
+                b.truncate(n);
+                SlotBytes::Bf16(b)
+            }
+            (Staged::Values { f32s, .. }, ..) => SlotBytes::F32(f32s, n),
+            (Staged::Stored, DType::BF16, Some(t)) => SlotBytes::Stored(t.clone(), n),
+            (Staged::Stored, ..) => SlotBytes::F32(host.f32s().clone(), n),
+        }
+    }
+
     fn of(f32s: Values) -> Staged {
         // A bf16 value is an f32 whose low 16 bits are zero; it narrows by keeping the rest.
         let exact = f32s.iter().all(|v| v.to_bits() & 0xffff == 0);
@@ -212,6 +229,25 @@ impl Staged {
                 .collect()
         });
         Staged::Values { f32s, bf16 }
+    }
+}
+
+/// A group's packed slots as [`Staged::owned`] hands them to a copy aside: the first `n` f32
+/// values, the bf16 values, or the first `n` values of the stored bf16 rows.
+enum SlotBytes {
+    F32(Values, usize),
+    Bf16(Vec<half::bf16>),
+    Stored(crate::readers::HostTensor, usize),
+}
+
+impl crate::kernels::HostBytes for SlotBytes {
+    fn bytes(&self) -> &[u8] {
+        use crate::kernels::values_as_bytes;
+        match self {
+            SlotBytes::F32(v, n) => values_as_bytes(&v[..*n]),
+            SlotBytes::Bf16(b) => values_as_bytes(b),
+            SlotBytes::Stored(t, n) => &t.bytes()[..2 * n],
+        }
     }
 }
 
@@ -312,6 +348,9 @@ pub struct OnlineSample {
     /// Per group, its identifications decided by [`Batch::finish`] on the host, in parallel
     /// with the other samples' (slots numbered from 0).
     decided: Vec<Option<Option<Vec<SlotId>>>>,
+    /// The last ticket of the slots' copies beside the device's work
+    /// ([`crate::kernels::copy_aside`]) that the device's stream has not joined yet; 0: none.
+    copying: u64,
 }
 
 impl OnlineSample {
@@ -345,6 +384,7 @@ impl OnlineSample {
             batch: MAX_BATCH,
             undecided: false,
             decided: Vec::new(),
+            copying: 0,
         }
     }
 
@@ -428,7 +468,6 @@ impl OnlineSample {
             width,
             device: None,
             staged: None,
-            copies: Vec::new(),
             clean: None,
             sums: vec![PairSums::default(); k * n],
             inner: vec![PairSums::default(); k * n],
@@ -495,13 +534,15 @@ impl OnlineSample {
 
     /// Puts the groups' packed slots (see [`OnlineSample::group`]) on the device: in bf16 when
     /// they are bf16 values and the states (of type `states`) are kept in bf16, else in f32.
-    /// Where the device copies beside its work ([`crate::kernels::reserve_aside`]) only their
-    /// buffers are taken now, at the sample's first state, and their values go at the first
-    /// flush ([`OnlineSample::copy_reserved`]), when the forward has queued the layers since and
-    /// the copies run while the device computes them; elsewhere the values go now.
+    /// Where the device copies beside its work ([`crate::kernels::reserve_aside`]) their buffers
+    /// are taken now and their values travel on the copier's thread while this one goes on
+    /// (a pass asks for every sample's before its forward: [`Batch::upload_ahead`]); the
+    /// device's stream waits for them before it first scores ([`join_copies`]). Elsewhere the
+    /// values go now.
     fn upload_staged(&mut self, states: DType) -> Result<()> {
         let (rows, device) = (self.rows, self.device.clone());
         let what = || "uploading the captured slots".to_string();
+        let mut copying = self.copying;
         for g in &mut self.groups {
             let Some((main, clean)) = g.staged.take() else {
                 continue;
@@ -511,7 +552,9 @@ impl OnlineSample {
             let mut up = |v: Staged| -> Result<Tensor> {
                 let dtype = v.dtype(states, &g.host);
                 if let Some(t) = crate::kernels::reserve_aside(&device, dtype, &shape).ctx(what)? {
-                    g.copies.push((v, dtype, t.clone()));
+                    let bytes = Box::new(v.owned(dtype, &g.host, n));
+                    copying = crate::kernels::copy_aside(bytes, &t)
+                        .ctx(|| "copying the captured slots to the device".to_string())?;
                     return Ok(t);
                 }
                 crate::kernels::bytes_to_device(v.bytes(dtype, &g.host, n), dtype, &shape, &device)
@@ -524,23 +567,41 @@ impl OnlineSample {
                 *on_device = Some(c);
             }
         }
+        self.copying = copying;
         Ok(())
     }
 
-    /// The values of the slots [`OnlineSample::upload_staged`] reserved buffers for, copied
-    /// beside the device's work; whether there were any (the device's work must then wait for
-    /// them: [`crate::kernels::join_aside`]).
-    fn copy_reserved(&mut self) -> Result<bool> {
-        let mut copied = false;
+    /// Slots uploaded in bf16 ahead of the forward ([`Batch::upload_ahead`]) for states that
+    /// come in another type: widened to f32 on the device (exactly), which the kernels pair
+    /// with f32 states, once their copies have landed.
+    fn widen_slots(&mut self) -> Result<()> {
+        let bf16 = |t: &Option<Tensor>| t.as_ref().is_some_and(|t| t.dtype() == DType::BF16);
+        let narrow = self
+            .groups
+            .iter()
+            .any(|g| bf16(&g.device) || g.clean.as_ref().is_some_and(|(_, c)| bf16(c)));
+        if !narrow {
+            return Ok(());
+        }
+        join_copies(&mut [self], |_| true)?;
+        let widen = |t: &mut Option<Tensor>| -> Result<()> {
+            if bf16(t)
+                && let Some(v) = t.as_ref()
+            {
+                *t = Some(
+                    v.to_dtype(DType::F32)
+                        .ctx(|| "widening the captured slots".to_string())?,
+                );
+            }
+            Ok(())
+        };
         for g in &mut self.groups {
-            for (v, dtype, t) in std::mem::take(&mut g.copies) {
-                let bytes = v.bytes(dtype, &g.host, t.elem_count());
-                crate::kernels::copy_aside(bytes, &t)
-                    .ctx(|| "copying the captured slots to the device".to_string())?;
-                copied = true;
+            widen(&mut g.device)?;
+            if let Some((_, c)) = g.clean.as_mut() {
+                widen(c)?;
             }
         }
-        Ok(copied)
+        Ok(())
     }
 
     /// Takes one reference state of this sample as the forward makes it. The states are
@@ -554,6 +615,9 @@ impl OnlineSample {
             return Ok(());
         }
         self.upload_staged(xs.dtype())?;
+        if xs.dtype() != DType::BF16 {
+            self.widen_slots()?;
+        }
         self.seen[q] = true;
         let what_s = || format!("reference state {what:?}");
         let dims = xs.dims();
@@ -1139,32 +1203,31 @@ struct Separation {
     upper: f64,
 }
 
+/// The device's stream (this thread's) waits for the slots' copies of the samples `which`
+/// picks (on the device: the host waits only until the copier has queued them).
+fn join_copies(
+    samples: &mut [&mut OnlineSample],
+    which: impl Fn(&OnlineSample) -> bool,
+) -> Result<()> {
+    let mut last = None;
+    for s in samples.iter_mut().filter(|s| s.copying > 0 && which(s)) {
+        last = Some((s.copying.max(last.map_or(0, |(t, _)| t)), s.device.clone()));
+        s.copying = 0;
+    }
+    match last {
+        Some((ticket, device)) => crate::kernels::join_aside(&device, ticket)
+            .ctx(|| "waiting for the captured slots' copies".to_string()),
+        None => Ok(()),
+    }
+}
+
 /// Scores the states every sample has waiting, together: their edge rows kept (on a GPU they
 /// stay there), one launch and read-back per slot width for every sample's sums, and one for
 /// the best candidates' exact cosines; then each sample drops what no decision needs any
 /// more. A sample's decisions are those of scoring it alone, in any grouping of its states.
 pub fn flush_all(samples: &mut [&mut OnlineSample]) -> Result<()> {
-    // Slots reserved on the device get their values now, beside the device's work, which
-    // then waits for them (on the device) before it scores anything.
-    // Where a copy fails, the device's stream still waits for those already under way: their
-    // buffers are freed on it.
-    let (mut copied, mut failed) = (false, None);
-    for s in samples.iter_mut() {
-        match s.copy_reserved() {
-            Ok(c) => copied |= c,
-            Err(e) => {
-                failed = Some(e);
-                break;
-            }
-        }
-    }
-    if let (true, Some(s)) = (copied || failed.is_some(), samples.first()) {
-        crate::kernels::join_aside(&s.device)
-            .ctx(|| "waiting for the captured slots' copies".to_string())?;
-    }
-    if let Some(e) = failed {
-        return Err(e);
-    }
+    // The samples scored here: the device's stream waits for their slots' copies first.
+    join_copies(samples, |s| !s.pending.is_empty())?;
     let pending: Vec<Vec<(usize, Data)>> = samples
         .iter_mut()
         .map(|s| std::mem::take(&mut s.pending))
@@ -1316,6 +1379,17 @@ impl<'a> Batch<'a> {
         }
     }
 
+    /// Every sample's captured slots to the device before the forward starts, for states of
+    /// type `states` (the type the forward makes them in): where they are copied beside the
+    /// device's work, they travel while its first layers run, rather than from the first
+    /// flush on, when the device has little left queued to run beside them.
+    pub fn upload_ahead(&mut self, states: DType) -> Result<()> {
+        for s in self.samples.iter_mut().filter(|s| !s.undecided) {
+            s.upload_staged(states)?;
+        }
+        Ok(())
+    }
+
     /// Sample `s` takes a state (see [`OnlineSample::take`]).
     pub fn take(&mut self, s: usize, what: Produced, xs: &Tensor) -> Result<()> {
         let sample = &mut *self.samples[s];
@@ -1346,6 +1420,8 @@ impl<'a> Batch<'a> {
             return Ok(());
         };
         self.flush()?;
+        // The rescoring reads every sample's slots.
+        join_copies(&mut self.samples, |_| true)?;
         rescore_all(&mut self.samples)?;
         edge_sums_all(&mut self.samples)?;
         phases::mark("diff: rescoring and edge sums", &device);
@@ -1999,6 +2075,49 @@ mod tests {
             }
         }
         assert!(decided >= 7 * 6, "{decided} slots decided");
+    }
+
+    /// Slots uploaded before the forward ([`Batch::upload_ahead`]) in the type the pass
+    /// expected decide as those uploaded at the sample's first state; where the states come in
+    /// f32 after bf16 slots went ahead, the slots are widened on the device (the kernels pair
+    /// no bf16 slots with f32 states) and still decide the same, bit for bit.
+    #[test]
+    fn slots_uploaded_ahead_decide_as_at_the_first_state() {
+        let mut decided = 0;
+        for (l, t, h, step, seed) in CASES {
+            let (refs, packed, k) = bf16_case(l, t, h, step, seed);
+            let run = |states: DType, ahead: Option<DType>| {
+                let (mut online, g) = sample_of(&refs, &packed, k, 3, true);
+                if let Some(ahead) = ahead {
+                    let mut batch = Batch::new(vec![&mut online], u64::MAX);
+                    batch.upload_ahead(ahead).unwrap();
+                    let uploaded = batch.samples[0].groups[g]
+                        .device
+                        .as_ref()
+                        .map(|x| x.dtype());
+                    assert_eq!(uploaded, Some(ahead), "L {l}");
+                }
+                for (what, x) in sequence(&refs) {
+                    online.take(what, &x.to_dtype(states).unwrap()).unwrap();
+                }
+                let uploaded = online.groups[g].device.as_ref().map(|x| x.dtype());
+                assert_eq!(uploaded, Some(states), "L {l} {ahead:?}");
+                format!("{:?}", online.finish(g, 0).unwrap())
+            };
+            for states in [DType::BF16, DType::F32] {
+                let want = run(states, None);
+                for ahead in [DType::BF16, DType::F32] {
+                    if states == DType::BF16 && ahead == DType::F32 {
+                        // f32 slots against bf16 states: a pair the kernels read as well, but
+                        // the pass never asks for it (bf16 states mean a bf16 target).
+                        continue;
+                    }
+                    assert_eq!(run(states, Some(ahead)), want, "L {l} {states:?} {ahead:?}");
+                    decided += 1;
+                }
+            }
+        }
+        assert!(decided >= 7 * 3, "{decided} cases compared");
     }
 
     /// A bf16 capture given as read ([`OnlineSample::group_stored`]) decides as its values

@@ -553,8 +553,6 @@ struct Staging {
         cudarc::driver::CudaEvent,
     )>,
     next: usize,
-    /// The copy stream of [`reserve_aside`], made at its first use.
-    aside: Option<std::sync::Arc<CudaStream>>,
 }
 
 type StagingSlot = Option<(std::sync::Arc<cudarc::driver::CudaContext>, Option<Staging>)>;
@@ -683,61 +681,257 @@ fn staged_copy(staging: &mut Staging, src: &[u8], dst: DevPtr, stream: &CudaStre
     Ok(())
 }
 
-/// A device buffer of `dtype` and `shape` that [`copy_aside`] fills later, on this thread's
-/// copy stream, beside the device's stream: copies there wait neither for the work queued on
-/// the device's stream nor hold it up, so the host's share (into the pinned staging) and the
-/// transfer run while the device computes. Allocated on the device's stream, from its pool,
-/// which may hand out memory that work still queued there last used: the copy stream waits
-/// for that work first (take these before queueing much). `None` where the thread has no
-/// pinned staging (the caller copies as it otherwise would).
+/// A device buffer of `dtype` and `shape` that [`copy_aside`] fills later, beside the device's
+/// stream. Allocated on the device's stream, from its pool, which may hand out memory that work
+/// still queued there last used: the copy waits for the work queued before it is asked for.
+/// `None` where this thread has no pinned staging (the driver gave none: the caller copies as
+/// it otherwise would).
 pub fn reserve_aside(
     dev: &CudaDevice,
     dtype: DType,
     shape: candle_core::Shape,
 ) -> Result<Option<candle_core::Tensor>> {
-    with_staging(dev, |staging| {
-        let out = alloc(dev, dtype, shape.elem_count())?;
-        staging
-            .aside(dev)?
-            .join(&dev.cuda_stream())
-            .map_err(candle_core::Error::wrap)?;
-        Ok(tensor(out, shape))
+    with_staging(dev, |_| {
+        Ok(tensor(alloc(dev, dtype, shape.elem_count())?, shape))
     })
 }
 
 /// `src` (the little-endian bytes of `dst`'s values) into `dst`, a tensor of
-/// [`reserve_aside`], on this thread's copy stream; the device's stream reads it only after
-/// [`join_aside`].
-pub fn copy_aside(src: &[u8], dst: &candle_core::Tensor) -> Result<()> {
+/// [`reserve_aside`], by the context's copier ([`Copier`]): this thread only queues it and
+/// goes on. Its ticket, for [`join_aside`]: the device's stream reads `dst` only after a join
+/// with a ticket at least this one.
+pub fn copy_aside(src: Box<dyn super::HostBytes>, dst: &candle_core::Tensor) -> Result<u64> {
     let candle_core::Device::Cuda(dev) = dst.device() else {
         candle_core::bail!("copy_aside: a destination on {:?}", dst.device().location());
     };
     let bytes = dst.elem_count() * dst.dtype().size_in_bytes();
-    if src.len() != bytes || !dst.is_contiguous() {
+    if src.bytes().len() != bytes || !dst.is_contiguous() {
         candle_core::bail!(
             "copy_aside: {} bytes into {:?} {:?}",
-            src.len(),
+            src.bytes().len(),
             dst.dtype(),
             dst.dims()
         );
     }
     let dst_ptr = tensor_ptr(dst)?;
-    let copied = with_staging(dev, |staging| {
-        let aside = staging.aside(dev)?;
-        staged_copy(staging, src, dst_ptr, &aside)
-    })?;
-    copied.ok_or_else(|| candle_core::Error::Msg("copy_aside: no pinned staging".into()))
+    let stream = dev.cuda_stream();
+    // Where the device's stream stands: the copy into memory its queued work may still use
+    // waits for it.
+    let ready = stream
+        .context()
+        .new_event(None)
+        .map_err(candle_core::Error::wrap)?;
+    ready.record(&stream).map_err(candle_core::Error::wrap)?;
+    let copier = Copier::of(stream.context())?;
+    let mut s = copier.lock();
+    s.sent += 1;
+    let ticket = s.sent;
+    s.queue.push_back(CopyJob {
+        ticket,
+        thread: std::thread::current().id(),
+        src,
+        dst: dst_ptr,
+        keep: dst.clone(),
+        ready,
+    });
+    copier.changed.notify_all();
+    Ok(ticket)
 }
 
-/// The device's stream waits (on the device) for this thread's copies aside so far.
-pub fn join_aside(dev: &CudaDevice) -> Result<()> {
-    let joined = with_staging(dev, |staging| {
-        let aside = staging.aside(dev)?;
-        dev.cuda_stream()
-            .join(&aside)
-            .map_err(candle_core::Error::wrap)
-    })?;
-    joined.ok_or_else(|| candle_core::Error::Msg("join_aside: no pinned staging".into()))
+/// The device's stream (this thread's) waits, on the device, for the copies aside up to
+/// `ticket` (of [`copy_aside`]); the host waits only until the copier has queued them (their
+/// host share, into its pinned staging). Their destinations are released here, after the
+/// wait, so that memory freed on the device's stream is not reused before a copy lands.
+pub fn join_aside(dev: &CudaDevice, ticket: u64) -> Result<()> {
+    let stream = dev.cuda_stream();
+    let copier = Copier::of(stream.context())?;
+    let (event, keep, failed) = {
+        let mut s = copier.lock();
+        while s.queued < ticket.min(s.sent) {
+            s = copier.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+        // This thread's copies up to `ticket` (another thread's are joined by its own
+        // stream): the event after the last covers the others, the copier's stream running
+        // them in order.
+        let me = std::thread::current().id();
+        let mut keep = Vec::new();
+        let mut event = None;
+        let mut i = 0;
+        while let Some(m) = s.made.get(i).filter(|m| m.ticket <= ticket) {
+            if m.thread != me {
+                i += 1;
+                continue;
+            }
+            let Some(m) = s.made.remove(i) else {
+                break;
+            };
+            keep.push(m.keep);
+            event = m.event.or(event);
+        }
+        (event, keep, s.failed.take())
+    };
+    if let Some(e) = failed {
+        // The copier waited for its stream after the failure: nothing is in flight.
+        drop(keep);
+        candle_core::bail!("copying to the device: {e}");
+    }
+    if let Some(event) = event {
+        stream.wait(&event).map_err(candle_core::Error::wrap)?;
+    }
+    drop(keep);
+    Ok(())
+}
+
+/// Bytes to copy to the device and where to ([`copy_aside`]).
+struct CopyJob {
+    ticket: u64,
+    /// The thread that asked, whose stream reads the destination.
+    thread: std::thread::ThreadId,
+    src: Box<dyn super::HostBytes>,
+    dst: DevPtr,
+    /// The destination: kept until a join has the device's stream wait for the copy, since
+    /// freed before, its memory could be handed out again while the copy still writes it.
+    keep: candle_core::Tensor,
+    /// The device's stream's work when the copy was asked for.
+    ready: cudarc::driver::CudaEvent,
+}
+
+#[derive(Default)]
+struct CopierState {
+    queue: std::collections::VecDeque<CopyJob>,
+    /// Tickets handed out, and queued on the copier's stream.
+    sent: u64,
+    queued: u64,
+    /// The copies queued and not yet joined.
+    made: std::collections::VecDeque<Made>,
+    failed: Option<String>,
+}
+
+/// A copy queued on the copier's stream: whose, the event after it (`None` where it failed),
+/// its destination.
+struct Made {
+    ticket: u64,
+    thread: std::thread::ThreadId,
+    event: Option<cudarc::driver::CudaEvent>,
+    keep: candle_core::Tensor,
+}
+
+/// A thread of a context's own ("ec-copier") that makes its copies aside: each piece copied
+/// into its pinned staging (the host's share, a few GB/s) and from there to the device on its
+/// own stream. So the thread queueing the forward queues it without stopping, and a pass's
+/// captured slots, asked for as the pass starts, travel while its first layers run (at a
+/// pass's first flush, on the thread queueing the forward, the device had run dry of work and
+/// waited for them: 0.44 s of 3.9 at T = 512 on the H100, BENCHMARKS.md run 62). One per
+/// context, living as long as the process.
+struct Copier {
+    ctx: Arc<cudarc::driver::CudaContext>,
+    state: Mutex<CopierState>,
+    changed: std::sync::Condvar,
+}
+
+impl Copier {
+    /// The copier of `ctx`, started at the first ask.
+    fn of(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<Arc<Copier>> {
+        static ALL: Mutex<Vec<Arc<Copier>>> = Mutex::new(Vec::new());
+        let mut all = ALL.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = all.iter().find(|c| c.ctx.cu_ctx() == ctx.cu_ctx()) {
+            return Ok(c.clone());
+        }
+        let copier = Arc::new(Copier {
+            ctx: ctx.clone(),
+            state: Mutex::default(),
+            changed: std::sync::Condvar::new(),
+        });
+        let run = copier.clone();
+        std::thread::Builder::new()
+            .name("ec-copier".into())
+            .spawn(move || run.run())
+            .map_err(|e| candle_core::Error::Msg(format!("could not start the copier: {e}")))?;
+        all.push(copier.clone());
+        Ok(copier)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, CopierState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn run(&self) {
+        let setup = || -> Result<(Arc<CudaStream>, Staging)> {
+            self.ctx
+                .bind_to_thread()
+                .map_err(candle_core::Error::wrap)?;
+            let stream = self.ctx.new_stream().map_err(candle_core::Error::wrap)?;
+            Ok((stream, Staging::new(&self.ctx)?))
+        };
+        let mut setup = setup().map_err(|e| e.to_string());
+        loop {
+            let job = {
+                let mut s = self.lock();
+                loop {
+                    if let Some(job) = s.queue.pop_front() {
+                        break job;
+                    }
+                    s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            let made = match &mut setup {
+                Ok((stream, staging)) => {
+                    // A panic here fails the copy, not the thread: a join must never wait for
+                    // a copier that is gone.
+                    let copy = std::panic::AssertUnwindSafe(|| self.copy(&job, stream, staging));
+                    let made = match std::panic::catch_unwind(copy) {
+                        Ok(made) => made.map_err(|e| e.to_string()),
+                        Err(_) => Err("the copier panicked".to_string()),
+                    };
+                    // Nothing of this copier's stays in flight once it has failed.
+                    if made.is_err() {
+                        let _ = stream.synchronize();
+                    }
+                    made
+                }
+                Err(e) => Err(e.clone()),
+            };
+            let CopyJob {
+                ticket,
+                thread,
+                keep,
+                src,
+                ..
+            } = job;
+            // The host bytes are in the staging, or on the device, by now.
+            drop(src);
+            let (event, failed) = match made {
+                Ok(event) => (Some(event), None),
+                Err(e) => (None, Some(e)),
+            };
+            let mut s = self.lock();
+            s.queued = ticket;
+            s.made.push_back(Made {
+                ticket,
+                thread,
+                event,
+                keep,
+            });
+            if let Some(e) = failed {
+                s.failed.get_or_insert(e);
+            }
+            self.changed.notify_all();
+        }
+    }
+
+    /// One copy queued on the copier's stream, after the work it waits for; the event after it.
+    fn copy(
+        &self,
+        job: &CopyJob,
+        stream: &CudaStream,
+        staging: &mut Staging,
+    ) -> Result<cudarc::driver::CudaEvent> {
+        stream.wait(&job.ready).map_err(candle_core::Error::wrap)?;
+        staged_copy(staging, job.src.bytes(), job.dst, stream)?;
+        let done = self.ctx.new_event(None).map_err(candle_core::Error::wrap)?;
+        done.record(stream).map_err(candle_core::Error::wrap)?;
+        Ok(done)
+    }
 }
 
 impl Drop for Staging {
@@ -762,25 +956,7 @@ impl Staging {
                 Ok((buf, done))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Staging {
-            bufs,
-            next: 0,
-            aside: None,
-        })
-    }
-
-    /// This thread's copy stream for `dev` (the staging's context).
-    fn aside(&mut self, dev: &CudaDevice) -> Result<std::sync::Arc<CudaStream>> {
-        if let Some(s) = &self.aside {
-            return Ok(s.clone());
-        }
-        let s = dev
-            .cuda_stream()
-            .context()
-            .new_stream()
-            .map_err(candle_core::Error::wrap)?;
-        self.aside = Some(s.clone());
-        Ok(s)
+        Ok(Staging { bufs, next: 0 })
     }
 }
 

@@ -160,28 +160,41 @@ pub fn reserve_aside(device: &Device, dtype: DType, shape: &[usize]) -> Result<O
     Ok(None)
 }
 
-/// `bytes` (the little-endian values of `dst`) into `dst`, a tensor of [`reserve_aside`]; the
-/// device's work reads it after [`join_aside`].
-pub fn copy_aside(bytes: &[u8], dst: &Tensor) -> Result<()> {
+/// Host bytes a copy aside takes with it, kept until it is made.
+pub trait HostBytes: Send + 'static {
+    fn bytes(&self) -> &[u8];
+}
+
+impl HostBytes for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+/// `src` (the little-endian values of `dst`) into `dst`, a tensor of [`reserve_aside`], by a
+/// thread of its own while this one goes on ([`cuda::copy_aside`]); the device's work reads
+/// `dst` after a [`join_aside`] with the ticket this returns, or a later one.
+pub fn copy_aside(src: Box<dyn HostBytes>, dst: &Tensor) -> Result<u64> {
     #[cfg(feature = "cuda")]
     if dst.device().is_cuda() {
-        return cuda::copy_aside(bytes, dst);
+        return cuda::copy_aside(src, dst);
     }
-    let _ = bytes;
+    let _ = src;
     candle_core::bail!(
         "copy_aside: a destination on {:?}, not one of reserve_aside",
         dst.device().location()
     )
 }
 
-/// The device's work from here on waits for this thread's [`copy_aside`] copies so far (no
-/// host wait); nothing to do off a GPU.
-pub fn join_aside(device: &Device) -> Result<()> {
+/// The device's work from here on (this thread's) waits for this thread's [`copy_aside`]
+/// copies up to `ticket` (on the device; the host waits only for their host share); nothing
+/// to do off a GPU.
+pub fn join_aside(device: &Device, ticket: u64) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {
-        return cuda::join_aside(dev);
+        return cuda::join_aside(dev, ticket);
     }
-    let _ = device;
+    let _ = (device, ticket);
     Ok(())
 }
 
@@ -516,7 +529,8 @@ mod tests {
 
     /// Values copied aside ([`reserve_aside`], [`copy_aside`], [`join_aside`]) are there for the
     /// device's work queued after the join, read at once: past every staging buffer with a
-    /// ragged piece, in bf16 and f32, two tensors copied before one join.
+    /// ragged piece, in bf16 and f32, two tensors copied before one join (with the second's
+    /// ticket, which covers the first).
     #[cfg(feature = "cuda")]
     #[test]
     fn device_copies_aside_arrive_before_the_work_after_the_join() {
@@ -526,7 +540,7 @@ mod tests {
             .map(|i| ((i * 7919) % 100_003) as f32 - 5e4)
             .collect();
         let host = Tensor::from_vec(values, n, &Device::Cpu).unwrap();
-        let mut copies = Vec::new();
+        let (mut copies, mut last) = (Vec::new(), 0);
         for dtype in [DType::BF16, DType::F32] {
             let t = host.to_dtype(dtype).unwrap();
             let bytes = match dtype {
@@ -536,10 +550,10 @@ mod tests {
             let dst = reserve_aside(&gpu, dtype, &[n])
                 .unwrap()
                 .expect("pinned staging");
-            copy_aside(&bytes, &dst).unwrap();
+            last = copy_aside(Box::new(bytes), &dst).unwrap();
             copies.push((t, dst));
         }
-        join_aside(&gpu).unwrap();
+        join_aside(&gpu, last).unwrap();
         // Queued right after the join, on the device's stream.
         let sums: Vec<Tensor> = copies
             .iter()
@@ -569,11 +583,61 @@ mod tests {
         );
         assert!(
             copy_aside(
-                &[0; 16],
+                Box::new(vec![0u8; 16]),
                 &Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap()
             )
             .is_err()
         );
+    }
+
+    /// A copy aside is made by the copier's thread: the thread that asks for it goes on at
+    /// once, even while the copier is held inside the copy's host share (the source's bytes),
+    /// and a join then waits for the copy. Were the copy made on the asking thread, the ask
+    /// would wait for the source, which only that thread opens: the test fails after 60 s.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_a_copy_aside_leaves_the_asking_thread_free() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::{Arc, Condvar, Mutex};
+        type Gate = Arc<(Mutex<bool>, Condvar)>;
+        /// Bytes whose reads after the first (the ask's length check) wait for the gate.
+        struct Held {
+            bytes: Vec<u8>,
+            reads: AtomicUsize,
+            gate: Gate,
+        }
+        impl HostBytes for Held {
+            fn bytes(&self) -> &[u8] {
+                if self.reads.fetch_add(1, Ordering::SeqCst) > 0 {
+                    let (open, changed) = &*self.gate;
+                    let mut open = open.lock().unwrap();
+                    while !*open {
+                        open = changed.wait(open).unwrap();
+                    }
+                }
+                &self.bytes
+            }
+        }
+        let checked = testing::within(std::time::Duration::from_secs(60), || {
+            let gpu = testing::gpu();
+            let n = (96usize << 20) / 4 + 3;
+            let values: Vec<f32> = (0..n).map(|i| (i % 1_000_003) as f32).collect();
+            let dst = reserve_aside(&gpu, DType::F32, &[n])
+                .unwrap()
+                .expect("pinned staging");
+            let gate: Gate = Arc::new((Mutex::new(false), Condvar::new()));
+            let src = Held {
+                bytes: values_as_bytes(&values).to_vec(),
+                reads: AtomicUsize::new(0),
+                gate: gate.clone(),
+            };
+            let ticket = copy_aside(Box::new(src), &dst).unwrap();
+            *gate.0.lock().unwrap() = true;
+            gate.1.notify_all();
+            join_aside(&gpu, ticket).unwrap();
+            dst.to_vec1::<f32>().unwrap() == values
+        });
+        assert_eq!(checked, Some(true), "None: the ask waited for its own copy");
     }
 
     /// The chunked cast gives candle's cast bit for bit: ragged tails, one chunk, chunks of a
