@@ -802,30 +802,17 @@ mod tests {
     /// Each sequence's own tables, stacked: what a packed forward's tables were built as
     /// before [`RopeCache`], on the host for every forward.
     fn stacked(rope: &Rope, dim: usize, lens: &[usize], dtype: DType) -> Vec<Vec<f32>> {
-        let own: Vec<RopeTables> = lens
-            .iter()
-            .map(|&t| RopeTables::new(rope, dim, t, dtype, &Device::Cpu).unwrap())
-            .collect();
-        let values = |f: fn(&RopeTables) -> &Tensor| -> Vec<f32> {
-            own.iter()
-                .flat_map(|r| {
-                    f(r).to_dtype(DType::F32)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap()
-                })
-                .collect()
-        };
-        vec![
-            values(|r| &r.cos),
-            values(|r| &r.sin),
-            values(|r| &r.cos32),
-            values(|r| &r.sin32),
-        ]
+        let mut all = vec![Vec::new(); 4];
+        for &t in lens {
+            let own = RopeTables::new(rope, dim, t, dtype, &Device::Cpu).unwrap();
+            for (all, own) in all.iter_mut().zip(values(&own)) {
+                all.extend(own);
+            }
+        }
+        all
     }
 
+    /// cos, sin, cos32 and sin32's values, in f32.
     fn values(r: &RopeTables) -> Vec<Vec<f32>> {
         [&r.cos, &r.sin, &r.cos32, &r.sin32]
             .iter()
