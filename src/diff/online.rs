@@ -543,6 +543,8 @@ impl OnlineSample {
         let (rows, device) = (self.rows, self.device.clone());
         let what = || "uploading the captured slots".to_string();
         let mut copying = self.copying;
+        // The copies asked for are joined (their tickets kept) even when a later one fails.
+        let mut result = Ok(());
         for g in &mut self.groups {
             let Some((main, clean)) = g.staged.take() else {
                 continue;
@@ -560,15 +562,21 @@ impl OnlineSample {
                 crate::kernels::bytes_to_device(v.bytes(dtype, &g.host, n), dtype, &shape, &device)
                     .ctx(what)
             };
-            let main = up(main)?;
-            let clean = clean.map(&mut up).transpose()?;
+            let (main, clean) =
+                match up(main).and_then(|m| Ok((m, clean.map(&mut up).transpose()?))) {
+                    Ok(both) => both,
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                };
             g.device = Some(main);
             if let (Some(c), Some((_, on_device))) = (clean, g.clean.as_mut()) {
                 *on_device = Some(c);
             }
         }
         self.copying = copying;
-        Ok(())
+        result
     }
 
     /// Slots uploaded in bf16 ahead of the forward ([`Batch::upload_ahead`]) for states that
