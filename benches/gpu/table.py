@@ -51,12 +51,20 @@ if any("compiled_ms" in v for v in hf["times"].values()):
                 f"{o['ms'] / t['median_ms']:.2f} | {o['ms'] / t['compiled_ms']:.2f} |"
             )
 # Where the time goes, when the bench ran with EAGLE_CHECK_PHASES=1 (one extra forward, each
-# phase closed by a device synchronisation, so the sum exceeds the timed median a little).
+# phase closed by a device synchronisation, so the sum exceeds the timed median a little), or
+# with EAGLE_CHECK_PHASES=timeline (nothing synchronised: each phase's device and host time).
 for o in ours:
-    if o.get("phases"):
-        total = sum(p["ms"] for p in o["phases"])
-        parts = ", ".join(f"{p['phase']} {p['ms']:.2f} ({p['marks']}x)" for p in o["phases"])
+    phases = [p for p in o.get("phases") or [] if "phase" in p]
+    if phases and "ms" in phases[0]:
+        total = sum(p["ms"] for p in phases)
+        parts = ", ".join(f"{p['phase']} {p['ms']:.2f} ({p['marks']}x)" for p in phases)
         print(f"T = {o['T']} phases, {total:.2f} ms in all: {parts}")
+    elif phases:
+        total = sum(p["device_ms"] for p in phases)
+        parts = ", ".join(
+            f"{p['phase']} {p['device_ms']:.2f} (host {p['host_ms']:.2f}, {p['marks']}x)" for p in phases
+        )
+        print(f"T = {o['T']} timeline, {total:.2f} ms of device time: {parts}")
 # With F32_TRUTH=1: both bf16 forwards against the peer's f32 forward of the same weights.
 for o in ours:
     f = o.get("worst_normwise_err_vs_hf_f32")
