@@ -684,16 +684,17 @@ fn staged_copy(staging: &mut Staging, src: &[u8], dst: DevPtr, stream: &CudaStre
 /// A device buffer of `dtype` and `shape` that [`copy_aside`] fills later, beside the device's
 /// stream. Allocated on the device's stream, from its pool, which may hand out memory that work
 /// still queued there last used: the copy waits for the work queued before it is asked for.
-/// `None` where this thread has no pinned staging (the driver gave none: the caller copies as
-/// it otherwise would).
+/// `None` where the context has no copier (the driver gave it no pinned staging: the caller
+/// copies as it otherwise would).
 pub fn reserve_aside(
     dev: &CudaDevice,
     dtype: DType,
     shape: candle_core::Shape,
 ) -> Result<Option<candle_core::Tensor>> {
-    with_staging(dev, |_| {
-        Ok(tensor(alloc(dev, dtype, shape.elem_count())?, shape))
-    })
+    if Copier::of(dev.cuda_stream().context())?.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(tensor(alloc(dev, dtype, shape.elem_count())?, shape)))
 }
 
 /// `src` (the little-endian bytes of `dst`'s values) into `dst`, a tensor of
@@ -722,7 +723,9 @@ pub fn copy_aside(src: Box<dyn super::HostBytes>, dst: &candle_core::Tensor) -> 
         .new_event(None)
         .map_err(candle_core::Error::wrap)?;
     ready.record(&stream).map_err(candle_core::Error::wrap)?;
-    let copier = Copier::of(stream.context())?;
+    let Some(copier) = Copier::of(stream.context())? else {
+        candle_core::bail!("copy_aside: no pinned staging");
+    };
     let mut s = copier.lock();
     s.sent += 1;
     let ticket = s.sent;
@@ -744,7 +747,10 @@ pub fn copy_aside(src: Box<dyn super::HostBytes>, dst: &candle_core::Tensor) -> 
 /// wait, so that memory freed on the device's stream is not reused before a copy lands.
 pub fn join_aside(dev: &CudaDevice, ticket: u64) -> Result<()> {
     let stream = dev.cuda_stream();
-    let copier = Copier::of(stream.context())?;
+    // Without a copier no copy was asked for.
+    let Some(copier) = Copier::of(stream.context())? else {
+        return Ok(());
+    };
     let (event, keep, failed) = {
         let mut s = copier.lock();
         while s.queued < ticket.min(s.sent) {
@@ -830,24 +836,43 @@ struct Copier {
 }
 
 impl Copier {
-    /// The copier of `ctx`, started at the first ask.
-    fn of(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<Arc<Copier>> {
-        static ALL: Mutex<Vec<Arc<Copier>>> = Mutex::new(Vec::new());
+    /// The copier of `ctx`, started at the first ask with its stream and pinned staging;
+    /// `None` where the driver gave it none (asked once per context).
+    fn of(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<Option<Arc<Copier>>> {
+        type Copiers = Vec<(Arc<cudarc::driver::CudaContext>, Option<Arc<Copier>>)>;
+        static ALL: Mutex<Copiers> = Mutex::new(Vec::new());
         let mut all = ALL.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = all.iter().find(|c| c.ctx.cu_ctx() == ctx.cu_ctx()) {
+        if let Some((_, c)) = all.iter().find(|(c, _)| c.cu_ctx() == ctx.cu_ctx()) {
             return Ok(c.clone());
         }
-        let copier = Arc::new(Copier {
-            ctx: ctx.clone(),
-            state: Mutex::default(),
-            changed: std::sync::Condvar::new(),
-        });
-        let run = copier.clone();
-        std::thread::Builder::new()
-            .name("ec-copier".into())
-            .spawn(move || run.run())
-            .map_err(|e| candle_core::Error::Msg(format!("could not start the copier: {e}")))?;
-        all.push(copier.clone());
+        let setup = || -> Result<(Arc<CudaStream>, Staging)> {
+            let stream = ctx.new_stream().map_err(candle_core::Error::wrap)?;
+            Ok((stream, Staging::new(ctx)?))
+        };
+        let copier = match setup() {
+            Ok((stream, staging)) => {
+                let copier = Arc::new(Copier {
+                    ctx: ctx.clone(),
+                    state: Mutex::default(),
+                    changed: std::sync::Condvar::new(),
+                });
+                let run = copier.clone();
+                std::thread::Builder::new()
+                    .name("ec-copier".into())
+                    .spawn(move || run.run(&stream, staging))
+                    .map_err(|e| {
+                        candle_core::Error::Msg(format!("could not start the copier: {e}"))
+                    })?;
+                Some(copier)
+            }
+            Err(e) => {
+                crate::progress::trace(|| {
+                    format!("no copier ({e}): copies to the device as candle makes them")
+                });
+                None
+            }
+        };
+        all.push((ctx.clone(), copier.clone()));
         Ok(copier)
     }
 
@@ -855,15 +880,7 @@ impl Copier {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn run(&self) {
-        let setup = || -> Result<(Arc<CudaStream>, Staging)> {
-            self.ctx
-                .bind_to_thread()
-                .map_err(candle_core::Error::wrap)?;
-            let stream = self.ctx.new_stream().map_err(candle_core::Error::wrap)?;
-            Ok((stream, Staging::new(&self.ctx)?))
-        };
-        let mut setup = setup().map_err(|e| e.to_string());
+    fn run(&self, stream: &CudaStream, mut staging: Staging) {
         loop {
             let job = {
                 let mut s = self.lock();
@@ -874,23 +891,17 @@ impl Copier {
                     s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
                 }
             };
-            let made = match &mut setup {
-                Ok((stream, staging)) => {
-                    // A panic here fails the copy, not the thread: a join must never wait for
-                    // a copier that is gone.
-                    let copy = std::panic::AssertUnwindSafe(|| self.copy(&job, stream, staging));
-                    let made = match std::panic::catch_unwind(copy) {
-                        Ok(made) => made.map_err(|e| e.to_string()),
-                        Err(_) => Err("the copier panicked".to_string()),
-                    };
-                    // Nothing of this copier's stays in flight once it has failed.
-                    if made.is_err() {
-                        let _ = stream.synchronize();
-                    }
-                    made
-                }
-                Err(e) => Err(e.clone()),
+            // A panic here fails the copy, not the thread: a join must never wait for a
+            // copier that is gone.
+            let copy = std::panic::AssertUnwindSafe(|| self.copy(&job, stream, &mut staging));
+            let made = match std::panic::catch_unwind(copy) {
+                Ok(made) => made.map_err(|e| e.to_string()),
+                Err(_) => Err("the copier panicked".to_string()),
             };
+            // Nothing of this copier's stays in flight once it has failed.
+            if made.is_err() {
+                let _ = stream.synchronize();
+            }
             let CopyJob {
                 ticket,
                 thread,
@@ -926,6 +937,10 @@ impl Copier {
         stream: &CudaStream,
         staging: &mut Staging,
     ) -> Result<cudarc::driver::CudaEvent> {
+        // The staging's raw copies use the thread's current context.
+        self.ctx
+            .bind_to_thread()
+            .map_err(candle_core::Error::wrap)?;
         stream.wait(&job.ready).map_err(candle_core::Error::wrap)?;
         staged_copy(staging, job.src.bytes(), job.dst, stream)?;
         let done = self.ctx.new_event(None).map_err(candle_core::Error::wrap)?;
