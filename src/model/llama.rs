@@ -378,70 +378,59 @@ impl RopeCache {
         let fits = |c: &CachedRope| {
             c.tables.cos.dtype() == dtype && c.tables.cos.device().same_device(device)
         };
-        // Each sequence's table, grown to the longest sequence of its key (a length of the
-        // key, so that the grown table has the same frequencies).
+        // The longest sequence of each key, in the order the keys first come: its table must
+        // reach that far (grown to a length of the key, it keeps the key's frequencies).
         let keys: Vec<Vec<u64>> = lens.iter().map(|&len| rope_key(rope, dim, len)).collect();
-        let mut which = Vec::with_capacity(lens.len());
+        let mut longest: Vec<(&Vec<u64>, usize)> = Vec::new();
         for (key, &len) in keys.iter().zip(lens) {
-            let longest = keys
-                .iter()
-                .zip(lens)
-                .filter(|(k, _)| *k == key)
-                .map(|(_, &n)| n)
-                .max()
-                .unwrap_or(len);
-            let at = cache.iter().position(|c| &c.key == key && fits(c));
-            let at = match at {
+            match longest.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, n)) => *n = (*n).max(len),
+                None => longest.push((key, len)),
+            }
+        }
+        // Each key's place in the cache, and where its rows start in the table of all keys'.
+        let mut places = Vec::with_capacity(longest.len());
+        let mut start = 0;
+        for (key, len) in longest {
+            let grown = || -> Result<CachedRope> {
+                Ok(CachedRope {
+                    key: key.clone(),
+                    len,
+                    tables: RopeTables::new(rope, dim, len, dtype, device)?,
+                })
+            };
+            let at = match cache.iter().position(|c| &c.key == key && fits(c)) {
                 Some(at) if cache[at].len >= len => at,
-                _ => {
-                    let grown = CachedRope {
-                        key: key.clone(),
-                        len: longest,
-                        tables: RopeTables::new(rope, dim, longest, dtype, device)?,
-                    };
-                    match at {
-                        Some(at) => {
-                            cache[at] = grown;
-                            at
-                        }
-                        None => {
-                            cache.push(grown);
-                            cache.len() - 1
-                        }
-                    }
+                Some(at) => {
+                    cache[at] = grown()?;
+                    at
+                }
+                None => {
+                    cache.push(grown()?);
+                    cache.len() - 1
                 }
             };
-            which.push(at);
+            places.push((key, at, start));
+            start += cache[at].len;
         }
-        let rows = |start: usize, len: usize, c: &CachedRope| c.tables.rows(start, len);
-        if let ([len], [at]) = (lens, which.as_slice()) {
-            return rows(0, *len, &cache[*at]);
+        if let ([len], [(_, at, _)]) = (lens, places.as_slice()) {
+            return cache[*at].tables.rows(0, *len);
         }
-        // One table holding every key's in turn, and each sequence's rows in it.
-        let used: Vec<usize> = {
-            let mut u = which.clone();
-            u.sort_unstable();
-            u.dedup();
-            u
-        };
-        let mut offset = vec![0; cache.len()];
-        let mut total = 0;
-        for &at in &used {
-            offset[at] = total;
-            total += cache[at].len;
-        }
-        let idx: Vec<u32> = lens
+        let idx: Vec<u32> = keys
             .iter()
-            .zip(&which)
-            .flat_map(|(&len, &at)| {
-                let start = offset[at];
+            .zip(lens)
+            .flat_map(|(key, &len)| {
+                let start = places.iter().find(|(k, ..)| *k == key).map_or(0, |p| p.2);
                 (start..start + len).map(|p| p as u32)
             })
             .collect();
         let n = idx.len();
         let idx = Tensor::from_vec(idx, n, device).ctx(|| "packed rope rows".to_string())?;
         let gather = |f: fn(&RopeTables) -> &Tensor| -> Result<Tensor> {
-            let parts: Vec<&Tensor> = used.iter().map(|&at| f(&cache[at].tables)).collect();
+            let parts: Vec<&Tensor> = places
+                .iter()
+                .map(|&(_, at, _)| f(&cache[at].tables))
+                .collect();
             let all = if parts.len() == 1 {
                 parts[0].clone()
             } else {
@@ -450,11 +439,18 @@ impl RopeCache {
             all.index_select(&idx, 0)
                 .ctx(|| "packed rope tables".to_string())
         };
+        let (cos32, sin32) = (gather(|r| &r.cos32)?, gather(|r| &r.sin32)?);
+        // In f32 the compute dtype's tables are the f32 ones (RopeTables::new's cast keeps them).
+        let (cos, sin) = if dtype == DType::F32 {
+            (cos32.clone(), sin32.clone())
+        } else {
+            (gather(|r| &r.cos)?, gather(|r| &r.sin)?)
+        };
         Ok(RopeTables {
-            cos: gather(|r| &r.cos)?,
-            sin: gather(|r| &r.sin)?,
-            cos32: gather(|r| &r.cos32)?,
-            sin32: gather(|r| &r.sin32)?,
+            cos,
+            sin,
+            cos32,
+            sin32,
         })
     }
 }
