@@ -1217,13 +1217,13 @@ fn join_copies(
     samples: &mut [&mut OnlineSample],
     which: impl Fn(&OnlineSample) -> bool,
 ) -> Result<()> {
-    let mut last = None;
+    let (mut ticket, mut device) = (0, None);
     for s in samples.iter_mut().filter(|s| s.copying > 0 && which(s)) {
-        last = Some((s.copying.max(last.map_or(0, |(t, _)| t)), s.device.clone()));
-        s.copying = 0;
+        ticket = ticket.max(std::mem::take(&mut s.copying));
+        device = Some(&s.device);
     }
-    match last {
-        Some((ticket, device)) => crate::kernels::join_aside(&device, ticket)
+    match device {
+        Some(device) => crate::kernels::join_aside(device, ticket)
             .ctx(|| "waiting for the captured slots' copies".to_string()),
         None => Ok(()),
     }

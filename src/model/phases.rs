@@ -135,9 +135,8 @@ fn stamp(name: &'static str, device: &Device) {
     if c.stamps.is_empty() {
         let _ = device.synchronize();
     }
-    let event = match device_event(device) {
-        Ok(e) => e,
-        Err(_) => return,
+    let Ok(event) = device_event(device) else {
+        return;
     };
     c.stamps.push(Stamp {
         name,
@@ -200,20 +199,10 @@ pub fn take_timeline(device: &Device) -> Vec<TimelineTotal> {
             (host, device.max(host))
         })
         .collect();
-    let mut threads = Vec::new();
     let named: Vec<_> = stamps
         .iter()
         .zip(times)
-        .map(|(s, (h, g))| {
-            let thread = match threads.iter().position(|t| *t == s.thread) {
-                Some(i) => i,
-                None => {
-                    threads.push(s.thread);
-                    threads.len() - 1
-                }
-            };
-            (thread, s.name, h, g)
-        })
+        .map(|(s, (h, g))| (s.thread, s.name, h, g))
         .collect();
     timeline_totals(&named)
 }
@@ -222,16 +211,21 @@ pub fn take_timeline(device: &Device) -> Vec<TimelineTotal> {
 /// (in milliseconds from the first stamp): see [`TimelineTotal`]. A phase is the interval
 /// from the same thread's stamp before (other threads' work, a streamed target's loader say,
 /// is queued beside it, not in it).
-fn timeline_totals(stamps: &[(usize, &'static str, f64, f64)]) -> Vec<TimelineTotal> {
+fn timeline_totals<T: Copy + PartialEq>(
+    stamps: &[(T, &'static str, f64, f64)],
+) -> Vec<TimelineTotal> {
     let mut totals: Vec<TimelineTotal> = Vec::new();
-    let mut last: Vec<Option<(f64, f64)>> = Vec::new();
+    // Each thread's stamp before.
+    let mut last: Vec<(T, f64, f64)> = Vec::new();
     for &(thread, name, h1, g1) in stamps {
-        if last.len() <= thread {
-            last.resize(thread + 1, None);
-        }
-        let Some((h0, g0)) = last[thread].replace((h1, g1)) else {
-            continue;
+        let before = match last.iter_mut().find(|l| l.0 == thread) {
+            Some(l) => std::mem::replace(l, (thread, h1, g1)),
+            None => {
+                last.push((thread, h1, g1));
+                continue;
+            }
         };
+        let (_, h0, g0) = before;
         let device_ms = g1 - g0;
         let at = match totals.iter().position(|t| t.name == name) {
             Some(at) => at,
