@@ -82,6 +82,61 @@ pub fn to_device(t: &Tensor, device: &Device) -> Result<Tensor> {
     t.to_device(device)
 }
 
+/// A host tensor kept to be copied to a device again and again (a streamed layer kept in host
+/// memory between forwards). On a GPU its memory is page-locked where the driver allows it
+/// ([`cuda::Locked`]), so that each copy goes from it to the device at the copy engines' rate
+/// (53 GB/s on an H100 machine, against 8-11 GB/s through the pinned staging: BENCHMARKS.md,
+/// run 66); elsewhere, or where locking failed, it is copied as [`to_device`] copies. The same
+/// bits either way.
+pub struct KeptHost {
+    // Dropped before the tensor: unlocked (after the device's queued copies) while its memory
+    // is still there.
+    #[cfg(feature = "cuda")]
+    locked: Option<cuda::Locked>,
+    t: Tensor,
+}
+
+impl KeptHost {
+    /// `t` (a host tensor) kept for copies to `device`, locked there if it is a GPU.
+    pub fn new(t: Tensor, device: &Device) -> Result<KeptHost> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(dev) = device
+            && staged_copies()
+        {
+            let locked = cuda::Locked::of(&t, dev)?;
+            return Ok(KeptHost { locked, t });
+        }
+        let _ = device;
+        Ok(KeptHost {
+            #[cfg(feature = "cuda")]
+            locked: None,
+            t,
+        })
+    }
+
+    /// The bytes it holds.
+    pub fn bytes(&self) -> u64 {
+        (self.t.elem_count() * self.t.dtype().size_in_bytes()) as u64
+    }
+
+    /// Whether copies go from it to the device directly (its memory page-locked).
+    pub fn locked(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.locked.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// A copy of it on `device`.
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let (Device::Cuda(dev), Some(locked)) = (device, &self.locked) {
+            return locked.upload(&self.t, dev);
+        }
+        to_device(&self.t, device)
+    }
+}
+
 /// The tensor of `shape` and `dtype` whose little-endian bytes are `bytes`, on `device`: on a
 /// GPU copied through the pinned staging as [`to_device`] copies, else as candle reads a raw
 /// buffer. The same bits either way.
@@ -531,6 +586,46 @@ mod tests {
     /// device's work queued after the join, read at once: past every staging buffer with a
     /// ragged piece, in bf16 and f32, two tensors copied before one join (with the second's
     /// ticket, which covers the first).
+    /// A kept host tensor is locked on a GPU, and every copy of it (asked for twice, each read
+    /// on the device right after) holds its bits; a slice of a tensor (a start offset) too. Its
+    /// memory is unlocked when it is dropped, so it can be locked again.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_kept_host_tensors_copy_their_own_bits() {
+        let dev = testing::gpu();
+        let n = (96usize << 20) / 2 + 3;
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 100_003) as f32 - 5e4)
+            .collect();
+        let host = Tensor::from_vec(values, n, &Device::Cpu).unwrap();
+        for dtype in [DType::BF16, DType::F32] {
+            let t = host.to_dtype(dtype).unwrap();
+            for _ in 0..2 {
+                let kept = KeptHost::new(t.clone(), &dev).unwrap();
+                assert!(kept.locked(), "{dtype:?}: not locked");
+                assert_eq!(kept.bytes(), (n * dtype.size_in_bytes()) as u64);
+                let copies: Vec<Tensor> = (0..2).map(|_| kept.to_device(&dev).unwrap()).collect();
+                for c in copies {
+                    let got = c
+                        .to_device(&Device::Cpu)
+                        .unwrap()
+                        .to_dtype(DType::F32)
+                        .unwrap();
+                    let want = t.to_dtype(DType::F32).unwrap();
+                    assert!(got.to_vec1::<f32>().unwrap() == want.to_vec1::<f32>().unwrap());
+                }
+            }
+        }
+        let part = host.narrow(0, 5, 1000).unwrap();
+        let kept = KeptHost::new(part.clone(), &dev).unwrap();
+        let got = kept
+            .to_device(&dev)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        assert!(got.to_vec1::<f32>().unwrap() == part.to_vec1::<f32>().unwrap());
+    }
+
     #[cfg(feature = "cuda")]
     #[test]
     fn device_copies_aside_arrive_before_the_work_after_the_join() {
