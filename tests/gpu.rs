@@ -414,6 +414,73 @@ fn gpu_streamed_run_dumps_what_the_resident_gpu_run_dumps() {
     }
 }
 
+/// A streamed target on the GPU keeps its layers in host memory after the first forward
+/// (locked: the copies go from there straight to the device): the forwards after it read less
+/// from the checkpoint and capture what the first forward captured, in bf16 and f32, on a
+/// dense and an MoE fixture.
+#[test]
+fn gpu_layers_kept_in_host_memory_give_the_first_forwards_bits() {
+    use eagle_check::model::load_streamed;
+    use eagle_check::model::stream::StreamOptions;
+    let dev = gpu();
+    for name in ["llama", "deepseek_v3"] {
+        let dir = fixture(&format!("models/{name}"));
+        let cfg = ModelConfig::load(&dir).unwrap();
+        let r = reference(&format!("models/{name}/reference.safetensors"));
+        let tokens = ids(&r, "input_ids");
+        for dtype in [DType::BF16, DType::F32] {
+            let opts = StreamOptions {
+                host_keep: u64::MAX,
+                ..StreamOptions::default()
+            };
+            let src = Box::new(SafetensorsSource::open(&dir).unwrap());
+            let streamed = load_streamed(&cfg, src, dtype, &dev, opts).unwrap();
+            let forward = || {
+                let before = streamed.stream_stats().unwrap().bytes_read;
+                let cap = streamed
+                    .forward(&tokens, &CaptureRequest::all(), &mut Progress::hidden())
+                    .unwrap();
+                (cap, streamed.stream_stats().unwrap().bytes_read - before)
+            };
+            let (first, read_first) = forward();
+            for _ in 0..2 {
+                let (again, read) = forward();
+                assert!(
+                    read < read_first,
+                    "{name} {dtype:?}: {read} of {read_first} read again"
+                );
+                // The same kernels on the same weights: within parity (an MoE combine may sum
+                // in another order), where a wrong or stale weight is off by its whole size.
+                let tol = if dtype == DType::F32 {
+                    F32_TOL
+                } else {
+                    BF16_TOL
+                };
+                assert_eq!(first.hidden.len(), again.hidden.len(), "{name} {dtype:?}");
+                for (b, t) in &first.hidden {
+                    let c = closeness(&again.hidden[b], t).unwrap();
+                    assert!(
+                        c.max_rel <= tol,
+                        "{name} {dtype:?} b={b}: {:.3e}",
+                        c.max_rel
+                    );
+                }
+            }
+            let stats = streamed.stream_stats().unwrap();
+            assert_eq!(
+                stats.layers_from_host,
+                2 * cfg.num_layers,
+                "{name} {dtype:?}"
+            );
+            assert!(
+                stats.describe().contains("from host memory"),
+                "{}",
+                stats.describe()
+            );
+        }
+    }
+}
+
 /// `run`, `diff` and `probe` through the binary on every MoE family's tiny checkpoint on the
 /// GPU (f32): the expectations of the CPU test hold (`moe_families`), and every command's exit
 /// code, findings and probed layouts equal the CPU's.

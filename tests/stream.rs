@@ -127,6 +127,7 @@ fn opts(cfg: &ModelConfig, dtype: DType, prefetch: bool, rows: usize) -> StreamO
             window: 16 << 10,
         },
         host_stage: false,
+        host_keep: 0,
     }
 }
 
@@ -197,6 +198,67 @@ fn check_streaming(what: &str, cfg: &ModelConfig, open: &dyn Fn() -> Box<dyn Wei
                 stats.max_resident_layers
             );
             assert!(stats.bytes_read > 0, "{label}");
+        }
+    }
+}
+
+/// Layers kept in host memory after their first read (`StreamOptions::host_keep`, a GPU's
+/// streamed target between a diff's passes): every forward after the first copies them from
+/// there, reads none of their bytes from the checkpoint, and captures the same bits as the
+/// resident forward. A budget of a few layers keeps those first ones and reads the rest again.
+#[test]
+fn layers_kept_in_host_memory_are_read_once_and_give_the_same_bits() {
+    for rel in ["models/llama", "models/deepseek_v3", "models/qwen3"] {
+        let dir = fixture(rel);
+        let cfg = ModelConfig::load(&dir).unwrap();
+        let open = safetensors(&dir);
+        let ids = tokens(&cfg);
+        let src = open();
+        let stored: Vec<u64> = (0..cfg.num_layers)
+            .map(|i| {
+                src.names()
+                    .iter()
+                    .filter(|n| eagle_check::naming::layer_of(n) == Some(i))
+                    .filter_map(|n| src.extent(n).map(|e| e.bytes as u64))
+                    .sum()
+            })
+            .collect();
+        let layers: u64 = stored.iter().sum();
+        for dtype in [DType::F32, DType::BF16] {
+            let resident = load_target(&cfg, open().as_ref(), dtype, &Device::Cpu).unwrap();
+            let want = resident
+                .forward(&ids, &everything(), &mut Progress::hidden())
+                .unwrap();
+            // Everything kept; the first layer only (every layer is larger than a byte).
+            for (keep, kept_layers) in [(u64::MAX, cfg.num_layers), (stored[0], 1)] {
+                let label = format!("{rel} {dtype:?} keep {kept_layers} layer(s)");
+                let opts = StreamOptions {
+                    host_stage: true,
+                    host_keep: keep,
+                    ..opts(&cfg, dtype, true, 48)
+                };
+                let streamed = load_streamed(&cfg, open(), dtype, &Device::Cpu, opts).unwrap();
+                let mut reads = Vec::new();
+                for _ in 0..3 {
+                    let before = streamed.stream_stats().unwrap().bytes_read;
+                    let got = streamed
+                        .forward(&ids, &everything(), &mut Progress::hidden())
+                        .unwrap();
+                    assert_same_capture(&label, &want, &got);
+                    reads.push(streamed.stream_stats().unwrap().bytes_read - before);
+                }
+                let kept_bytes: u64 = stored[..kept_layers].iter().sum();
+                // The forwards after the first read the same embedding rows and head chunks,
+                // and of the layers only those not kept.
+                assert_eq!(reads[1], reads[2], "{label}: {reads:?}");
+                assert_eq!(reads[0] - reads[1], kept_bytes, "{label}: {reads:?}");
+                assert!(reads[0] >= layers, "{label}: {reads:?}");
+                let stats = streamed.stream_stats().unwrap();
+                assert_eq!(stats.layers_loaded, 3 * cfg.num_layers, "{label}");
+                assert_eq!(stats.layers_from_host, 2 * kept_layers, "{label}");
+                assert!(stats.bytes_kept > 0, "{label}");
+                assert!(stats.describe().contains("from host memory"), "{label}");
+            }
         }
     }
 }

@@ -30,6 +30,7 @@
 //! one read ahead, comes from the source itself.
 
 use crate::error::{CandleContext, Error, Result};
+use crate::kernels::KeptHost;
 use crate::model::source::{Extent, HostBuf, Rows, WeightSource, widen};
 use crate::naming;
 use candle_core::{DType, Device, Tensor};
@@ -104,19 +105,23 @@ pub fn read_ahead<R>(
 /// then serves them as [`read_ahead`]'s does, each copied to `device` as it is taken, on the
 /// thread that runs the forward, so that one thread makes every device call of a streamed
 /// forward (a loader thread copying to the device while the forward ran left the DeepSeek-V3
-/// shape's streamed diff stalled on an H100: BENCHMARKS.md, run 40).
+/// shape's streamed diff stalled on an H100: BENCHMARKS.md, run 40). With `keep`, each tensor
+/// taken stays in host memory too (locked for a GPU's copies: [`KeptHost`]), for
+/// [`ReadAhead::kept`].
 pub fn read_to_host<'a>(
     src: &'a dyn WeightSource,
     names: &[String],
     dtype: DType,
     device: &Device,
     opts: &ReadOptions,
+    keep: bool,
 ) -> Result<ReadAhead<'a>> {
     let opts = ReadOptions {
         window: u64::MAX,
         ..*opts
     };
-    let ahead = ReadAhead::new(src, names, dtype, device, &opts);
+    let mut ahead = ReadAhead::new(src, names, dtype, device, &opts);
+    ahead.keep = keep;
     ahead.run(|_| {
         ahead.wait_all_read();
         Ok(())
@@ -178,7 +183,7 @@ impl Drop for Stop<'_, '_> {
 }
 
 /// The form a tensor is read ahead in: the one [`super::source::Vb`] asks the source for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Form {
     /// As stored ([`WeightSource::load`]).
     Stored,
@@ -288,6 +293,9 @@ pub struct ReadAhead<'a> {
     work: Condvar,
     /// The loader waits here for tensors.
     ready: Condvar,
+    /// Whether the tensors taken are kept in host memory too ([`read_to_host`]).
+    keep: bool,
+    kept: Mutex<HashMap<(String, Form), KeptHost>>,
 }
 
 impl<'a> ReadAhead<'a> {
@@ -331,6 +339,8 @@ impl<'a> ReadAhead<'a> {
             }),
             work: Condvar::new(),
             ready: Condvar::new(),
+            keep: false,
+            kept: Mutex::new(HashMap::new()),
         }
     }
 
@@ -661,14 +671,136 @@ impl<'a> ReadAhead<'a> {
         st.ahead -= slot.bytes;
         self.work.notify_all();
         drop(guard);
-        Some(t.and_then(|t| {
-            crate::kernels::to_device(&t, &self.device).ctx(|| {
-                format!(
-                    "{}: copying {name} to the device",
-                    self.src.origin().display()
-                )
-            })
+        let copying = || {
+            format!(
+                "{}: copying {name} to the device",
+                self.src.origin().display()
+            )
+        };
+        if self.keep {
+            return Some(t.and_then(|t| {
+                let kept = KeptHost::new(t, &self.device).ctx(copying)?;
+                let on_device = kept.to_device(&self.device).ctx(copying)?;
+                if let Ok(mut all) = self.kept.lock() {
+                    all.insert((name.to_string(), form), kept);
+                }
+                Ok(on_device)
+            }));
+        }
+        Some(t.and_then(|t| crate::kernels::to_device(&t, &self.device).ctx(copying)))
+    }
+
+    /// The tensors taken so far, kept in host memory ([`read_to_host`] with `keep`), as a
+    /// [`KeptLayer`]; none without `keep`.
+    pub fn kept(&self) -> KeptLayer {
+        let tensors = self
+            .kept
+            .lock()
+            .map(|mut k| std::mem::take(&mut *k))
+            .unwrap_or_default();
+        KeptLayer { tensors }
+    }
+}
+
+/// Tensors as they were first read into host memory and taken ([`ReadAhead::kept`]): a
+/// streamed layer kept between forwards, so that the forwards after the first copy it to the
+/// device from there and read nothing from the checkpoint ([`KeptLayer::source`]).
+pub struct KeptLayer {
+    tensors: HashMap<(String, Form), KeptHost>,
+}
+
+impl KeptLayer {
+    /// The bytes it holds.
+    pub fn bytes(&self) -> u64 {
+        self.tensors.values().map(KeptHost::bytes).sum()
+    }
+
+    /// How many tensors it holds, and how many of them are locked for direct copies.
+    pub fn count(&self) -> (usize, usize) {
+        let locked = self.tensors.values().filter(|k| k.locked()).count();
+        (self.tensors.len(), locked)
+    }
+
+    /// `src` with this layer's tensors served from host memory, copied to `device` as they are
+    /// taken (each as often as asked for); anything else from `src`.
+    pub fn source<'a>(&'a self, src: &'a dyn WeightSource, device: &Device) -> KeptSource<'a> {
+        KeptSource {
+            layer: self,
+            src,
+            device: device.clone(),
+        }
+    }
+}
+
+/// A [`KeptLayer`] in front of its checkpoint ([`KeptLayer::source`]).
+pub struct KeptSource<'a> {
+    layer: &'a KeptLayer,
+    src: &'a dyn WeightSource,
+    device: Device,
+}
+
+impl KeptSource<'_> {
+    fn kept(&self, name: &str, form: Form, device: &Device) -> Option<Result<Tensor>> {
+        if !device.same_device(&self.device) {
+            return None;
+        }
+        let kept = self.layer.tensors.get(&(name.to_string(), form))?;
+        Some(kept.to_device(device).ctx(|| {
+            format!(
+                "{}: copying {name} to the device from host memory",
+                self.src.origin().display()
+            )
         }))
+    }
+}
+
+impl WeightSource for KeptSource<'_> {
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.src.shape(name)
+    }
+
+    fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
+        self.kept(name, Form::Stored, device)
+            .unwrap_or_else(|| self.src.load(name, device))
+    }
+
+    fn load_rows(&self, name: &str, ids: &[u32], device: &Device) -> Result<Tensor> {
+        self.src.load_rows(name, ids, device)
+    }
+
+    fn load_row_range(
+        &self,
+        name: &str,
+        start: usize,
+        len: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
+        self.src.load_row_range(name, start, len, device)
+    }
+
+    fn origin(&self) -> &Path {
+        self.src.origin()
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.src.names()
+    }
+
+    fn bytes_read(&self) -> u64 {
+        self.src.bytes_read()
+    }
+
+    fn load_f32(&self, name: &str, rows: Rows, device: &Device) -> Result<Option<Tensor>> {
+        if matches!(rows, Rows::All)
+            && let Some(t) = self.kept(name, Form::F32, device)
+        {
+            return t.map(Some);
+        }
+        self.src.load_f32(name, rows, device)
+    }
+
+    fn extent(&self, name: &str) -> Option<Extent<'_>> {
+        self.src.extent(name)
     }
 }
 
@@ -1003,7 +1135,7 @@ mod tests {
                 window: 10_000,
             };
             let before = src.bytes_read();
-            let read = read_to_host(&src, &names, DType::BF16, &Device::Cpu, &opts).unwrap();
+            let read = read_to_host(&src, &names, DType::BF16, &Device::Cpu, &opts, false).unwrap();
             let ahead = if readers == 0 { 0 } else { stored };
             assert_eq!(src.bytes_read() - before, ahead, "{opts:?}: read up front");
             assert_eq!(read.waiting_bytes(), ahead, "{opts:?}");

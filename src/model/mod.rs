@@ -615,6 +615,11 @@ pub fn open_target_with(path: &Path, opts: &TargetOptions) -> Result<LoadedTarge
             let stream = StreamOptions {
                 prefetch,
                 reads: plan.reads(),
+                host_keep: if plan.host_staged {
+                    stream::host_keep_budget()
+                } else {
+                    0
+                },
                 ..StreamOptions::default()
             };
             load_streamed(&cfg, src, opts.dtype, &opts.device, stream)?

@@ -26,7 +26,7 @@ use crate::size::format_bytes;
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// How a streamed target reads its weights.
@@ -46,6 +46,23 @@ pub struct StreamOptions {
     /// every device call. Always so on a GPU; elsewhere (the tests) when asked: the CPU builds each
     /// layer on the loader thread, its conversions overlapping the forward.
     pub host_stage: bool,
+    /// Bytes of host memory that host-staged layers ([`StreamOptions::host_stage`]) stay in
+    /// after their first read, so that every forward after the first copies them to the device
+    /// from there (locked: [`crate::kernels::KeptHost`]) and reads nothing from the checkpoint
+    /// ([`host_keep_budget`]); the layers past it are read again at every forward. 0: none.
+    pub host_keep: u64,
+}
+
+/// The host memory a GPU's streamed layers may stay in between forwards
+/// ([`StreamOptions::host_keep`]): `EAGLE_CHECK_HOST_KEEP` when set (a size, `0` for none),
+/// else half of what the kernel says can be taken without swapping when the target opens (a
+/// diff's passes and `probe`'s token sets each run every layer; kept, the checkpoint is read
+/// once however many there are).
+pub fn host_keep_budget() -> u64 {
+    if let Ok(v) = std::env::var("EAGLE_CHECK_HOST_KEEP") {
+        return crate::size::parse_size(&v).unwrap_or(0);
+    }
+    crate::memory::mem_available().map_or(0, |b| b / 2)
 }
 
 /// Whether a streamed layer on `device` is read on the loader thread and put on the device by
@@ -64,6 +81,7 @@ impl Default for StreamOptions {
             head_chunk_bytes: 64 << 20,
             reads: ReadOptions::default(),
             host_stage: false,
+            host_keep: 0,
         }
     }
 }
@@ -296,6 +314,10 @@ pub struct StreamStats {
     pub max_resident_bytes: u64,
     /// Bytes read from the checkpoint (layers, embedding rows, head chunks).
     pub bytes_read: u64,
+    /// Layers of `layers_loaded` copied to the device from host memory, where they stayed after
+    /// their first read ([`StreamOptions::host_keep`]), and the bytes that stay there.
+    pub layers_from_host: usize,
+    pub bytes_kept: u64,
     /// Seconds spent reading and converting layers (on the loader thread, and on a GPU the
     /// device copies on the forward's thread).
     pub load_seconds: f64,
@@ -307,9 +329,18 @@ pub struct StreamStats {
 
 impl StreamStats {
     pub fn describe(&self) -> String {
+        let kept = if self.bytes_kept > 0 {
+            format!(
+                " ({} of them from host memory, where {} of layers stayed after their first read)",
+                self.layers_from_host,
+                format_bytes(self.bytes_kept)
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "{} layers loaded over {} forward(s), at most {} resident at once ({}); {} read in \
-             {:.2} s of loading, {:.2} s of the {:.2} s forward spent waiting for a layer",
+            "{} layers loaded over {} forward(s){kept}, at most {} resident at once ({}); {} read \
+             in {:.2} s of loading, {:.2} s of the {:.2} s forward spent waiting for a layer",
             self.layers_loaded,
             self.forwards,
             self.max_resident_layers,
@@ -417,8 +448,30 @@ fn pipelined<T: Send>(
 enum Fetched<'a, L> {
     /// Built on the loader thread (the CPU's way).
     Built(LayerGuard<'a, L>),
-    /// Its tensors read (for a GPU into host memory), to be built on the forward's thread.
-    Read(Box<io::ReadAhead<'a>>),
+    /// Its tensors read or kept in host memory, to be built on the forward's thread.
+    Staged(Staged<'a>),
+}
+
+/// A layer's tensors in host memory, waiting to be built on the forward's thread.
+enum Staged<'a> {
+    /// Read from the checkpoint; kept there afterwards when `keep`.
+    Read {
+        read: Box<io::ReadAhead<'a>>,
+        keep: bool,
+    },
+    /// Kept since an earlier forward read them.
+    Kept(Arc<io::KeptLayer>),
+}
+
+/// The layers kept in host memory between forwards ([`StreamOptions::host_keep`]).
+#[derive(Default)]
+struct HostKept {
+    layers: Vec<Option<Arc<io::KeptLayer>>>,
+    /// Layers being read to be kept (their bytes counted in `taken`).
+    promised: Vec<bool>,
+    /// The bytes they may hold, and those held or promised.
+    limit: u64,
+    taken: u64,
 }
 
 /// A target whose decoder layers are read from the checkpoint at every forward.
@@ -442,6 +495,9 @@ pub(crate) struct Streamed<D: Decoder> {
     estimate: WeightEstimate,
     /// Per layer, every checkpoint tensor under it: each must be read by the layer's loader.
     layer_names: Vec<Vec<String>>,
+    /// Per layer, the bytes its tensors hold as stored (what keeping it in host memory costs).
+    stored: Vec<u64>,
+    kept: Mutex<HostKept>,
     live: Live,
     stats: Mutex<StreamStats>,
 }
@@ -491,6 +547,19 @@ impl<D: Decoder> Streamed<D> {
             .iter()
             .map(|names| io::in_file_order(src.as_ref(), names))
             .collect();
+        // A tensor without a stored extent (a GGUF one, decoded) counts as the estimate's.
+        let stored = layer_names
+            .iter()
+            .zip(&estimate.layers)
+            .map(|(names, &est)| {
+                let bytes: Option<u64> = names
+                    .iter()
+                    .map(|n| src.extent(n).map(|e| e.bytes as u64))
+                    .sum();
+                bytes.unwrap_or(est)
+            })
+            .collect();
+        let n_layers = cfg.num_layers;
         // An FP8 head is read in whole blocks of rows, so that each chunk takes whole rows of
         // scales (the block as declared, else DeepSeek's 128, which inference checks too).
         let fp8_head = src.shape(&format!("{head_name}_scale_inv")).is_some();
@@ -521,6 +590,13 @@ impl<D: Decoder> Streamed<D> {
             host_stage: opts.host_stage || stages_on_host(device),
             estimate,
             layer_names,
+            stored,
+            kept: Mutex::new(HostKept {
+                layers: vec![None; n_layers],
+                promised: vec![false; n_layers],
+                limit: opts.host_keep,
+                taken: 0,
+            }),
             live: Live::default(),
             stats: Mutex::new(StreamStats::default()),
         })
@@ -538,6 +614,20 @@ impl<D: Decoder> Streamed<D> {
         if !self.host_stage {
             return self.load_layer(i, None).map(Fetched::Built);
         }
+        let keep = {
+            let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(layer) = &kept.layers[i] {
+                crate::progress::trace(|| format!("layer {i}: kept in host memory"));
+                return Ok(Fetched::Staged(Staged::Kept(layer.clone())));
+            }
+            let fits = kept.taken.saturating_add(self.stored[i]) <= kept.limit;
+            let keep = fits && !kept.promised[i];
+            if keep {
+                kept.taken += self.stored[i];
+                kept.promised[i] = true;
+            }
+            keep
+        };
         let start = Instant::now();
         crate::progress::trace(|| format!("layer {i}: reading"));
         let read = io::read_to_host(
@@ -546,6 +636,7 @@ impl<D: Decoder> Streamed<D> {
             self.dec.dtype(),
             &self.device,
             &self.reads,
+            keep,
         )?;
         crate::progress::trace(|| {
             format!(
@@ -557,7 +648,10 @@ impl<D: Decoder> Streamed<D> {
         if let Ok(mut s) = self.stats.lock() {
             s.load_seconds += start.elapsed().as_secs_f64();
         }
-        Ok(Fetched::Read(Box::new(read)))
+        Ok(Fetched::Staged(Staged::Read {
+            read: Box::new(read),
+            keep,
+        }))
     }
 
     /// The layer a [`Fetched`] holds, built on this thread where it was read into host memory.
@@ -568,19 +662,15 @@ impl<D: Decoder> Streamed<D> {
     ) -> Result<LayerGuard<'s, D::Layer>> {
         match fetched {
             Fetched::Built(layer) => Ok(layer),
-            Fetched::Read(read) => self.load_layer(i, Some(*read)),
+            Fetched::Staged(staged) => self.load_layer(i, Some(staged)),
         }
     }
 
-    /// Layer `i`, read and converted (from `ready` where its tensors were read already, else
-    /// read ahead from the checkpoint now), checked to have read every tensor the checkpoint
-    /// holds under it (a Llama with biases it does not expect stops here, at the first such
-    /// layer).
-    fn load_layer(
-        &self,
-        i: usize,
-        ready: Option<io::ReadAhead<'_>>,
-    ) -> Result<LayerGuard<'_, D::Layer>> {
+    /// Layer `i`, read and converted (from `ready` where its tensors are in host memory
+    /// already, else read ahead from the checkpoint now), checked to have read every tensor the
+    /// checkpoint holds under it (a Llama with biases it does not expect stops here, at the
+    /// first such layer). A layer read to be kept stays in host memory for the forwards after.
+    fn load_layer(&self, i: usize, ready: Option<Staged<'_>>) -> Result<LayerGuard<'_, D::Layer>> {
         let start = Instant::now();
         crate::progress::trace(|| format!("layer {i}: loading"));
         let (dtype, device) = (self.dec.dtype(), &self.device);
@@ -590,8 +680,16 @@ impl<D: Decoder> Streamed<D> {
             let layer = self.dec.load_layer(&vb.pp(&self.prefix), i)?;
             Ok((layer, vb.read_names()))
         };
+        let from_host = matches!(ready, Some(Staged::Kept(_)));
         let (layer, read) = match ready {
-            Some(ready) => build(&ready)?,
+            Some(Staged::Read { read, keep }) => {
+                let built = build(&*read)?;
+                if keep {
+                    self.keep_layer(i, read.kept());
+                }
+                built
+            }
+            Some(Staged::Kept(kept)) => build(&kept.source(self.src.as_ref(), device))?,
             None => io::read_ahead(
                 self.src.as_ref(),
                 &self.layer_names[i],
@@ -617,6 +715,7 @@ impl<D: Decoder> Streamed<D> {
         self.live.add(bytes);
         if let Ok(mut s) = self.stats.lock() {
             s.layers_loaded += 1;
+            s.layers_from_host += from_host as usize;
             s.load_seconds += start.elapsed().as_secs_f64();
         }
         Ok(LayerGuard {
@@ -624,6 +723,25 @@ impl<D: Decoder> Streamed<D> {
             bytes,
             live: &self.live,
         })
+    }
+
+    /// Keeps layer `i`'s tensors (read to be kept) in host memory for the forwards after this
+    /// one, counting their real bytes in place of the promised ones.
+    fn keep_layer(&self, i: usize, layer: io::KeptLayer) {
+        let bytes = layer.bytes();
+        crate::progress::trace(|| {
+            let (n, locked) = layer.count();
+            format!(
+                "layer {i}: {} kept in host memory ({locked} of {n} tensors locked)",
+                format_bytes(bytes)
+            )
+        });
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        kept.taken = kept.taken.saturating_sub(self.stored[i]) + bytes;
+        kept.layers[i] = Some(Arc::new(layer));
+        if let Ok(mut s) = self.stats.lock() {
+            s.bytes_kept += bytes;
+        }
     }
 
     /// Each of `normed` ([T, H]) -> its logits [T, V], the head read `head_chunk` rows at a
