@@ -616,7 +616,7 @@ fn with_host_bytes<T>(
 /// A host tensor's memory page-locked for a context (`cuMemHostRegister`): copies from it to
 /// the device are the copy engines' own, asynchronous, with no staging (run 66 on an H100
 /// machine: locking at 18.8 GB/s, copies from locked memory at 53 GB/s, against 6.7-8.4 GB/s
-/// pageable; `.gpu/h2d.py`'s measure, BENCHMARKS.md). Unlocked when dropped, once the
+/// pageable; `benches/gpu/h2d.py`, BENCHMARKS.md run 66). Unlocked when dropped, once the
 /// context's work is done (a copy from it may still be queued).
 pub struct Locked {
     ptr: *mut std::ffi::c_void,
