@@ -59,10 +59,23 @@ pub struct StreamOptions {
 /// diff's passes and `probe`'s token sets each run every layer; kept, the checkpoint is read
 /// once however many there are).
 pub fn host_keep_budget() -> u64 {
-    if let Ok(v) = std::env::var("EAGLE_CHECK_HOST_KEEP") {
-        return crate::size::parse_size(&v).unwrap_or(0);
+    host_keep_from(
+        std::env::var("EAGLE_CHECK_HOST_KEEP").ok().as_deref(),
+        crate::memory::mem_available(),
+    )
+}
+
+/// [`host_keep_budget`] from the variable's value and the memory available: a value that is no
+/// size keeps nothing, and says so on stderr.
+fn host_keep_from(var: Option<&str>, available: Option<u64>) -> u64 {
+    match var.map(crate::size::parse_size) {
+        Some(Ok(bytes)) => bytes,
+        Some(Err(e)) => {
+            eprintln!("eagle-check: EAGLE_CHECK_HOST_KEEP: {e}; no layer is kept in host memory");
+            0
+        }
+        None => available.map_or(0, |b| b / 2),
     }
-    crate::memory::mem_available().map_or(0, |b| b / 2)
 }
 
 /// Whether a streamed layer on `device` is read on the loader thread and put on the device by
@@ -464,7 +477,6 @@ enum Staged<'a> {
 }
 
 /// The layers kept in host memory between forwards ([`StreamOptions::host_keep`]).
-#[derive(Default)]
 struct HostKept {
     layers: Vec<Option<Arc<io::KeptLayer>>>,
     /// Layers being read to be kept (their bytes counted in `taken`).
@@ -957,6 +969,15 @@ mod tests {
             1000,
             "resident: all of it"
         );
+    }
+
+    #[test]
+    fn host_keep_is_the_variables_size_else_half_the_memory_available() {
+        assert_eq!(host_keep_from(Some("2GiB"), Some(100)), 2 << 30);
+        assert_eq!(host_keep_from(Some("0"), Some(100)), 0);
+        assert_eq!(host_keep_from(Some("lots"), Some(100)), 0);
+        assert_eq!(host_keep_from(None, Some(100)), 50);
+        assert_eq!(host_keep_from(None, None), 0);
     }
 
     #[test]
