@@ -54,10 +54,11 @@ pub struct StreamOptions {
 }
 
 /// The host memory a GPU's streamed layers may stay in between forwards
-/// ([`StreamOptions::host_keep`]): `EAGLE_CHECK_HOST_KEEP` when set (a size, `0` for none),
-/// else half of what the kernel says can be taken without swapping when the target opens (a
-/// diff's passes and `probe`'s token sets each run every layer; kept, the checkpoint is read
-/// once however many there are).
+/// ([`StreamOptions::host_keep`]): `EAGLE_CHECK_HOST_KEEP` (a size; `half` for half of what
+/// the kernel says can be taken without swapping when the target opens), else none. Kept, the
+/// checkpoint is read once however many forwards there are (a diff's passes, `probe`'s token
+/// sets). Off unless asked for: the page-locked copies it makes (`kernels::cuda::Locked`) have
+/// not yet run on a GPU (the kept layers' logic is tested on the CPU, `tests/stream.rs`).
 pub fn host_keep_budget() -> u64 {
     host_keep_from(
         std::env::var("EAGLE_CHECK_HOST_KEEP").ok().as_deref(),
@@ -65,16 +66,16 @@ pub fn host_keep_budget() -> u64 {
     )
 }
 
-/// [`host_keep_budget`] from the variable's value and the memory available: a value that is no
-/// size keeps nothing, and says so on stderr.
+/// [`host_keep_budget`] from the variable's value and the memory available: a value that is
+/// neither a size nor `half` keeps nothing, and says so on stderr.
 fn host_keep_from(var: Option<&str>, available: Option<u64>) -> u64 {
-    match var.map(crate::size::parse_size) {
-        Some(Ok(bytes)) => bytes,
-        Some(Err(e)) => {
+    match var.map(str::trim) {
+        None => 0,
+        Some("half") => available.map_or(0, |b| b / 2),
+        Some(v) => crate::size::parse_size(v).unwrap_or_else(|e| {
             eprintln!("eagle-check: EAGLE_CHECK_HOST_KEEP: {e}; no layer is kept in host memory");
             0
-        }
-        None => available.map_or(0, |b| b / 2),
+        }),
     }
 }
 
@@ -972,12 +973,13 @@ mod tests {
     }
 
     #[test]
-    fn host_keep_is_the_variables_size_else_half_the_memory_available() {
+    fn host_keep_is_the_variables_size_or_half_the_memory_available() {
         assert_eq!(host_keep_from(Some("2GiB"), Some(100)), 2 << 30);
         assert_eq!(host_keep_from(Some("0"), Some(100)), 0);
         assert_eq!(host_keep_from(Some("lots"), Some(100)), 0);
-        assert_eq!(host_keep_from(None, Some(100)), 50);
-        assert_eq!(host_keep_from(None, None), 0);
+        assert_eq!(host_keep_from(Some("half"), Some(100)), 50);
+        assert_eq!(host_keep_from(Some("half"), None), 0);
+        assert_eq!(host_keep_from(None, Some(100)), 0);
     }
 
     #[test]
