@@ -586,6 +586,23 @@ mod tests {
     /// device's work queued after the join, read at once: past every staging buffer with a
     /// ragged piece, in bf16 and f32, two tensors copied before one join (with the second's
     /// ticket, which covers the first).
+    /// `got` (anywhere) holds `want`'s values exactly, as f32 on the host.
+    #[cfg(feature = "cuda")]
+    fn assert_same_values(got: &Tensor, want: &Tensor) {
+        let f32s = |t: &Tensor| {
+            t.to_device(&Device::Cpu)
+                .and_then(|t| t.to_dtype(DType::F32))
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .unwrap()
+        };
+        assert!(
+            f32s(got) == f32s(want),
+            "{:?}: the values differ",
+            want.dtype()
+        );
+    }
+
     /// A kept host tensor is locked on a GPU, and every copy of it (asked for twice, each read
     /// on the device right after) holds its bits; a slice of a tensor (a start offset) too. Its
     /// memory is unlocked when it is dropped, so it can be locked again.
@@ -606,24 +623,13 @@ mod tests {
                 assert_eq!(kept.bytes(), (n * dtype.size_in_bytes()) as u64);
                 let copies: Vec<Tensor> = (0..2).map(|_| kept.to_device(&dev).unwrap()).collect();
                 for c in copies {
-                    let got = c
-                        .to_device(&Device::Cpu)
-                        .unwrap()
-                        .to_dtype(DType::F32)
-                        .unwrap();
-                    let want = t.to_dtype(DType::F32).unwrap();
-                    assert!(got.to_vec1::<f32>().unwrap() == want.to_vec1::<f32>().unwrap());
+                    assert_same_values(&c, &t);
                 }
             }
         }
         let part = host.narrow(0, 5, 1000).unwrap();
         let kept = KeptHost::new(part.clone(), &dev).unwrap();
-        let got = kept
-            .to_device(&dev)
-            .unwrap()
-            .to_device(&Device::Cpu)
-            .unwrap();
-        assert!(got.to_vec1::<f32>().unwrap() == part.to_vec1::<f32>().unwrap());
+        assert_same_values(&kept.to_device(&dev).unwrap(), &part);
     }
 
     #[cfg(feature = "cuda")]
@@ -662,13 +668,7 @@ mod tests {
                 "{:?}",
                 t.dtype()
             );
-            let got = d
-                .to_device(&Device::Cpu)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap();
-            let want = t.to_dtype(DType::F32).unwrap();
-            assert!(got.to_vec1::<f32>().unwrap() == want.to_vec1::<f32>().unwrap());
+            assert_same_values(d, t);
         }
         // Off a GPU nothing is reserved, and a copy aside is refused.
         assert!(
