@@ -739,8 +739,12 @@ pub struct KeptSource<'a> {
     device: Device,
 }
 
-impl KeptSource<'_> {
-    fn kept(&self, name: &str, form: Form, device: &Device) -> Option<Result<Tensor>> {
+impl Front for KeptSource<'_> {
+    fn behind(&self) -> &dyn WeightSource {
+        self.src
+    }
+
+    fn serve(&self, name: &str, form: Form, device: &Device) -> Option<Result<Tensor>> {
         if !device.same_device(&self.device) {
             return None;
         }
@@ -751,56 +755,6 @@ impl KeptSource<'_> {
                 self.src.origin().display()
             )
         }))
-    }
-}
-
-impl WeightSource for KeptSource<'_> {
-    fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        self.src.shape(name)
-    }
-
-    fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
-        self.kept(name, Form::Stored, device)
-            .unwrap_or_else(|| self.src.load(name, device))
-    }
-
-    fn load_rows(&self, name: &str, ids: &[u32], device: &Device) -> Result<Tensor> {
-        self.src.load_rows(name, ids, device)
-    }
-
-    fn load_row_range(
-        &self,
-        name: &str,
-        start: usize,
-        len: usize,
-        device: &Device,
-    ) -> Result<Tensor> {
-        self.src.load_row_range(name, start, len, device)
-    }
-
-    fn origin(&self) -> &Path {
-        self.src.origin()
-    }
-
-    fn names(&self) -> Vec<String> {
-        self.src.names()
-    }
-
-    fn bytes_read(&self) -> u64 {
-        self.src.bytes_read()
-    }
-
-    fn load_f32(&self, name: &str, rows: Rows, device: &Device) -> Result<Option<Tensor>> {
-        if matches!(rows, Rows::All)
-            && let Some(t) = self.kept(name, Form::F32, device)
-        {
-            return t.map(Some);
-        }
-        self.src.load_f32(name, rows, device)
-    }
-
-    fn extent(&self, name: &str) -> Option<Extent<'_>> {
-        self.src.extent(name)
     }
 }
 
@@ -872,20 +826,39 @@ fn as_bytes(v: &mut [u16]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
-impl WeightSource for ReadAhead<'_> {
+/// A source that serves some tensors itself, in the form the loader asks for them (read
+/// ahead: [`ReadAhead`]; kept in host memory: [`KeptSource`]), and everything else from the
+/// source behind it.
+trait Front: Send + Sync {
+    fn behind(&self) -> &dyn WeightSource;
+    /// `name` in `form` on `device`, where this front holds it.
+    fn serve(&self, name: &str, form: Form, device: &Device) -> Option<Result<Tensor>>;
+}
+
+impl Front for ReadAhead<'_> {
+    fn behind(&self) -> &dyn WeightSource {
+        self.src
+    }
+
+    fn serve(&self, name: &str, form: Form, device: &Device) -> Option<Result<Tensor>> {
+        self.take(name, form, device)
+    }
+}
+
+impl<F: Front> WeightSource for F {
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        self.src.shape(name)
+        self.behind().shape(name)
     }
 
     fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
-        match self.take(name, Form::Stored, device) {
+        match self.serve(name, Form::Stored, device) {
             Some(t) => t,
-            None => self.src.load(name, device),
+            None => self.behind().load(name, device),
         }
     }
 
     fn load_rows(&self, name: &str, ids: &[u32], device: &Device) -> Result<Tensor> {
-        self.src.load_rows(name, ids, device)
+        self.behind().load_rows(name, ids, device)
     }
 
     fn load_row_range(
@@ -895,32 +868,32 @@ impl WeightSource for ReadAhead<'_> {
         len: usize,
         device: &Device,
     ) -> Result<Tensor> {
-        self.src.load_row_range(name, start, len, device)
+        self.behind().load_row_range(name, start, len, device)
     }
 
     fn origin(&self) -> &Path {
-        self.src.origin()
+        self.behind().origin()
     }
 
     fn names(&self) -> Vec<String> {
-        self.src.names()
+        self.behind().names()
     }
 
     fn bytes_read(&self) -> u64 {
-        self.src.bytes_read()
+        self.behind().bytes_read()
     }
 
     fn load_f32(&self, name: &str, rows: Rows, device: &Device) -> Result<Option<Tensor>> {
         if matches!(rows, Rows::All)
-            && let Some(t) = self.take(name, Form::F32, device)
+            && let Some(t) = self.serve(name, Form::F32, device)
         {
             return t.map(Some);
         }
-        self.src.load_f32(name, rows, device)
+        self.behind().load_f32(name, rows, device)
     }
 
     fn extent(&self, name: &str) -> Option<Extent<'_>> {
-        self.src.extent(name)
+        self.behind().extent(name)
     }
 }
 
