@@ -480,9 +480,7 @@ enum Staged<'a> {
 /// The layers kept in host memory between forwards ([`StreamOptions::host_keep`]).
 struct HostKept {
     layers: Vec<Option<Arc<io::KeptLayer>>>,
-    /// Layers being read to be kept (their bytes counted in `taken`).
-    promised: Vec<bool>,
-    /// The bytes they may hold, and those held or promised.
+    /// The bytes they may hold, and those held or promised to a layer being read to be kept.
     limit: u64,
     taken: u64,
 }
@@ -606,7 +604,6 @@ impl<D: Decoder> Streamed<D> {
             stored,
             kept: Mutex::new(HostKept {
                 layers: vec![None; n_layers],
-                promised: vec![false; n_layers],
                 limit: opts.host_keep,
                 taken: 0,
             }),
@@ -633,11 +630,9 @@ impl<D: Decoder> Streamed<D> {
                 crate::progress::trace(|| format!("layer {i}: kept in host memory"));
                 return Ok(Fetched::Staged(Staged::Kept(layer.clone())));
             }
-            let fits = kept.taken.saturating_add(self.stored[i]) <= kept.limit;
-            let keep = fits && !kept.promised[i];
+            let keep = kept.taken.saturating_add(self.stored[i]) <= kept.limit;
             if keep {
                 kept.taken += self.stored[i];
-                kept.promised[i] = true;
             }
             keep
         };
