@@ -20,13 +20,17 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return command_line_error(e),
     };
-    match run(cli) {
+    // The trace's clock starts here, so that its last line is the whole command's time.
+    progress::trace(|| "command line read".into());
+    let code = match run(cli) {
         Ok(code) => ExitCode::from(code),
         Err(err) => {
             eprintln!("eagle-check: {err:#}");
             ExitCode::from(2)
         }
-    }
+    };
+    progress::trace(|| "done: everything dropped".into());
+    code
 }
 
 /// `--help` and `--version` as clap prints them; a command-line mistake on one line, exit 2,

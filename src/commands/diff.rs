@@ -12,6 +12,7 @@ use crate::diff::{Batching, DiffInput, check_captures, check_spec_layers, diff};
 use crate::engine::{EngineSel, Feed, resolve};
 use crate::error::{Error, Result};
 use crate::model::TargetOptions;
+use crate::progress;
 use crate::report::Report;
 use crate::spec::Spec;
 use crate::tokenize::read_token_file;
@@ -51,7 +52,12 @@ struct Setup {
 pub fn execute(opts: &DiffOptions) -> Result<Report> {
     let setup = set_up(opts)?;
     let mut source = open_reference(opts, &setup)?;
-    compare(opts, &setup, source.as_mut())
+    progress::trace(|| "diff: reference open".into());
+    let report = compare(opts, &setup, source.as_mut());
+    progress::trace(|| "diff: compared; dropping the reference".into());
+    drop(source);
+    progress::trace(|| "diff: reference dropped".into());
+    report
 }
 
 /// Configs, spec and capture listing only: milliseconds, whatever the target's size.

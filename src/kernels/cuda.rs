@@ -686,14 +686,26 @@ impl Locked {
     }
 }
 
+/// Nanoseconds spent unlocking host memory ([`Locked`]'s drop), for the trace.
+static UNLOCKING: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Seconds this process has spent unlocking host memory (waiting for the context's work
+/// included).
+pub fn unlocking_seconds() -> f64 {
+    UNLOCKING.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9
+}
+
 impl Drop for Locked {
     fn drop(&mut self) {
+        let start = std::time::Instant::now();
         // A copy from this memory may still be queued: the context's work is done first.
         if self.ctx.bind_to_thread().is_ok() {
             let _ = self.ctx.synchronize();
             // SAFETY: `ptr` was locked by `Locked::of` and is unlocked once.
             let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr) };
         }
+        let nanos = start.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        UNLOCKING.fetch_add(nanos, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
