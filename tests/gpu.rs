@@ -435,6 +435,7 @@ fn gpu_layers_kept_in_host_memory_give_the_first_forwards_bits() {
             };
             let src = Box::new(SafetensorsSource::open(&dir).unwrap());
             let streamed = load_streamed(&cfg, src, dtype, &dev, opts).unwrap();
+            streamed.keep_for_later(true);
             let forward = || {
                 let before = streamed.stream_stats().unwrap().bytes_read;
                 let cap = streamed

@@ -203,9 +203,11 @@ fn check_streaming(what: &str, cfg: &ModelConfig, open: &dyn Fn() -> Box<dyn Wei
 }
 
 /// Layers kept in host memory after their first read (`StreamOptions::host_keep`, a GPU's
-/// streamed target between a diff's passes): every forward after the first copies them from
-/// there, reads none of their bytes from the checkpoint, and captures the same bits as the
-/// resident forward. A budget of a few layers keeps those first ones and reads the rest again.
+/// streamed target between a diff's passes) once told that more forwards follow
+/// (`Target::keep_for_later`): every forward after the first copies them from there, reads
+/// none of their bytes from the checkpoint, and captures the same bits as the resident forward.
+/// A budget of a few layers keeps those first ones and reads the rest again; untold, nothing
+/// is kept.
 #[test]
 fn layers_kept_in_host_memory_are_read_once_and_give_the_same_bits() {
     for rel in ["models/llama", "models/deepseek_v3", "models/qwen3"] {
@@ -229,8 +231,13 @@ fn layers_kept_in_host_memory_are_read_once_and_give_the_same_bits() {
             let want = resident
                 .forward(&ids, &everything(), &mut Progress::hidden())
                 .unwrap();
-            // Everything kept; the first layer only (every layer is larger than a byte).
-            for (keep, kept_layers) in [(u64::MAX, cfg.num_layers), (stored[0], 1)] {
+            // Everything kept; the first layer only (every layer is larger than a byte); room
+            // for everything, but never told that a forward follows.
+            for (keep, kept_layers, told) in [
+                (u64::MAX, cfg.num_layers, true),
+                (stored[0], 1, true),
+                (u64::MAX, 0, false),
+            ] {
                 let label = format!("{rel} {dtype:?} keep {kept_layers} layer(s)");
                 let opts = StreamOptions {
                     host_stage: true,
@@ -239,7 +246,11 @@ fn layers_kept_in_host_memory_are_read_once_and_give_the_same_bits() {
                 };
                 let streamed = load_streamed(&cfg, open(), dtype, &Device::Cpu, opts).unwrap();
                 let mut reads = Vec::new();
-                for _ in 0..3 {
+                for i in 0..3 {
+                    // The last forward is told that none follows: what was kept still serves.
+                    if told {
+                        streamed.keep_for_later(i < 2);
+                    }
                     let before = streamed.stream_stats().unwrap().bytes_read;
                     let got = streamed
                         .forward(&ids, &everything(), &mut Progress::hidden())
@@ -256,8 +267,12 @@ fn layers_kept_in_host_memory_are_read_once_and_give_the_same_bits() {
                 let stats = streamed.stream_stats().unwrap();
                 assert_eq!(stats.layers_loaded, 3 * cfg.num_layers, "{label}");
                 assert_eq!(stats.layers_from_host, 2 * kept_layers, "{label}");
-                assert!(stats.bytes_kept > 0, "{label}");
-                assert!(stats.describe().contains("from host memory"), "{label}");
+                assert_eq!(stats.bytes_kept > 0, told, "{label}");
+                assert_eq!(
+                    stats.describe().contains("from host memory"),
+                    told,
+                    "{label}"
+                );
             }
         }
     }
@@ -650,6 +665,76 @@ fn diff_with_stream_layers_identifies_what_the_resident_diff_does() {
         )),
         "{streaming}"
     );
+}
+
+/// A streamed diff keeps its layers in host memory only where another pass follows
+/// (`Target::keep_for_later`): in one pass it keeps nothing; in one pass per file, every pass
+/// after the first takes every layer from host memory, and the findings are the one pass's.
+#[test]
+fn a_streamed_diff_keeps_its_layers_only_for_the_passes_that_follow() {
+    use eagle_check::diff::reference::RunnerReference;
+    use eagle_check::diff::{Batching, DiffInput, diff};
+    use eagle_check::model::{LoadedTarget, stream};
+    let dir = fixture("models/llama");
+    let cfg = ModelConfig::load(&dir).unwrap();
+    let corpus = fixture("captures/corpus/llama");
+    let spec = eagle_check::spec::Spec::load(&corpus.join("spec.yaml")).unwrap();
+    let captures = vec![corpus.join("clean-f32"), corpus.join("off-by-one")];
+    let run = |budget: Option<u64>| {
+        let src = safetensors(&dir)();
+        let estimate = WeightEstimate::of(&cfg, src.as_ref(), DType::F32);
+        let memory = stream::plan(estimate, true, None, DType::F32, &dir, true).unwrap();
+        let opts = StreamOptions {
+            host_stage: true,
+            host_keep: u64::MAX,
+            ..StreamOptions::default()
+        };
+        let model = load_streamed(&cfg, src, DType::F32, &Device::Cpu, opts).unwrap();
+        let target = LoadedTarget {
+            cfg: cfg.clone(),
+            model,
+            memory,
+        };
+        let mut reference = RunnerReference {
+            target,
+            path: dir.clone(),
+            forward_seconds: 0.0,
+        };
+        let input = DiffInput {
+            spec: &spec,
+            captures: &captures,
+            feed: None,
+            arch: None,
+            batching: Batching {
+                per_sample: false,
+                budget,
+            },
+        };
+        let (report, stats) = diff(&input, &mut reference).unwrap();
+        let streamed = reference.target.model.stream_stats().unwrap();
+        (report, stats, streamed)
+    };
+    let l = cfg.num_layers;
+    let (one, one_stats, one_streamed) = run(None);
+    assert_eq!((one_stats.passes, one_stats.rerun), (1, 0));
+    assert_eq!(one_streamed.layers_loaded, l);
+    assert_eq!(one_streamed.bytes_kept, 0, "one pass keeps nothing");
+    // A budget of a byte: a pass per file.
+    let (split, stats, streamed) = run(Some(1));
+    let passes = stats.passes;
+    assert!(passes >= 2, "{passes} pass(es)");
+    assert_eq!(stats.rerun, 0);
+    assert_eq!(streamed.layers_loaded, passes * l);
+    assert_eq!(streamed.layers_from_host, (passes - 1) * l);
+    assert!(streamed.bytes_kept > 0);
+    let json = |r: &eagle_check::report::Report| serde_json::to_value(r).unwrap();
+    assert!(
+        json(&one)["captures"]
+            .as_array()
+            .is_some_and(|c| !c.is_empty())
+    );
+    assert_eq!(json(&one)["captures"], json(&split)["captures"]);
+    assert_eq!(json(&one)["findings"], json(&split)["findings"]);
 }
 
 /// Llama-family targets whose decoder packs samples into one forward.

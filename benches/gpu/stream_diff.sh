@@ -2,10 +2,11 @@
 # The streamed diff of issue 30 on the GPU machine, from the repository root with the binaries
 # of scripts/cuda-build.sh in $BINS (default bins/): 64 SpecForge-format captures of the
 # Llama-3.1-8B shape at T = 512 (benches/gpu/hf_peer.py writes the model and the captures),
-# `eagle-check diff --stream-layers --max-memory 4GiB` through the CLI with the layers kept in
-# host memory between passes (EAGLE_CHECK_HOST_KEEP=half) and without, alternating, against `dd`
-# of the checkpoint before and after, then the resident diff. Prints one line per run: its wall
-# time, exit code, and the report's passes and streaming lines.
+# `eagle-check diff --stream-layers` through the CLI under `--max-memory 4GiB` (three passes)
+# and 12GiB (one): as by default (the layers kept in host memory where another pass follows)
+# and with nothing kept (EAGLE_CHECK_HOST_KEEP=0), alternating, against `dd` of the checkpoint before and after, then
+# the resident diff. Prints one line per run: its wall time, exit code, and the report's passes
+# and streaming lines.
 #   bash benches/gpu/stream_diff.sh [OUT_DIR]
 set -uo pipefail
 out=${1:-${TMPDIR:-/tmp}/eagle-check-stream-diff}
@@ -16,12 +17,12 @@ python3 benches/gpu/hf_peer.py --shape llama3.1-8b --out "$out" --tokens 512 --r
 set -- "$out"/captures/t512/rows_*
 rows=$1
 now() { date +%s.%N; }
-for mode in dd kept-first kept streamed kept streamed dd resident; do
+for mode in dd default-4GiB unkept-4GiB default-4GiB unkept-4GiB default-12GiB unkept-12GiB dd resident; do
     start=$(now)
     env=() extra=()
     case $mode in
-        kept*) env=(EAGLE_CHECK_HOST_KEEP=half) extra=(--stream-layers --max-memory 4GiB) ;;
-        streamed) extra=(--stream-layers --max-memory 4GiB) ;;
+        default-*) extra=(--stream-layers --max-memory "${mode#default-}") ;;
+        unkept-*) env=(EAGLE_CHECK_HOST_KEEP=0) extra=(--stream-layers --max-memory "${mode#unkept-}") ;;
     esac
     if [ "$mode" = dd ]; then
         dd if="$out/model/model.safetensors" of=/dev/null bs=64M 2>/dev/null

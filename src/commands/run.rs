@@ -168,6 +168,7 @@ pub fn run(input: &RunInput) -> Result<Report> {
         layer_outputs: false,
     };
     let mut progress = Progress::new("target forward");
+    target.model.keep_for_later(input.generate > 0);
     let capture = target.model.forward(&input.tokens, &want, &mut progress)?;
 
     let fc_input = assemble_fc_input(&feed, &capture, l).ok();
@@ -313,7 +314,8 @@ pub fn greedy_continuation(model: &dyn Target, tokens: &[u32], n: usize) -> Resu
         layer_outputs: false,
     };
     let mut seq = tokens.to_vec();
-    for _ in 0..n {
+    for i in 0..n {
+        model.keep_for_later(i + 1 < n);
         let cap = model.forward(&seq, &want, &mut Progress::hidden())?;
         let logits = cap.logits.ok_or_else(|| Error::Capture {
             path: model.config().path.clone(),

@@ -230,6 +230,8 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
             crate::model::phases::mark("diff: waiting for the captures", &device);
             let (read, bytes) = read?;
             if !batched {
+                // One forward per sample: every later sample runs the same layers again.
+                reference.keep_for_later(true);
                 let (unit, _) = read;
                 let results = judge.per_sample(&unit.1, reference)?;
                 judge.record(&unit, results);
@@ -238,10 +240,13 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
             pending.bytes += bytes;
             pending.units.push(read);
             if pending.bytes > budget {
+                // More samples may follow: a streamed target keeps its layers for them.
+                reference.keep_for_later(true);
                 judge.pass(std::mem::take(&mut pending), reference)?;
             }
         }
         if !pending.units.is_empty() {
+            reference.keep_for_later(false);
             judge.pass(pending, reference)?;
         }
         reader

@@ -80,6 +80,9 @@ pub trait ReferenceSource {
         false
     }
 
+    /// Whether passes after the next one will run ([`crate::model::Target::keep_for_later`]).
+    fn keep_for_later(&mut self, _later: bool) {}
+
     /// The reference states of many token sequences at once, each handed to `sink` as the
     /// target makes it (every boundary, the pre-norm state, each layer's output), the target's
     /// layers run once for all of them. Only where [`ReferenceSource::runs_many`].
@@ -162,6 +165,10 @@ impl ReferenceSource for RunnerReference {
 
     fn streams(&self) -> bool {
         self.target.model.stream_stats().is_some()
+    }
+
+    fn keep_for_later(&mut self, later: bool) {
+        self.target.model.keep_for_later(later);
     }
 
     fn check_tokens(&self, tokens: &[i64]) -> Result<()> {
@@ -329,6 +336,10 @@ impl ReferenceSource for Counted<'_> {
 
     fn streams(&self) -> bool {
         self.inner.streams()
+    }
+
+    fn keep_for_later(&mut self, later: bool) {
+        self.inner.keep_for_later(later);
     }
 
     fn check_tokens(&self, tokens: &[i64]) -> Result<()> {

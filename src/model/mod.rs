@@ -241,6 +241,11 @@ pub trait Target {
     fn stream_stats(&self) -> Option<StreamStats> {
         None
     }
+    /// Whether forwards after the next one will run the same layers again: a streamed target
+    /// then keeps the layers it reads in host memory for them ([`stream::StreamOptions::host_keep`]),
+    /// and otherwise reads each once and lets it go (keeping costs locking the memory and
+    /// unlocking it at the end, for nothing when no forward follows). Until told, it does not.
+    fn keep_for_later(&self, _later: bool) {}
 }
 
 /// One architecture's decoder, layer by layer: how layer `i` is loaded and how it runs. The

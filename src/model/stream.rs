@@ -47,18 +47,18 @@ pub struct StreamOptions {
     /// layer on the loader thread, its conversions overlapping the forward.
     pub host_stage: bool,
     /// Bytes of host memory that host-staged layers ([`StreamOptions::host_stage`]) stay in
-    /// after their first read, so that every forward after the first copies them to the device
-    /// from there (locked: [`crate::kernels::KeptHost`]) and reads nothing from the checkpoint
-    /// ([`host_keep_budget`]); the layers past it are read again at every forward. 0: none.
+    /// after their first read where more forwards follow ([`Target::keep_for_later`]), so that
+    /// those copy them to the device from there (locked: [`crate::kernels::KeptHost`]) and
+    /// read nothing from the checkpoint ([`host_keep_budget`]); the layers past it are read
+    /// again at every forward. 0: none.
     pub host_keep: u64,
 }
 
 /// The host memory a GPU's streamed layers may stay in between forwards
-/// ([`StreamOptions::host_keep`]): `EAGLE_CHECK_HOST_KEEP` (a size; `half` for half of what
-/// the kernel says can be taken without swapping when the target opens), else none. Kept, the
+/// ([`StreamOptions::host_keep`]): `EAGLE_CHECK_HOST_KEEP` (a size, `0` for none), else half of
+/// what the kernel says can be taken without swapping when the target opens. Kept, the
 /// checkpoint is read once however many forwards there are (a diff's passes, `probe`'s token
-/// sets). Off unless asked for: the page-locked copies it makes (`kernels::cuda::Locked`) have
-/// not yet run on a GPU (the kept layers' logic is tested on the CPU, `tests/stream.rs`).
+/// sets); measured on an H100 machine in BENCHMARKS.md, run 67.
 pub fn host_keep_budget() -> u64 {
     host_keep_from(
         std::env::var("EAGLE_CHECK_HOST_KEEP").ok().as_deref(),
@@ -66,12 +66,12 @@ pub fn host_keep_budget() -> u64 {
     )
 }
 
-/// [`host_keep_budget`] from the variable's value and the memory available: a value that is
-/// neither a size nor `half` keeps nothing, and says so on stderr.
+/// [`host_keep_budget`] from the variable's value and the memory available (unknown: nothing
+/// is kept unless a size is given): a value that is neither a size nor `half` keeps nothing,
+/// and says so on stderr.
 fn host_keep_from(var: Option<&str>, available: Option<u64>) -> u64 {
     match var.map(str::trim) {
-        None => 0,
-        Some("half") => available.map_or(0, |b| b / 2),
+        None | Some("half") => available.map_or(0, |b| b / 2),
         Some(v) => crate::size::parse_size(v).unwrap_or_else(|e| {
             eprintln!("eagle-check: EAGLE_CHECK_HOST_KEEP: {e}; no layer is kept in host memory");
             0
@@ -483,6 +483,37 @@ struct HostKept {
     /// The bytes they may hold, and those held or promised to a layer being read to be kept.
     limit: u64,
     taken: u64,
+    /// Whether a forward after the one running will want the layers again
+    /// ([`Target::keep_for_later`]): layers are kept only then.
+    later: bool,
+}
+
+impl Drop for HostKept {
+    /// Lets the kept layers go, saying in the trace what that took (unlocking their memory,
+    /// then freeing it).
+    fn drop(&mut self) {
+        let n = self.layers.iter().flatten().count();
+        if n == 0 {
+            return;
+        }
+        let start = Instant::now();
+        #[cfg(feature = "cuda")]
+        let unlocking = crate::kernels::cuda::unlocking_seconds();
+        self.layers.clear();
+        crate::progress::trace(|| {
+            #[cfg(feature = "cuda")]
+            let unlocked = format!(
+                " ({:.2} s unlocking)",
+                crate::kernels::cuda::unlocking_seconds() - unlocking
+            );
+            #[cfg(not(feature = "cuda"))]
+            let unlocked = String::new();
+            format!(
+                "{n} layer(s) kept in host memory let go in {:.2} s{unlocked}",
+                start.elapsed().as_secs_f64()
+            )
+        });
+    }
 }
 
 /// A target whose decoder layers are read from the checkpoint at every forward.
@@ -606,6 +637,7 @@ impl<D: Decoder> Streamed<D> {
                 layers: vec![None; n_layers],
                 limit: opts.host_keep,
                 taken: 0,
+                later: false,
             }),
             live: Live::default(),
             stats: Mutex::new(StreamStats::default()),
@@ -630,7 +662,7 @@ impl<D: Decoder> Streamed<D> {
                 crate::progress::trace(|| format!("layer {i}: kept in host memory"));
                 return Ok(Fetched::Staged(Staged::Kept(layer.clone())));
             }
-            let keep = kept.taken.saturating_add(self.stored[i]) <= kept.limit;
+            let keep = kept.later && kept.taken.saturating_add(self.stored[i]) <= kept.limit;
             if keep {
                 kept.taken += self.stored[i];
             }
@@ -907,6 +939,10 @@ impl<D: Decoder> Target for Streamed<D> {
         Ok(())
     }
 
+    fn keep_for_later(&self, later: bool) {
+        self.kept.lock().unwrap_or_else(|p| p.into_inner()).later = later;
+    }
+
     fn stream_stats(&self) -> Option<StreamStats> {
         let mut stats = self.stats.lock().ok()?.clone();
         (stats.max_resident_layers, stats.max_resident_bytes) = self.live.most();
@@ -974,7 +1010,8 @@ mod tests {
         assert_eq!(host_keep_from(Some("lots"), Some(100)), 0);
         assert_eq!(host_keep_from(Some("half"), Some(100)), 50);
         assert_eq!(host_keep_from(Some("half"), None), 0);
-        assert_eq!(host_keep_from(None, Some(100)), 0);
+        assert_eq!(host_keep_from(None, Some(100)), 50);
+        assert_eq!(host_keep_from(None, None), 0);
     }
 
     #[test]
