@@ -668,8 +668,9 @@ fn diff_with_stream_layers_identifies_what_the_resident_diff_does() {
 }
 
 /// A streamed diff keeps its layers in host memory only where another pass follows
-/// (`Target::keep_for_later`): in one pass it keeps nothing; in one pass per file, every pass
-/// after the first takes every layer from host memory, and the findings are the one pass's.
+/// (`Target::keep_for_later`): in one pass it keeps nothing; in one pass per file, and one
+/// forward per sample, every forward after the first takes every layer from host memory, and
+/// the findings are the one pass's.
 #[test]
 fn a_streamed_diff_keeps_its_layers_only_for_the_passes_that_follow() {
     use eagle_check::diff::reference::RunnerReference;
@@ -680,7 +681,7 @@ fn a_streamed_diff_keeps_its_layers_only_for_the_passes_that_follow() {
     let corpus = fixture("captures/corpus/llama");
     let spec = eagle_check::spec::Spec::load(&corpus.join("spec.yaml")).unwrap();
     let captures = vec![corpus.join("clean-f32"), corpus.join("off-by-one")];
-    let run = |budget: Option<u64>| {
+    let run = |budget: Option<u64>, per_sample: bool| {
         let src = safetensors(&dir)();
         let estimate = WeightEstimate::of(&cfg, src.as_ref(), DType::F32);
         let memory = stream::plan(estimate, true, None, DType::F32, &dir, true).unwrap();
@@ -705,22 +706,19 @@ fn a_streamed_diff_keeps_its_layers_only_for_the_passes_that_follow() {
             captures: &captures,
             feed: None,
             arch: None,
-            batching: Batching {
-                per_sample: false,
-                budget,
-            },
+            batching: Batching { per_sample, budget },
         };
         let (report, stats) = diff(&input, &mut reference).unwrap();
         let streamed = reference.target.model.stream_stats().unwrap();
         (report, stats, streamed)
     };
     let l = cfg.num_layers;
-    let (one, one_stats, one_streamed) = run(None);
+    let (one, one_stats, one_streamed) = run(None, false);
     assert_eq!((one_stats.passes, one_stats.rerun), (1, 0));
     assert_eq!(one_streamed.layers_loaded, l);
     assert_eq!(one_streamed.bytes_kept, 0, "one pass keeps nothing");
     // A budget of a byte: a pass per file.
-    let (split, stats, streamed) = run(Some(1));
+    let (split, stats, streamed) = run(Some(1), false);
     let passes = stats.passes;
     assert!(passes >= 2, "{passes} pass(es)");
     assert_eq!(stats.rerun, 0);
@@ -735,6 +733,10 @@ fn a_streamed_diff_keeps_its_layers_only_for_the_passes_that_follow() {
     );
     assert_eq!(json(&one)["captures"], json(&split)["captures"]);
     assert_eq!(json(&one)["findings"], json(&split)["findings"]);
+    let (alone, _, streamed) = run(None, true);
+    assert!(streamed.forwards >= 2, "{} forward(s)", streamed.forwards);
+    assert_eq!(streamed.layers_from_host, (streamed.forwards - 1) * l);
+    assert_eq!(json(&one)["captures"], json(&alone)["captures"]);
 }
 
 /// Llama-family targets whose decoder packs samples into one forward.

@@ -225,13 +225,13 @@ pub fn diff(input: &DiffInput, reference: &mut dyn ReferenceSource) -> Result<(R
             .spawn_scoped(scope, || read_units(input.captures, &ahead, prepare))
             .map_err(|e| Error::Device(format!("could not start the capture reader: {e}")))?;
         let _closed = ahead.closer();
+        // One forward per sample: every sample after the first runs the same layers again.
+        reference.keep_for_later(!batched);
         let mut pending = Pass::default();
         while let Some(read) = ahead.pop() {
             crate::model::phases::mark("diff: waiting for the captures", &device);
             let (read, bytes) = read?;
             if !batched {
-                // One forward per sample: every later sample runs the same layers again.
-                reference.keep_for_later(true);
                 let (unit, _) = read;
                 let results = judge.per_sample(&unit.1, reference)?;
                 judge.record(&unit, results);

@@ -582,10 +582,6 @@ mod tests {
         }
     }
 
-    /// Values copied aside ([`reserve_aside`], [`copy_aside`], [`join_aside`]) are there for the
-    /// device's work queued after the join, read at once: past every staging buffer with a
-    /// ragged piece, in bf16 and f32, two tensors copied before one join (with the second's
-    /// ticket, which covers the first).
     /// `got` (anywhere) holds `want`'s values exactly, as f32 on the host.
     #[cfg(feature = "cuda")]
     fn assert_same_values(got: &Tensor, want: &Tensor) {
@@ -632,6 +628,10 @@ mod tests {
         assert_same_values(&kept.to_device(&dev).unwrap(), &part);
     }
 
+    /// Values copied aside ([`reserve_aside`], [`copy_aside`], [`join_aside`]) are there for the
+    /// device's work queued after the join, read at once: past every staging buffer with a
+    /// ragged piece, in bf16 and f32, two tensors copied before one join (with the second's
+    /// ticket, which covers the first).
     #[cfg(feature = "cuda")]
     #[test]
     fn device_copies_aside_arrive_before_the_work_after_the_join() {

@@ -57,8 +57,8 @@ pub struct StreamOptions {
 /// The host memory a GPU's streamed layers may stay in between forwards
 /// ([`StreamOptions::host_keep`]): `EAGLE_CHECK_HOST_KEEP` (a size, `0` for none), else half of
 /// what the kernel says can be taken without swapping when the target opens. Kept, the
-/// checkpoint is read once however many forwards there are (a diff's passes, `probe`'s token
-/// sets); measured on an H100 machine in BENCHMARKS.md, run 67.
+/// checkpoint is read once however many forwards there are (a diff's passes); measured on an
+/// H100 machine in BENCHMARKS.md, runs 67-69.
 pub fn host_keep_budget() -> u64 {
     host_keep_from(
         std::env::var("EAGLE_CHECK_HOST_KEEP").ok().as_deref(),
