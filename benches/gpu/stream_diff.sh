@@ -4,9 +4,9 @@
 # Llama-3.1-8B shape at T = 512 (benches/gpu/hf_peer.py writes the model and the captures),
 # `eagle-check diff --stream-layers` through the CLI under `--max-memory 4GiB` (three passes)
 # and 12GiB (one): as by default (the layers kept in host memory where another pass follows)
-# and with nothing kept (EAGLE_CHECK_HOST_KEEP=0), alternating, against `dd` of the checkpoint before and after, then
-# the resident diff. Prints one line per run: its wall time, exit code, and the report's passes
-# and streaming lines.
+# and with nothing kept (EAGLE_CHECK_HOST_KEEP=0), alternating, against `dd` of the checkpoint
+# before and after, then the resident diff. Prints one line per run: its wall time, exit code,
+# and the report's passes and streaming lines.
 #   bash benches/gpu/stream_diff.sh [OUT_DIR]
 set -uo pipefail
 out=${1:-${TMPDIR:-/tmp}/eagle-check-stream-diff}
