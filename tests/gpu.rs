@@ -444,12 +444,25 @@ fn gpu_layers_kept_in_host_memory_give_the_first_forwards_bits() {
                 (cap, streamed.stream_stats().unwrap().bytes_read - before)
             };
             let (first, read_first) = forward();
-            for _ in 0..2 {
+            for i in 0..3 {
+                // The second of these is the last that wants the kept layers: it lets them
+                // go, unlocked as their copies end, and the third reads them again.
+                streamed.keep_for_later(i == 0);
                 let (again, read) = forward();
-                assert!(
-                    read < read_first,
-                    "{name} {dtype:?}: {read} of {read_first} read again"
-                );
+                let held = streamed.stream_stats().unwrap().bytes_held;
+                if i < 2 {
+                    assert!(
+                        read < read_first,
+                        "{name} {dtype:?}: {read} of {read_first} read again"
+                    );
+                } else {
+                    assert_eq!(read, read_first, "{name} {dtype:?}");
+                }
+                // After the second some may still wait for their copies; they are let go as
+                // the third starts (the comparisons below have waited for the device by then).
+                if i != 1 {
+                    assert_eq!(held > 0, i == 0, "{name} {dtype:?}: {held} bytes held");
+                }
                 // The same kernels on the same weights: within parity (an MoE combine may sum
                 // in another order), where a wrong or stale weight is off by its whole size.
                 let tol = if dtype == DType::F32 {

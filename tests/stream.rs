@@ -206,8 +206,8 @@ fn check_streaming(what: &str, cfg: &ModelConfig, open: &dyn Fn() -> Box<dyn Wei
 /// streamed target between a diff's passes) once told that more forwards follow
 /// (`Target::keep_for_later`): every forward after the first copies them from there, reads
 /// none of their bytes from the checkpoint, and captures the same bits as the resident forward.
-/// A budget of a few layers keeps those first ones and reads the rest again; untold, nothing
-/// is kept.
+/// A budget of a few layers keeps those first ones and reads the rest again; the last forward
+/// that wants them lets them go; untold, nothing is kept.
 #[test]
 fn layers_kept_in_host_memory_are_read_once_and_give_the_same_bits() {
     for rel in ["models/llama", "models/deepseek_v3", "models/qwen3"] {
@@ -246,8 +246,9 @@ fn layers_kept_in_host_memory_are_read_once_and_give_the_same_bits() {
                 };
                 let streamed = load_streamed(&cfg, open(), dtype, &Device::Cpu, opts).unwrap();
                 let mut reads = Vec::new();
-                for i in 0..3 {
-                    // The last forward is told that none follows: what was kept still serves.
+                for i in 0..4 {
+                    // The third forward is told that none follows: what was kept serves it,
+                    // and is let go; the fourth reads everything again.
                     if told {
                         streamed.keep_for_later(i < 2);
                     }
@@ -256,16 +257,21 @@ fn layers_kept_in_host_memory_are_read_once_and_give_the_same_bits() {
                         .forward(&ids, &everything(), &mut Progress::hidden())
                         .unwrap();
                     assert_same_capture(&label, &want, &got);
-                    reads.push(streamed.stream_stats().unwrap().bytes_read - before);
+                    let stats = streamed.stream_stats().unwrap();
+                    reads.push(stats.bytes_read - before);
+                    // Held while a later forward wants them, let go by the one that does not.
+                    let held = told && i < 2;
+                    assert_eq!(stats.bytes_held > 0, held, "{label}: forward {i}");
                 }
                 let kept_bytes: u64 = stored[..kept_layers].iter().sum();
                 // The forwards after the first read the same embedding rows and head chunks,
                 // and of the layers only those not kept.
                 assert_eq!(reads[1], reads[2], "{label}: {reads:?}");
                 assert_eq!(reads[0] - reads[1], kept_bytes, "{label}: {reads:?}");
+                assert_eq!(reads[3], reads[0], "{label}: {reads:?}");
                 assert!(reads[0] >= layers, "{label}: {reads:?}");
                 let stats = streamed.stream_stats().unwrap();
-                assert_eq!(stats.layers_loaded, 3 * cfg.num_layers, "{label}");
+                assert_eq!(stats.layers_loaded, 4 * cfg.num_layers, "{label}");
                 assert_eq!(stats.layers_from_host, 2 * kept_layers, "{label}");
                 assert_eq!(stats.bytes_kept > 0, told, "{label}");
                 assert_eq!(

@@ -622,6 +622,8 @@ pub struct Locked {
     ptr: *mut std::ffi::c_void,
     bytes: usize,
     ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    /// Unlocked already ([`Locked::unlock_copied`]).
+    unlocked: bool,
 }
 
 // SAFETY: `ptr` is a host address the driver knows as locked; nothing reads or writes through
@@ -655,6 +657,7 @@ impl Locked {
                 ptr,
                 bytes: src.len(),
                 ctx: ctx.clone(),
+                unlocked: false,
             }))
         })?;
         Ok(locked.flatten())
@@ -695,17 +698,38 @@ pub fn unlocking_seconds() -> f64 {
     UNLOCKING.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9
 }
 
-impl Drop for Locked {
-    fn drop(&mut self) {
+impl Locked {
+    /// Unlocks the memory now, without waiting for the context's work.
+    ///
+    /// # Safety
+    /// No copy from this memory may still be queued: the caller saw an event recorded after
+    /// the last one pass ([`super::Mark`]).
+    pub unsafe fn unlock_copied(mut self) {
+        self.unlock(false);
+    }
+
+    fn unlock(&mut self, wait: bool) {
+        if self.unlocked {
+            return;
+        }
+        self.unlocked = true;
         let start = std::time::Instant::now();
-        // A copy from this memory may still be queued: the context's work is done first.
         if self.ctx.bind_to_thread().is_ok() {
-            let _ = self.ctx.synchronize();
-            // SAFETY: `ptr` was locked by `Locked::of` and is unlocked once.
+            if wait {
+                let _ = self.ctx.synchronize();
+            }
+            // SAFETY: `ptr` was locked by `Locked::of` and is unlocked once (`unlocked`).
             let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr) };
         }
         let nanos = start.elapsed().as_nanos().min(u64::MAX as u128) as u64;
         UNLOCKING.fetch_add(nanos, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for Locked {
+    /// A copy from this memory may still be queued: the context's work is done first.
+    fn drop(&mut self) {
+        self.unlock(true);
     }
 }
 

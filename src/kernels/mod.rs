@@ -135,6 +135,58 @@ impl KeptHost {
         }
         to_device(&self.t, device)
     }
+
+    /// The host tensor, its memory unlocked without waiting for the device, once `copied` (a
+    /// [`Mark`] made after the last copy from it was queued) has passed; `Err(self)` until then.
+    pub fn release(self, copied: &Mark) -> std::result::Result<Tensor, KeptHost> {
+        if !copied.passed() {
+            return Err(self);
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(locked) = self.locked {
+            // SAFETY: the mark passed, so the copies queued before it, every copy from this
+            // memory, are over.
+            unsafe { locked.unlock_copied() };
+        }
+        Ok(self.t)
+    }
+}
+
+/// A point in a device's queued work: on a GPU an event recorded on the device's stream,
+/// passed once the work queued before it is done; elsewhere passed when made.
+pub struct Mark {
+    #[cfg(feature = "cuda")]
+    event: Option<cudarc::driver::CudaEvent>,
+}
+
+impl Mark {
+    /// The work queued on `device` so far.
+    pub fn now(device: &Device) -> Result<Mark> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(dev) = device {
+            let stream = dev.cuda_stream();
+            let event = stream
+                .context()
+                .new_event(None)
+                .map_err(candle_core::Error::wrap)?;
+            event.record(&stream).map_err(candle_core::Error::wrap)?;
+            return Ok(Mark { event: Some(event) });
+        }
+        let _ = device;
+        Ok(Mark {
+            #[cfg(feature = "cuda")]
+            event: None,
+        })
+    }
+
+    /// Whether that work is done (without waiting for it).
+    pub fn passed(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if let Some(event) = &self.event {
+            return event.is_complete();
+        }
+        true
+    }
 }
 
 /// The tensor of `shape` and `dtype` whose little-endian bytes are `bytes`, on `device`: on a
@@ -618,6 +670,17 @@ mod tests {
                 assert!(kept.locked(), "{dtype:?}: not locked");
                 assert_eq!(kept.bytes(), (n * dtype.size_in_bytes()) as u64);
                 let copies: Vec<Tensor> = (0..2).map(|_| kept.to_device(&dev).unwrap()).collect();
+                // Let go (unlocked without waiting) once the copies are over, its values intact.
+                let copied = Mark::now(&dev).unwrap();
+                let mut kept = kept;
+                let back = loop {
+                    match kept.release(&copied) {
+                        Ok(back) => break back,
+                        Err(again) => kept = again,
+                    }
+                    std::thread::yield_now();
+                };
+                assert_same_values(&back, &t);
                 for c in copies {
                     assert_same_values(&c, &t);
                 }

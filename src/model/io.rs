@@ -30,7 +30,7 @@
 //! one read ahead, comes from the source itself.
 
 use crate::error::{CandleContext, Error, Result};
-use crate::kernels::KeptHost;
+use crate::kernels::{KeptHost, Mark};
 use crate::model::source::{Extent, HostBuf, Rows, WeightSource, widen};
 use crate::naming;
 use candle_core::{DType, Device, Tensor};
@@ -719,6 +719,23 @@ impl KeptLayer {
     pub fn count(&self) -> (usize, usize) {
         let locked = self.tensors.values().filter(|k| k.locked()).count();
         (self.tensors.len(), locked)
+    }
+
+    /// Its host tensors, their memory unlocked without waiting for the device, once `copied`
+    /// (made after the last copy from them was queued) has passed; `Err(self)` until then.
+    pub fn release(self, copied: &Mark) -> std::result::Result<Vec<Tensor>, KeptLayer> {
+        if !copied.passed() {
+            return Err(self);
+        }
+        let mut out = Vec::with_capacity(self.tensors.len());
+        for (_, kept) in self.tensors {
+            // Passed above, so each one's copies are over too.
+            match kept.release(copied) {
+                Ok(t) => out.push(t),
+                Err(kept) => drop(kept),
+            }
+        }
+        Ok(out)
     }
 
     /// `src` with this layer's tensors served from host memory, copied to `device` as they are
