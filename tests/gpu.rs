@@ -428,9 +428,14 @@ fn gpu_layers_kept_in_host_memory_give_the_first_forwards_bits() {
         let cfg = ModelConfig::load(&dir).unwrap();
         let r = reference(&format!("models/{name}/reference.safetensors"));
         let tokens = ids(&r, "input_ids");
-        for dtype in [DType::BF16, DType::F32] {
+        for (dtype, copy_ahead) in [
+            (DType::BF16, false),
+            (DType::BF16, true),
+            (DType::F32, true),
+        ] {
             let opts = StreamOptions {
                 host_keep: u64::MAX,
+                copy_ahead,
                 ..StreamOptions::default()
             };
             let src = Box::new(SafetensorsSource::open(&dir).unwrap());
@@ -485,6 +490,18 @@ fn gpu_layers_kept_in_host_memory_give_the_first_forwards_bits() {
                 stats.layers_from_host,
                 2 * cfg.num_layers,
                 "{name} {dtype:?}"
+            );
+            // Every layer from host memory but the first of each forward was copied aside
+            // while the one before computed, where asked.
+            let ahead = if copy_ahead {
+                2 * (cfg.num_layers - 1)
+            } else {
+                0
+            };
+            assert_eq!(stats.layers_copied_ahead, ahead, "{name} {dtype:?}");
+            assert!(
+                stats.max_resident_layers <= 1 + copy_ahead as usize,
+                "{stats:?}"
             );
             assert!(
                 stats.describe().contains("from host memory"),

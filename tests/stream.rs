@@ -128,6 +128,7 @@ fn opts(cfg: &ModelConfig, dtype: DType, prefetch: bool, rows: usize) -> StreamO
         },
         host_stage: false,
         host_keep: 0,
+        copy_ahead: false,
     }
 }
 
@@ -690,7 +691,7 @@ fn a_streamed_diff_keeps_its_layers_only_for_the_passes_that_follow() {
     let run = |budget: Option<u64>, per_sample: bool| {
         let src = safetensors(&dir)();
         let estimate = WeightEstimate::of(&cfg, src.as_ref(), DType::F32);
-        let memory = stream::plan(estimate, true, None, DType::F32, &dir, true).unwrap();
+        let memory = stream::plan(estimate, true, None, DType::F32, &dir, true, false).unwrap();
         let opts = StreamOptions {
             host_stage: true,
             host_keep: u64::MAX,

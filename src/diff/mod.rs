@@ -741,6 +741,7 @@ impl Judge<'_> {
             };
             batch.upload_ahead(states)?;
             crate::model::phases::mark("diff: asking for the slots' copies", &device);
+            crate::progress::trace(|| format!("diff pass {pass_no}: the slots' copies asked for"));
             reference.run_many(&tokens, &mut |s, what, t| {
                 let at = Instant::now();
                 let taken = batch.take(s, what, t);

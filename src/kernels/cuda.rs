@@ -464,7 +464,9 @@ pub fn tensor_map(
 pub fn open_device(ordinal: usize) -> Result<CudaDevice> {
     use candle_core::backend::BackendDevice;
     let dev = CudaDevice::new(ordinal)?;
-    // SAFETY: every tensor of a runner lives and is used on this device's one stream.
+    // SAFETY: every tensor of a runner lives and is used on this device's one stream; the one
+    // exception, the copies from kept host memory on a second stream, orders itself with
+    // events ([`upload_aside`]).
     unsafe { dev.disable_event_tracking() };
     keep_freed_memory(&dev, true)?;
     Ok(dev)
@@ -687,6 +689,55 @@ impl Locked {
         })?;
         up.ok_or_else(|| candle_core::Error::Msg("a locked tensor is not on the host".into()))
     }
+}
+
+/// Copies of locked host tensors (`items`: each tensor and the [`Locked`] of its memory) to
+/// `dev`, queued on `aside`, a second stream of the device's context, so that they run while
+/// the device's stream computes. Each destination is allocated on the device's stream, where
+/// the pool may hand it memory that work queued there still reads; so `aside` first waits for
+/// the work queued on the device's stream so far. Returns the copies and an event recorded on
+/// `aside` after them, which the device's stream must wait for before it reads them.
+pub fn upload_aside(
+    items: &[(&Locked, &candle_core::Tensor)],
+    dev: &CudaDevice,
+    aside: &Arc<CudaStream>,
+) -> Result<(Vec<candle_core::Tensor>, cudarc::driver::CudaEvent)> {
+    let stream = dev.cuda_stream();
+    let mut outs = Vec::with_capacity(items.len());
+    for (locked, t) in items {
+        let out = with_host_bytes(t, |src, dtype| {
+            if src.as_ptr() != locked.ptr.cast_const().cast() || src.len() != locked.bytes {
+                candle_core::bail!("a locked copy of another tensor's memory");
+            }
+            alloc(dev, dtype, t.elem_count())
+        })?;
+        let Some(out) = out else {
+            candle_core::bail!("a locked tensor is not on the host");
+        };
+        outs.push(out);
+    }
+    let wrap = candle_core::Error::wrap;
+    let allocated = stream.record_event(None).map_err(wrap)?;
+    aside.wait(&allocated).map_err(wrap)?;
+    for (out, (locked, _)) in outs.iter().zip(items) {
+        // SAFETY: `locked` covers the live storage of its tensor (checked above), which its
+        // holder keeps, and unlocks, only after an event recorded behind this copy or the
+        // context's work; the destination is a fresh buffer of as many bytes, free once `aside`
+        // is past `allocated`.
+        unsafe {
+            let src =
+                std::slice::from_raw_parts(locked.ptr.cast::<u8>().cast_const(), locked.bytes);
+            cudarc::driver::result::memcpy_htod_async(storage_ptr(out, 0)?, src, aside.cu_stream())
+        }
+        .map_err(|e| candle_core::Error::Msg(format!("copy to the device: {e:?}")))?;
+    }
+    let copied = aside.record_event(None).map_err(wrap)?;
+    let tensors = outs
+        .into_iter()
+        .zip(items)
+        .map(|(out, (_, t))| tensor(out, t.shape().clone()))
+        .collect();
+    Ok((tensors, copied))
 }
 
 /// Nanoseconds spent unlocking host memory ([`Locked`]'s drop), for the trace.

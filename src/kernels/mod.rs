@@ -152,6 +152,104 @@ impl KeptHost {
     }
 }
 
+/// A second queue of a GPU for copies from kept host memory ([`KeptHost`]), so that the next
+/// streamed layer's copies run while the device's stream computes the one before (each copy
+/// otherwise waits for that compute, and that compute for nothing: BENCHMARKS.md runs 67-69,
+/// where the copies and the forwards of a pass ran one after the other). Elsewhere none.
+pub struct Aside {
+    #[cfg(feature = "cuda")]
+    stream: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
+}
+
+/// Copies queued on an [`Aside`]: on a GPU, the event after them that the device's stream waits
+/// for before it reads them ([`Copies::ready`]).
+pub struct Copies {
+    pub tensors: Vec<Tensor>,
+    #[cfg(feature = "cuda")]
+    copied: Option<cudarc::driver::CudaEvent>,
+}
+
+impl Aside {
+    /// A queue beside `device`'s stream where it is a GPU; none elsewhere ([`Aside::copy`]
+    /// then copies nothing).
+    pub fn new(device: &Device) -> Result<Aside> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(dev) = device
+            && staged_copies()
+        {
+            let ctx = dev.cuda_stream().context().clone();
+            let stream = ctx.new_stream().map_err(candle_core::Error::wrap)?;
+            return Ok(Aside {
+                stream: Some(stream),
+            });
+        }
+        let _ = device;
+        Ok(Aside::none())
+    }
+
+    /// No queue: [`Aside::copy`] copies nothing.
+    pub fn none() -> Aside {
+        Aside {
+            #[cfg(feature = "cuda")]
+            stream: None,
+        }
+    }
+
+    /// Whether it copies anything.
+    pub fn active(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.stream.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// Copies of the locked ones of `kept` on `device`, in their order, queued on this queue
+    /// behind the work queued on the device's stream so far; `None` where it copies nothing or
+    /// none of them is locked (they are copied as [`KeptHost::to_device`] copies).
+    pub fn copy(
+        &self,
+        kept: &[&KeptHost],
+        device: &Device,
+    ) -> Result<Option<(Vec<usize>, Copies)>> {
+        #[cfg(feature = "cuda")]
+        if let (Some(stream), Device::Cuda(dev)) = (&self.stream, device) {
+            let (which, items): (Vec<usize>, Vec<_>) = kept
+                .iter()
+                .enumerate()
+                .filter_map(|(i, k)| Some((i, (k.locked.as_ref()?, &k.t))))
+                .unzip();
+            if items.is_empty() {
+                return Ok(None);
+            }
+            let (tensors, copied) = cuda::upload_aside(&items, dev, stream)?;
+            return Ok(Some((
+                which,
+                Copies {
+                    tensors,
+                    copied: Some(copied),
+                },
+            )));
+        }
+        let _ = (kept, device);
+        Ok(None)
+    }
+}
+
+impl Copies {
+    /// Makes `device`'s stream wait for the copies before the work queued on it next (the host
+    /// does not wait).
+    pub fn ready(&self, device: &Device) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let (Some(copied), Device::Cuda(dev)) = (&self.copied, device) {
+            dev.cuda_stream()
+                .wait(copied)
+                .map_err(candle_core::Error::wrap)?;
+        }
+        let _ = device;
+        Ok(())
+    }
+}
+
 /// A point in a device's queued work: on a GPU an event recorded on the device's stream,
 /// passed once the work queued before it is done; elsewhere passed when made.
 pub struct Mark {

@@ -30,7 +30,7 @@
 //! one read ahead, comes from the source itself.
 
 use crate::error::{CandleContext, Error, Result};
-use crate::kernels::{KeptHost, Mark};
+use crate::kernels::{Aside, Copies, KeptHost, Mark};
 use crate::model::source::{Extent, HostBuf, Rows, WeightSource, widen};
 use crate::naming;
 use candle_core::{DType, Device, Tensor};
@@ -738,14 +738,46 @@ impl KeptLayer {
         Ok(out)
     }
 
+    /// Its tensors copied to `device` on `aside` now, behind the work queued on the device so
+    /// far, so that the copies run while that work does ([`Aside`]); `None` where `aside`
+    /// copies nothing or none is locked.
+    pub fn copy_aside(&self, aside: &Aside, device: &Device) -> Result<Option<CopiedLayer>> {
+        let (keys, kept): (Vec<&(String, Form)>, Vec<&KeptHost>) = self.tensors.iter().unzip();
+        let copied = aside
+            .copy(&kept, device)
+            .ctx(|| "copying a layer kept in host memory to the device".to_string())?;
+        Ok(copied.map(|(which, copies)| CopiedLayer {
+            tensors: which
+                .into_iter()
+                .zip(copies.tensors.iter().cloned())
+                .map(|(i, t)| (keys[i].clone(), t))
+                .collect(),
+            copies,
+        }))
+    }
+
     /// `src` with this layer's tensors served from host memory, copied to `device` as they are
-    /// taken (each as often as asked for); anything else from `src`.
-    pub fn source<'a>(&'a self, src: &'a dyn WeightSource, device: &Device) -> KeptSource<'a> {
-        KeptSource {
+    /// taken (each as often as asked for), or from `copied` where it was copied aside
+    /// ([`KeptLayer::copy_aside`]; the device's stream then waits for those copies); anything
+    /// else from `src`.
+    pub fn source<'a>(
+        &'a self,
+        src: &'a dyn WeightSource,
+        device: &Device,
+        copied: Option<&'a CopiedLayer>,
+    ) -> Result<KeptSource<'a>> {
+        if let Some(copied) = copied {
+            copied
+                .copies
+                .ready(device)
+                .ctx(|| "waiting for a layer's copies to the device".to_string())?;
+        }
+        Ok(KeptSource {
             layer: self,
             src,
             device: device.clone(),
-        }
+            copied,
+        })
     }
 }
 
@@ -754,6 +786,13 @@ pub struct KeptSource<'a> {
     layer: &'a KeptLayer,
     src: &'a dyn WeightSource,
     device: Device,
+    copied: Option<&'a CopiedLayer>,
+}
+
+/// A kept layer's tensors on the device, copied on a queue aside ([`KeptLayer::copy_aside`]).
+pub struct CopiedLayer {
+    tensors: HashMap<(String, Form), Tensor>,
+    copies: Copies,
 }
 
 impl Front for KeptSource<'_> {
@@ -765,7 +804,11 @@ impl Front for KeptSource<'_> {
         if !device.same_device(&self.device) {
             return None;
         }
-        let kept = self.layer.tensors.get(&(name.to_string(), form))?;
+        let key = (name.to_string(), form);
+        if let Some(t) = self.copied.and_then(|c| c.tensors.get(&key)) {
+            return Some(Ok(t.clone()));
+        }
+        let kept = self.layer.tensors.get(&key)?;
         Some(kept.to_device(device).ctx(|| {
             format!(
                 "{}: copying {name} to the device from host memory",

@@ -604,6 +604,7 @@ pub fn open_target_with(path: &Path, opts: &TargetOptions) -> Result<LoadedTarge
         opts.dtype,
         &dir,
         stream::stages_on_host(&opts.device),
+        stream::copy_ahead_asked(),
     )?;
     if plan.automatic {
         eprintln!("eagle-check: {}", plan.why_streamed());
@@ -625,6 +626,7 @@ pub fn open_target_with(path: &Path, opts: &TargetOptions) -> Result<LoadedTarge
                 } else {
                     0
                 },
+                copy_ahead: plan.copies_ahead,
                 ..StreamOptions::default()
             };
             load_streamed(&cfg, src, opts.dtype, &opts.device, stream)?

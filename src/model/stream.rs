@@ -52,6 +52,18 @@ pub struct StreamOptions {
     /// read nothing from the checkpoint ([`host_keep_budget`]); the layers past it are read
     /// again at every forward. 0: none.
     pub host_keep: u64,
+    /// Copy a kept layer to the device on a second queue while the layer before computes
+    /// ([`crate::kernels::Aside`]): two layers on the device at once
+    /// ([`MemoryPlan::copies_ahead`]).
+    pub copy_ahead: bool,
+}
+
+/// Whether kept layers are copied ahead on a second queue ([`StreamOptions::copy_ahead`]):
+/// `EAGLE_CHECK_COPY_AHEAD=1`. Off by default: it holds a second layer on the device, and under
+/// a tight `--max-memory` that pushed the device's peak over the budget in one run of three
+/// (BENCHMARKS.md run 71, where it saved 0.2-0.25 s a pass).
+pub fn copy_ahead_asked() -> bool {
+    std::env::var("EAGLE_CHECK_COPY_AHEAD").is_ok_and(|v| v.trim() == "1")
 }
 
 /// The host memory a GPU's streamed layers may stay in between forwards
@@ -96,6 +108,7 @@ impl Default for StreamOptions {
             reads: ReadOptions::default(),
             host_stage: false,
             host_keep: 0,
+            copy_ahead: false,
         }
     }
 }
@@ -196,9 +209,13 @@ pub struct MemoryPlan {
     pub automatic: bool,
     pub dtype: DType,
     /// A streamed layer waits in host memory and is put on the device by the forward's thread
-    /// (a GPU's way, [`StreamOptions::host_stage`]): the device holds one layer, and reading
-    /// the next ahead costs host memory, not the budget's.
+    /// (a GPU's way, [`StreamOptions::host_stage`]): reading the next ahead costs host memory,
+    /// not the budget's, and the device holds one layer, or two with `copies_ahead`.
     pub host_staged: bool,
+    /// Host-staged, asked for ([`copy_ahead_asked`]), and the budget holds two layers: a layer
+    /// kept in host memory is copied to the device while the one before computes
+    /// ([`StreamOptions::copy_ahead`]).
+    pub copies_ahead: bool,
     /// The most bytes read ahead of the loader ([`ReadOptions::window`]): what the budget
     /// leaves beside the weights held (all of them resident; one or two layers streamed), at
     /// most [`READ_WINDOW`].
@@ -208,7 +225,8 @@ pub struct MemoryPlan {
 /// Decides how to hold a target whose weights are `estimate` (from headers; nothing is read).
 /// Streams when `stream_layers` or when the weights do not fit `budget`; refuses a budget below
 /// one decoder layer; prefetches when two of the largest layer fit, or always where the next
-/// layer waits in host memory (`host_staged`: a GPU's device holds one layer at a time).
+/// layer waits in host memory (`host_staged`: a GPU's device holds one layer at a time, two
+/// where `copy_ahead` and two fit).
 pub fn plan(
     estimate: WeightEstimate,
     stream_layers: bool,
@@ -216,6 +234,7 @@ pub fn plan(
     dtype: DType,
     origin: &Path,
     host_staged: bool,
+    copy_ahead: bool,
 ) -> Result<MemoryPlan> {
     let over = budget.is_some_and(|b| estimate.total > b.bytes);
     let residency = if !stream_layers && !over {
@@ -237,6 +256,7 @@ pub fn plan(
             prefetch: host_staged || budget.is_none_or(|b| b.bytes >= need.saturating_mul(2)),
         }
     };
+    let two_layers = estimate.largest_layer().1.saturating_mul(2);
     let mut plan = MemoryPlan {
         estimate,
         budget,
@@ -244,6 +264,10 @@ pub fn plan(
         residency,
         dtype,
         host_staged,
+        copies_ahead: host_staged
+            && copy_ahead
+            && residency != Residency::Resident
+            && budget.is_none_or(|b| b.bytes >= two_layers),
         read_window: READ_WINDOW,
     };
     if let Some(b) = budget {
@@ -254,16 +278,18 @@ pub fn plan(
 
 impl MemoryPlan {
     /// Bytes the weights hold at once in the budget's memory: all of them resident; streamed,
-    /// the largest layer twice with a prefetch into that memory, else once (a host-staged
-    /// prefetch waits in host memory).
+    /// the largest layer twice with a prefetch into that memory or copies ahead, else once (a
+    /// host-staged prefetch waits in host memory).
     pub fn held(&self) -> u64 {
         match self.residency {
             Residency::Resident => self.estimate.total,
-            Residency::Streamed { prefetch } => self
-                .estimate
-                .largest_layer()
-                .1
-                .saturating_mul(1 + (prefetch && !self.host_staged) as u64),
+            Residency::Streamed { prefetch } => {
+                let two = (prefetch && !self.host_staged) || self.copies_ahead;
+                self.estimate
+                    .largest_layer()
+                    .1
+                    .saturating_mul(1 + two as u64)
+            }
         }
     }
 
@@ -334,6 +360,9 @@ pub struct StreamStats {
     pub bytes_kept: u64,
     /// Bytes of kept layers in host memory now (not yet let go).
     pub bytes_held: u64,
+    /// Layers of `layers_from_host` copied on the queue aside while the layer before computed
+    /// ([`StreamOptions::copy_ahead`]).
+    pub layers_copied_ahead: usize,
     /// Seconds spent reading and converting layers (on the loader thread, and on a GPU the
     /// device copies on the forward's thread).
     pub load_seconds: f64,
@@ -398,6 +427,9 @@ impl Live {
     }
 }
 
+/// A kept layer let go: its index, its host tensors, and the point after its last copies.
+type Retired = (usize, io::KeptLayer, crate::kernels::Mark);
+
 /// A loaded layer, counted alive until dropped.
 struct LayerGuard<'a, L> {
     layer: L,
@@ -422,15 +454,29 @@ fn pipelined<T: Send>(
     produce: impl Fn(usize) -> Result<T> + Sync,
     mut consume: impl FnMut(usize, T) -> Result<()>,
 ) -> Result<f64> {
+    let first = || Ok(());
+    pipelined_after(n, prefetch, produce, first, |_, i, item| consume(i, item)).map(|(w, _)| w)
+}
+
+/// [`pipelined`], with `first` made on this thread once the second thread has started on item
+/// 0 (so that the two overlap) and handed to every `consume`; returns it too.
+fn pipelined_after<T: Send, S>(
+    n: usize,
+    prefetch: bool,
+    produce: impl Fn(usize) -> Result<T> + Sync,
+    first: impl FnOnce() -> Result<S>,
+    mut consume: impl FnMut(&mut S, usize, T) -> Result<()>,
+) -> Result<(f64, S)> {
     let mut waited = 0.0;
     if !prefetch {
+        let mut state = first()?;
         for i in 0..n {
             let start = Instant::now();
             let item = produce(i)?;
             waited += start.elapsed().as_secs_f64();
-            consume(i, item)?;
+            consume(&mut state, i, item)?;
         }
-        return Ok(waited);
+        return Ok((waited, state));
     }
     std::thread::scope(|scope| {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<T>>(0);
@@ -448,15 +494,16 @@ fn pipelined<T: Send>(
                 }
             })
             .map_err(|e| Error::Device(format!("could not start the layer loader thread: {e}")))?;
+        let mut state = first()?;
         for i in 0..n {
             let start = Instant::now();
             let item = rx
                 .recv()
                 .map_err(|_| Error::Device("the layer loader thread stopped".into()))??;
             waited += start.elapsed().as_secs_f64();
-            consume(i, item)?;
+            consume(&mut state, i, item)?;
         }
-        Ok(waited)
+        Ok((waited, state))
     })
 }
 
@@ -545,6 +592,12 @@ pub(crate) struct Streamed<D: Decoder> {
     /// Kept layers the last forward that wants them has taken, each with the point in the
     /// device's work after its copies: let go once that passed ([`Streamed::let_go_copied`]).
     retiring: Mutex<VecDeque<(usize, Arc<io::KeptLayer>, crate::kernels::Mark)>>,
+    /// On a GPU keeping layers, the queue the next kept layer is copied on while the one
+    /// before computes ([`Streamed::copy_ahead`]), and that copy.
+    aside: crate::kernels::Aside,
+    ahead: Mutex<Option<(usize, io::CopiedLayer)>>,
+    /// The thread kept layers let go are unlocked and freed on ([`Streamed::freer`]).
+    freeing: Mutex<Option<std::sync::mpsc::Sender<Retired>>>,
     live: Live,
     stats: Mutex<StreamStats>,
 }
@@ -622,6 +675,13 @@ impl<D: Decoder> Streamed<D> {
         } else {
             align
         };
+        let host_stage = opts.host_stage || stages_on_host(device);
+        let aside = if host_stage && opts.host_keep > 0 && opts.copy_ahead {
+            crate::kernels::Aside::new(device)
+                .ctx(|| "opening a second queue for copies to the device".to_string())?
+        } else {
+            crate::kernels::Aside::none()
+        };
         Ok(Streamed {
             dec,
             src,
@@ -634,7 +694,7 @@ impl<D: Decoder> Streamed<D> {
             norm,
             prefetch: opts.prefetch,
             reads: opts.reads,
-            host_stage: opts.host_stage || stages_on_host(device),
+            host_stage,
             estimate,
             layer_names,
             stored,
@@ -645,6 +705,9 @@ impl<D: Decoder> Streamed<D> {
                 later: false,
             }),
             retiring: Mutex::default(),
+            aside,
+            ahead: Mutex::default(),
+            freeing: Mutex::default(),
             live: Live::default(),
             stats: Mutex::new(StreamStats::default()),
         })
@@ -664,15 +727,9 @@ impl<D: Decoder> Streamed<D> {
         }
         let keep = {
             let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
-            if kept.layers[i].is_some() {
+            if let Some(layer) = &kept.layers[i] {
                 crate::progress::trace(|| format!("layer {i}: kept in host memory"));
-                // No forward after this one wants it: it goes once copied.
-                let layer = if kept.later {
-                    kept.layers[i].clone()
-                } else {
-                    kept.layers[i].take()
-                };
-                return Ok(Fetched::Staged(Staged::Kept(layer.expect("checked above"))));
+                return Ok(Fetched::Staged(Staged::Kept(layer.clone())));
             }
             let keep = kept.later && kept.taken.saturating_add(self.stored[i]) <= kept.limit;
             if keep {
@@ -734,6 +791,7 @@ impl<D: Decoder> Streamed<D> {
             Ok((layer, vb.read_names()))
         };
         let from_host = matches!(ready, Some(Staged::Kept(_)));
+        let mut copied_ahead = false;
         let (layer, read) = match ready {
             Some(Staged::Read { read, keep }) => {
                 let built = build(&*read)?;
@@ -743,9 +801,20 @@ impl<D: Decoder> Streamed<D> {
                 built
             }
             Some(Staged::Kept(kept)) => {
-                let built = build(&kept.source(self.src.as_ref(), device))?;
-                // Taken by its last forward (the only holder left): let go once its copies,
-                // queued by now, are over.
+                let copied = {
+                    let mut ahead = self.ahead.lock().unwrap_or_else(|p| p.into_inner());
+                    ahead.take_if(|(j, _)| *j == i).map(|(_, copied)| copied)
+                };
+                copied_ahead = copied.is_some();
+                let built = build(&kept.source(self.src.as_ref(), device, copied.as_ref())?)?;
+                drop(copied);
+                // No forward after this one wants it: it goes once its copies, queued by now,
+                // are over, where this was the only holder left.
+                let mut held = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+                if !held.later {
+                    held.layers[i] = None;
+                }
+                drop(held);
                 if Arc::strong_count(&kept) == 1 {
                     let copied = crate::kernels::Mark::now(device)
                         .ctx(|| format!("layer {i}: marking its copies from host memory"))?;
@@ -776,9 +845,14 @@ impl<D: Decoder> Streamed<D> {
             )
         });
         self.live.add(bytes);
+        if copied_ahead {
+            // Counted alive since its copies were queued (`copy_ahead`).
+            self.live.remove(bytes);
+        }
         if let Ok(mut s) = self.stats.lock() {
             s.layers_loaded += 1;
             s.layers_from_host += from_host as usize;
+            s.layers_copied_ahead += copied_ahead as usize;
             s.load_seconds += start.elapsed().as_secs_f64();
         }
         Ok(LayerGuard {
@@ -788,6 +862,33 @@ impl<D: Decoder> Streamed<D> {
         })
     }
 
+    /// On a GPU keeping layers: layer `next`, where it is kept in host memory, copied to the
+    /// device now on the queue aside, behind the work queued so far, so that its copies run
+    /// while the layer before it (queued next) computes; [`Streamed::load_layer`] takes them.
+    /// Holds two layers on the device at once ([`MemoryPlan::held`]).
+    fn copy_ahead(&self, next: usize) -> Result<()> {
+        if !self.aside.active() {
+            return Ok(());
+        }
+        let layer = {
+            let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+            kept.layers.get(next).cloned().flatten()
+        };
+        let Some(layer) = layer else {
+            return Ok(());
+        };
+        let copied = layer.copy_aside(&self.aside, &self.device)?;
+        if copied.is_some() {
+            self.live.add(self.estimate.layers[next]);
+        }
+        let mut ahead = self.ahead.lock().unwrap_or_else(|p| p.into_inner());
+        // One left by a forward that failed before it took it.
+        if let Some((stale, _)) = std::mem::replace(&mut *ahead, copied.map(|c| (next, c))) {
+            self.live.remove(self.estimate.layers[stale]);
+        }
+        Ok(())
+    }
+
     fn retiring_lock(
         &self,
     ) -> std::sync::MutexGuard<'_, VecDeque<(usize, Arc<io::KeptLayer>, crate::kernels::Mark)>>
@@ -795,10 +896,12 @@ impl<D: Decoder> Streamed<D> {
         self.retiring.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Lets go the kept layers whose last copies are over: their memory unlocked on this
-    /// thread (the one making device calls) and freed on another, so that neither waits for
-    /// the device nor holds up the forward (freeing 13 GiB took 0.45 s at the end of a diff,
-    /// BENCHMARKS.md run 69). Those not yet copied wait for the next call, or the drop.
+    /// Lets go the kept layers whose last copies are over: their memory unlocked and freed on
+    /// another thread, one after the other ([`Streamed::freer`]), so that neither waits for the
+    /// device nor holds up the forward (letting 13 GiB go took 0.7 s at the end of a diff,
+    /// BENCHMARKS.md run 69; unlocked on the forward's thread during the last pass, each layer
+    /// held that thread 17-20 ms, longer than the layer's compute: run 71). Those not yet
+    /// copied wait for the next call, or the drop.
     fn let_go_copied(&self) {
         let mut retiring = self.retiring_lock();
         while retiring
@@ -816,17 +919,43 @@ impl<D: Decoder> Streamed<D> {
                 let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
                 kept.taken = kept.taken.saturating_sub(bytes);
             }
-            let Ok(tensors) = layer.release(&copied) else {
-                continue;
-            };
-            crate::progress::trace(|| {
-                format!("layer {i}: {} let go from host memory", format_bytes(bytes))
-            });
-            let free = move || drop(tensors);
-            let _ = std::thread::Builder::new()
-                .name("ec-free".into())
-                .spawn(free);
+            self.freer(i, layer, copied);
         }
+    }
+
+    /// Hands layer `i`, let go, to the thread that unlocks and frees such layers in turn
+    /// (started with the first); where that thread cannot start or has stopped, here.
+    fn freer(&self, i: usize, layer: io::KeptLayer, copied: crate::kernels::Mark) {
+        let let_go = |(i, layer, copied): Retired| {
+            let start = Instant::now();
+            let bytes = layer.bytes();
+            // The mark has passed (`let_go_copied`): its copies are over.
+            drop(layer.release(&copied));
+            crate::progress::trace(|| {
+                format!(
+                    "layer {i}: {} let go from host memory in {:.3} s",
+                    format_bytes(bytes),
+                    start.elapsed().as_secs_f64()
+                )
+            });
+        };
+        let mut freer = self.freeing.lock().unwrap_or_else(|p| p.into_inner());
+        if freer.is_none() {
+            let (tx, rx) = std::sync::mpsc::channel::<Retired>();
+            let started = std::thread::Builder::new()
+                .name("ec-free".into())
+                .spawn(move || rx.into_iter().for_each(let_go));
+            *freer = started.ok().map(|_| tx);
+        }
+        let retired = (i, layer, copied);
+        let retired = match &*freer {
+            Some(tx) => match tx.send(retired) {
+                Ok(()) => return,
+                Err(back) => back.0,
+            },
+            None => retired,
+        };
+        let_go(retired);
     }
 
     /// Keeps layer `i`'s tensors (read to be kept) in host memory for the forwards after this
@@ -944,6 +1073,7 @@ impl<D: Decoder> Target for Streamed<D> {
             |i| self.read_layer(i),
             |i, fetched| {
                 let layer = self.built(i, fetched)?;
+                self.copy_ahead(i + 1)?;
                 run.layer(i, |xs| self.dec.step(&layer.layer, i, xs, &ctx))?;
                 crate::memory::note_device_use(&self.device);
                 Ok(())
@@ -971,21 +1101,38 @@ impl<D: Decoder> Target for Streamed<D> {
         let start = Instant::now();
         let read_before = self.src.bytes_read();
         let n = self.dec.config().num_layers;
-        let mut run = ManyRun::new(
-            &self.dec,
-            samples,
-            want,
-            opts,
-            sink,
-            |ids| self.rows(ids),
-            &self.device,
-        )?;
-        let waited = pipelined(
+        // The samples are embedded once the loader has started on layer 0, so that reading
+        // their embedding rows and reading the layer overlap.
+        let embed = move || {
+            let at = Instant::now();
+            // Moved in whole (not reborrowed): the run holds it past this closure.
+            let sink = sink;
+            let run = ManyRun::new(
+                &self.dec,
+                samples,
+                want,
+                opts,
+                sink,
+                |ids| self.rows(ids),
+                &self.device,
+            );
+            crate::progress::trace(|| {
+                format!(
+                    "{} sample(s) embedded in {:.2} s",
+                    samples.len(),
+                    at.elapsed().as_secs_f64()
+                )
+            });
+            run
+        };
+        let (waited, run) = pipelined_after(
             n,
             self.prefetch,
             |i| self.read_layer(i),
-            |i, fetched| {
+            embed,
+            |run, i, fetched| {
                 let layer = self.built(i, fetched)?;
+                self.copy_ahead(i + 1)?;
                 let start = Instant::now();
                 run.layer(i, &layer.layer)?;
                 crate::memory::note_device_use(&self.device);
@@ -1043,19 +1190,36 @@ mod tests {
     }
 
     fn decide(stream: bool, b: Option<Budget>) -> Result<MemoryPlan> {
-        plan(estimate(), stream, b, DType::F32, Path::new("m"), false)
+        plan(
+            estimate(),
+            stream,
+            b,
+            DType::F32,
+            Path::new("m"),
+            false,
+            true,
+        )
     }
 
     /// On a GPU: each streamed layer read into host memory, put on the device by the
     /// forward's thread.
     fn decide_gpu(stream: bool, b: Option<Budget>) -> Result<MemoryPlan> {
-        plan(estimate(), stream, b, DType::BF16, Path::new("m"), true)
+        plan(
+            estimate(),
+            stream,
+            b,
+            DType::BF16,
+            Path::new("m"),
+            true,
+            true,
+        )
     }
 
-    /// Host-staged, the device holds one layer: a budget between one and two layers still
-    /// reads the next ahead (into host memory), and what is left for the rest counts one layer.
+    /// Host-staged: a budget between one and two layers still reads the next ahead (into host
+    /// memory), the device holding one layer; from two layers on, a kept layer is copied ahead
+    /// while the one before computes, and what is left for the rest counts two.
     #[test]
-    fn a_host_staged_stream_holds_one_layer_and_always_reads_the_next_ahead() {
+    fn a_host_staged_stream_always_reads_the_next_ahead_and_copies_ahead_where_two_fit() {
         for bytes in [300, 599, 600, 5000] {
             let p = decide_gpu(true, budget(bytes)).unwrap();
             assert_eq!(
@@ -1063,10 +1227,24 @@ mod tests {
                 Residency::Streamed { prefetch: true },
                 "{bytes}"
             );
-            assert_eq!(p.held(), 300, "{bytes}");
-            assert_eq!(p.read_window, (bytes - 300).min(READ_WINDOW), "{bytes}");
+            let held = if bytes >= 600 { 600 } else { 300 };
+            assert_eq!(p.copies_ahead, bytes >= 600, "{bytes}");
+            assert_eq!(p.held(), held, "{bytes}");
+            assert_eq!(p.read_window, (bytes - held).min(READ_WINDOW), "{bytes}");
             assert!(p.describe().contains("host memory"), "{}", p.describe());
         }
+        assert!(decide_gpu(true, None).unwrap().copies_ahead, "no budget");
+        let unasked = plan(
+            estimate(),
+            true,
+            None,
+            DType::BF16,
+            Path::new("m"),
+            true,
+            false,
+        );
+        assert!(!unasked.unwrap().copies_ahead, "not asked for");
+        assert!(!decide(true, None).unwrap().copies_ahead, "not host-staged");
         assert!(decide_gpu(true, budget(299)).is_err(), "below one layer");
         assert_eq!(
             decide_gpu(false, budget(1000)).unwrap().held(),
