@@ -1253,6 +1253,70 @@ mod tests {
         );
     }
 
+    /// `first` runs while the loader makes item 0 (it sees the loader started, and the loader
+    /// sees it started), every item reaches `consume` in order with `first`'s value, and an
+    /// error from `first` stops the loader and is returned.
+    #[test]
+    fn the_first_step_overlaps_the_loaders_first_item() {
+        use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+        let wait_for = |flag: &AtomicBool| {
+            let start = Instant::now();
+            while !flag.load(SeqCst) && start.elapsed().as_secs() < 5 {
+                std::thread::yield_now();
+            }
+            flag.load(SeqCst)
+        };
+        let (loading, first_running) = (AtomicBool::new(false), AtomicBool::new(false));
+        let produce = |i: usize| {
+            if i == 0 {
+                loading.store(true, SeqCst);
+                assert!(
+                    wait_for(&first_running),
+                    "the first step never ran beside item 0"
+                );
+            }
+            Ok(i * 10)
+        };
+        let first = || {
+            first_running.store(true, SeqCst);
+            assert!(wait_for(&loading), "the loader had not started on item 0");
+            Ok(vec![7])
+        };
+        let (_, seen) = pipelined_after(4, true, produce, first, |seen, i, item| {
+            assert_eq!(item, i * 10);
+            seen.push(item);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, [7, 0, 10, 20, 30]);
+        // Without a prefetch: first, then every item.
+        let (_, seen) = pipelined_after(
+            3,
+            false,
+            Ok,
+            || Ok(vec![9]),
+            |seen, _, item| {
+                seen.push(item);
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(seen, [9, 0, 1, 2]);
+        let made = std::sync::atomic::AtomicUsize::new(0);
+        let failed = pipelined_after(
+            100,
+            true,
+            |i| {
+                made.fetch_add(1, SeqCst);
+                Ok(i)
+            },
+            || Err::<(), _>(Error::Device("no embedding".into())),
+            |_, _, _| Ok(()),
+        );
+        assert!(failed.unwrap_err().to_string().contains("no embedding"));
+        assert!(made.load(SeqCst) <= 2, "the loader went on: {made:?}");
+    }
+
     #[test]
     fn host_keep_is_the_variables_size_or_half_the_memory_available() {
         assert_eq!(host_keep_from(Some("2GiB"), Some(100)), 2 << 30);
