@@ -427,9 +427,6 @@ impl Live {
     }
 }
 
-/// A kept layer let go: its index, its host tensors, and the point after its last copies.
-type Retired = (usize, io::KeptLayer, crate::kernels::Mark);
-
 /// A loaded layer, counted alive until dropped.
 struct LayerGuard<'a, L> {
     layer: L,
@@ -596,8 +593,8 @@ pub(crate) struct Streamed<D: Decoder> {
     /// before computes ([`Streamed::copy_ahead`]), and that copy.
     aside: crate::kernels::Aside,
     ahead: Mutex<Option<(usize, io::CopiedLayer)>>,
-    /// The thread kept layers let go are unlocked and freed on ([`Streamed::freer`]).
-    freeing: Mutex<Option<std::sync::mpsc::Sender<Retired>>>,
+    /// The thread the host memory of kept layers let go is freed on ([`Streamed::freer`]).
+    freeing: Mutex<Option<std::sync::mpsc::Sender<Vec<Tensor>>>>,
     live: Live,
     stats: Mutex<StreamStats>,
 }
@@ -896,11 +893,10 @@ impl<D: Decoder> Streamed<D> {
         self.retiring.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Lets go the kept layers whose last copies are over: their memory unlocked and freed on
-    /// another thread, one after the other ([`Streamed::freer`]), so that neither waits for the
-    /// device nor holds up the forward (letting 13 GiB go took 0.7 s at the end of a diff,
-    /// BENCHMARKS.md run 69; unlocked on the forward's thread during the last pass, each layer
-    /// held that thread 17-20 ms, longer than the layer's compute: run 71). Those not yet
+    /// Lets go the kept layers whose last copies are over ([`Streamed::freer`]): unlocked
+    /// without waiting for the device and freed on another thread, during the forward rather
+    /// than all at the end (letting 13 GiB go took 0.7 s at the end of a diff, BENCHMARKS.md
+    /// run 69; unlocking held the forward's thread 17-20 ms a layer in run 71). Those not yet
     /// copied wait for the next call, or the drop.
     fn let_go_copied(&self) {
         let mut retiring = self.retiring_lock();
@@ -923,39 +919,36 @@ impl<D: Decoder> Streamed<D> {
         }
     }
 
-    /// Hands layer `i`, let go, to the thread that unlocks and frees such layers in turn
-    /// (started with the first); where that thread cannot start or has stopped, here.
+    /// Lets layer `i` go: its memory unlocked here, on the thread that makes every device call
+    /// (two threads making device calls at once stalled loads: [`stages_on_host`]), and its
+    /// host tensors handed to the thread that frees such layers in turn (started with the
+    /// first; where it cannot start or has stopped, they are freed here).
     fn freer(&self, i: usize, layer: io::KeptLayer, copied: crate::kernels::Mark) {
-        let let_go = |(i, layer, copied): Retired| {
-            let start = Instant::now();
-            let bytes = layer.bytes();
-            // The mark has passed (`let_go_copied`): its copies are over.
-            drop(layer.release(&copied));
-            crate::progress::trace(|| {
-                format!(
-                    "layer {i}: {} let go from host memory in {:.3} s",
-                    format_bytes(bytes),
-                    start.elapsed().as_secs_f64()
-                )
-            });
+        let start = Instant::now();
+        let bytes = layer.bytes();
+        // The mark has passed (`let_go_copied`): its copies are over.
+        let Ok(tensors) = layer.release(&copied) else {
+            return;
         };
+        crate::progress::trace(|| {
+            format!(
+                "layer {i}: {} let go from host memory (unlocked in {:.3} s)",
+                format_bytes(bytes),
+                start.elapsed().as_secs_f64()
+            )
+        });
         let mut freer = self.freeing.lock().unwrap_or_else(|p| p.into_inner());
         if freer.is_none() {
-            let (tx, rx) = std::sync::mpsc::channel::<Retired>();
+            let (tx, rx) = std::sync::mpsc::channel::<Vec<Tensor>>();
             let started = std::thread::Builder::new()
                 .name("ec-free".into())
-                .spawn(move || rx.into_iter().for_each(let_go));
+                .spawn(move || rx.into_iter().for_each(drop));
             *freer = started.ok().map(|_| tx);
         }
-        let retired = (i, layer, copied);
-        let retired = match &*freer {
-            Some(tx) => match tx.send(retired) {
-                Ok(()) => return,
-                Err(back) => back.0,
-            },
-            None => retired,
-        };
-        let_go(retired);
+        if let Some(tx) = &*freer {
+            // A stopped thread hands them back, dropped here.
+            let _ = tx.send(tensors);
+        }
     }
 
     /// Keeps layer `i`'s tensors (read to be kept) in host memory for the forwards after this
