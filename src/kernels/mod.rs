@@ -161,13 +161,15 @@ pub struct Aside {
     stream: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
 }
 
-/// Copies queued on an [`Aside`]: on a GPU, the event after them that the device's stream waits
-/// for before it reads them ([`Copies::ready`]).
+/// The end of copies queued on an [`Aside`]: on a GPU, the event after them that the device's
+/// stream waits for before it reads them ([`Copies::ready`]).
 pub struct Copies {
-    pub tensors: Vec<Tensor>,
     #[cfg(feature = "cuda")]
     copied: Option<cudarc::driver::CudaEvent>,
 }
+
+/// Tensors copied on an [`Aside`], each beside its index among those asked for.
+pub type Copied = Vec<(usize, Tensor)>;
 
 impl Aside {
     /// A queue beside `device`'s stream where it is a GPU; none elsewhere ([`Aside::copy`]
@@ -203,14 +205,11 @@ impl Aside {
         false
     }
 
-    /// Copies of the locked ones of `kept` on `device`, in their order, queued on this queue
-    /// behind the work queued on the device's stream so far; `None` where it copies nothing or
-    /// none of them is locked (they are copied as [`KeptHost::to_device`] copies).
-    pub fn copy(
-        &self,
-        kept: &[&KeptHost],
-        device: &Device,
-    ) -> Result<Option<(Vec<usize>, Copies)>> {
+    /// Copies of the locked ones of `kept` on `device`, each beside its index in `kept`, queued
+    /// on this queue behind the work queued on the device's stream so far; `None` where it
+    /// copies nothing or none of them is locked (they are copied as [`KeptHost::to_device`]
+    /// copies).
+    pub fn copy(&self, kept: &[&KeptHost], device: &Device) -> Result<Option<(Copied, Copies)>> {
         #[cfg(feature = "cuda")]
         if let (Some(stream), Device::Cuda(dev)) = (&self.stream, device) {
             let (which, items): (Vec<usize>, Vec<_>) = kept
@@ -222,13 +221,10 @@ impl Aside {
                 return Ok(None);
             }
             let (tensors, copied) = cuda::upload_aside(&items, dev, stream)?;
-            return Ok(Some((
-                which,
-                Copies {
-                    tensors,
-                    copied: Some(copied),
-                },
-            )));
+            let copies = Copies {
+                copied: Some(copied),
+            };
+            return Ok(Some((which.into_iter().zip(tensors).collect(), copies)));
         }
         let _ = (kept, device);
         Ok(None)
@@ -262,12 +258,8 @@ impl Mark {
     pub fn now(device: &Device) -> Result<Mark> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(dev) = device {
-            let stream = dev.cuda_stream();
-            let event = stream
-                .context()
-                .new_event(None)
-                .map_err(candle_core::Error::wrap)?;
-            event.record(&stream).map_err(candle_core::Error::wrap)?;
+            let event = dev.cuda_stream().record_event(None);
+            let event = event.map_err(candle_core::Error::wrap)?;
             return Ok(Mark { event: Some(event) });
         }
         let _ = device;

@@ -727,15 +727,9 @@ impl KeptLayer {
         if !copied.passed() {
             return Err(self);
         }
-        let mut out = Vec::with_capacity(self.tensors.len());
-        for (_, kept) in self.tensors {
-            // Passed above, so each one's copies are over too.
-            match kept.release(copied) {
-                Ok(t) => out.push(t),
-                Err(kept) => drop(kept),
-            }
-        }
-        Ok(out)
+        // Passed above, so each one's copies are over too.
+        let out = self.tensors.into_values();
+        Ok(out.filter_map(|kept| kept.release(copied).ok()).collect())
     }
 
     /// Its tensors copied to `device` on `aside` now, behind the work queued on the device so
@@ -746,10 +740,8 @@ impl KeptLayer {
         let copied = aside
             .copy(&kept, device)
             .ctx(|| "copying a layer kept in host memory to the device".to_string())?;
-        Ok(copied.map(|(which, copies)| CopiedLayer {
-            tensors: which
-                .into_iter()
-                .zip(copies.tensors.iter().cloned())
+        Ok(copied.map(|(tensors, copies)| CopiedLayer {
+            tensors: (tensors.into_iter())
                 .map(|(i, t)| (keys[i].clone(), t))
                 .collect(),
             copies,

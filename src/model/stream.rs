@@ -61,7 +61,7 @@ pub struct StreamOptions {
 /// Whether kept layers are copied ahead on a second queue ([`StreamOptions::copy_ahead`]):
 /// `EAGLE_CHECK_COPY_AHEAD=1`. Off by default: it holds a second layer on the device, and under
 /// a tight `--max-memory` that pushed the device's peak over the budget in one run of three
-/// (BENCHMARKS.md run 71, where it saved 0.2-0.25 s a pass).
+/// (BENCHMARKS.md run 71, where it saved 0.23-0.26 s in the second pass of three).
 pub fn copy_ahead_asked() -> bool {
     std::env::var("EAGLE_CHECK_COPY_AHEAD").is_ok_and(|v| v.trim() == "1")
 }
@@ -427,6 +427,10 @@ impl Live {
     }
 }
 
+/// A kept layer taken by the last forward that wants it: its index, and the point in the
+/// device's work after its copies ([`Streamed::let_go_copied`]).
+type Retiring = (usize, Arc<io::KeptLayer>, crate::kernels::Mark);
+
 /// A loaded layer, counted alive until dropped.
 struct LayerGuard<'a, L> {
     layer: L,
@@ -588,12 +592,12 @@ pub(crate) struct Streamed<D: Decoder> {
     kept: Mutex<HostKept>,
     /// Kept layers the last forward that wants them has taken, each with the point in the
     /// device's work after its copies: let go once that passed ([`Streamed::let_go_copied`]).
-    retiring: Mutex<VecDeque<(usize, Arc<io::KeptLayer>, crate::kernels::Mark)>>,
+    retiring: Mutex<VecDeque<Retiring>>,
     /// On a GPU keeping layers, the queue the next kept layer is copied on while the one
     /// before computes ([`Streamed::copy_ahead`]), and that copy.
     aside: crate::kernels::Aside,
     ahead: Mutex<Option<(usize, io::CopiedLayer)>>,
-    /// The thread the host memory of kept layers let go is freed on ([`Streamed::freer`]).
+    /// The thread the host memory of kept layers let go is freed on ([`Streamed::let_go`]).
     freeing: Mutex<Option<std::sync::mpsc::Sender<Vec<Tensor>>>>,
     live: Live,
     stats: Mutex<StreamStats>,
@@ -804,7 +808,6 @@ impl<D: Decoder> Streamed<D> {
                 };
                 copied_ahead = copied.is_some();
                 let built = build(&kept.source(self.src.as_ref(), device, copied.as_ref())?)?;
-                drop(copied);
                 // No forward after this one wants it: it goes once its copies, queued by now,
                 // are over, where this was the only holder left.
                 let mut held = self.kept.lock().unwrap_or_else(|p| p.into_inner());
@@ -886,14 +889,11 @@ impl<D: Decoder> Streamed<D> {
         Ok(())
     }
 
-    fn retiring_lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, VecDeque<(usize, Arc<io::KeptLayer>, crate::kernels::Mark)>>
-    {
+    fn retiring_lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Retiring>> {
         self.retiring.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Lets go the kept layers whose last copies are over ([`Streamed::freer`]): unlocked
+    /// Lets go the kept layers whose last copies are over ([`Streamed::let_go`]): unlocked
     /// without waiting for the device and freed on another thread, during the forward rather
     /// than all at the end (letting 13 GiB go took 0.7 s at the end of a diff, BENCHMARKS.md
     /// run 69; unlocking held the forward's thread 17-20 ms a layer in run 71). Those not yet
@@ -915,7 +915,7 @@ impl<D: Decoder> Streamed<D> {
                 let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
                 kept.taken = kept.taken.saturating_sub(bytes);
             }
-            self.freer(i, layer, copied);
+            self.let_go(i, layer, copied);
         }
     }
 
@@ -923,7 +923,7 @@ impl<D: Decoder> Streamed<D> {
     /// (two threads making device calls at once stalled loads: [`stages_on_host`]), and its
     /// host tensors handed to the thread that frees such layers in turn (started with the
     /// first; where it cannot start or has stopped, they are freed here).
-    fn freer(&self, i: usize, layer: io::KeptLayer, copied: crate::kernels::Mark) {
+    fn let_go(&self, i: usize, layer: io::KeptLayer, copied: crate::kernels::Mark) {
         let start = Instant::now();
         let bytes = layer.bytes();
         // The mark has passed (`let_go_copied`): its copies are over.
