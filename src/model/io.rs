@@ -31,7 +31,7 @@
 
 use crate::error::{CandleContext, Error, Result};
 use crate::kernels::{Aside, Copies, KeptHost, Mark};
-use crate::model::source::{Extent, HostBuf, Rows, WeightSource, widen};
+use crate::model::source::{Extent, HostBuf, Rows, WeightSource, widen, zeroed_f32};
 use crate::naming;
 use candle_core::{DType, Device, Tensor};
 use std::collections::{HashMap, VecDeque};
@@ -557,7 +557,7 @@ impl<'a> ReadAhead<'a> {
         // buffers move into their slot.
         Ok(match widen {
             Some(_) => {
-                let mut v = vec![0f32; elems];
+                let mut v = zeroed_f32(elems);
                 let target = Target::Widened(v.as_mut_ptr());
                 (Dest::Widened(v), target)
             }

@@ -127,6 +127,10 @@ impl HostBuf {
             "F8_E4M3" => HostBuf::F8E4M3(vec![0; elems]),
             _ => return None,
         })
+        .map(|mut buf| {
+            advise_huge_pages(buf.bytes_mut());
+            buf
+        })
     }
 
     /// The buffer's bytes, for reads to fill.
@@ -163,6 +167,53 @@ impl HostBuf {
             HostBuf::F8E4M3(v) => Tensor::from_raw_buffer(&v, DType::F8E4M3, shape, device),
         }
     }
+}
+
+/// Rows a task of a scattered read takes ([`SafetensorsSource::load_rows`]).
+const ROWS_A_TASK: usize = 128;
+
+/// A zeroed f32 buffer of `elems` values for a tensor widened as it is read, backed by huge
+/// pages where it is large ([`advise_huge_pages`]).
+pub(crate) fn zeroed_f32(elems: usize) -> Vec<f32> {
+    let mut v = vec![0f32; elems];
+    advise_huge_pages(as_bytes_mut(&mut v));
+    v
+}
+
+/// Buffers at least this large ask for transparent huge pages ([`advise_huge_pages`]). glibc
+/// (`malloc/malloc.c`, `DEFAULT_MMAP_THRESHOLD_MAX`: 32 MiB on 64-bit) gives an allocation
+/// this large a mapping of its own, so the advice covers that mapping whole and splits no
+/// other.
+const HUGE_PAGE_BUFFER: usize = 32 << 20;
+
+/// Asks the kernel to back `buf` (fresh, not yet written: [`HostBuf::zeroed`]) with
+/// transparent huge pages where it allows them (`madvise` mode included): a layer read into it
+/// then takes one page fault per 2 MiB instead of 512, and locking it for a GPU's copies
+/// (`cuMemHostRegister`), unlocking it and freeing it walk 512 times fewer pages. Only for
+/// buffers of [`HUGE_PAGE_BUFFER`] or more, on Linux; `EAGLE_CHECK_HUGE_PAGES=0` leaves the
+/// pages as the system gives them. Advice only: where the kernel refuses it nothing changes.
+pub(crate) fn advise_huge_pages(buf: &mut [u8]) {
+    #[cfg(target_os = "linux")]
+    if buf.len() >= HUGE_PAGE_BUFFER && huge_pages_wanted() {
+        const PAGE: usize = 4096;
+        let start = buf.as_mut_ptr() as usize;
+        let first = start / PAGE * PAGE;
+        let end = (start + buf.len()).next_multiple_of(PAGE);
+        // SAFETY: madvise changes no contents and no mapping's extent; MADV_HUGEPAGE only
+        // marks the pages covering `buf` (its own mapping: HUGE_PAGE_BUFFER) as eligible for
+        // huge pages.
+        let _ =
+            unsafe { libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE) };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = buf;
+}
+
+/// Whether host buffers ask for huge pages: yes unless `EAGLE_CHECK_HUGE_PAGES=0`.
+fn huge_pages_wanted() -> bool {
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WANTED
+        .get_or_init(|| std::env::var("EAGLE_CHECK_HUGE_PAGES").map_or(true, |v| v.trim() != "0"))
 }
 
 /// `src` (bf16 bits, or f16 bits unless `bf16`) widened to f32 into `dst`, element by element
@@ -236,8 +287,24 @@ impl SafetensorsSource {
         let base = (info.data_start + info.data_offsets.0) as u64;
         let io = |e| Error::io(&*info.file, e);
         let fill = |buf: &mut [u8]| -> Result<()> {
-            for (chunk, &start) in buf.chunks_mut(row_bytes.max(1)).zip(starts) {
-                file.read_exact_at(chunk, base + start as u64).map_err(io)?;
+            let row_bytes = row_bytes.max(1);
+            let read_rows = |(chunk, starts): (&mut [u8], &[usize])| -> Result<()> {
+                for (row, &start) in chunk.chunks_mut(row_bytes).zip(starts) {
+                    file.read_exact_at(row, base + start as u64).map_err(io)?;
+                }
+                Ok(())
+            };
+            // Rows scattered over a table (the embeddings of a pass's tokens: thousands of
+            // 8-16 KiB reads) are read by the pool's threads, ROWS_A_TASK at a time: one
+            // thread's reads, one after the other, held the forward 0.09-0.19 s a pass
+            // (BENCHMARKS.md, run 71).
+            if starts.len() >= 2 * ROWS_A_TASK {
+                use rayon::prelude::*;
+                buf.par_chunks_mut(row_bytes * ROWS_A_TASK)
+                    .zip(starts.par_chunks(ROWS_A_TASK))
+                    .try_for_each(read_rows)?;
+            } else {
+                read_rows((buf, starts))?;
             }
             self.bytes_read
                 .fetch_add(buf.len() as u64, Ordering::Relaxed);
@@ -704,5 +771,83 @@ mod tests {
             let want = half::bf16::from_bits(x).to_f32().to_bits();
             assert_eq!(bf16_to_f32(x).to_bits(), want, "bf16 bits {x:#06x}");
         }
+    }
+
+    /// Rows of a table read by the pool's threads, many tasks of them (the embeddings of a
+    /// pass's tokens, repeats among them), are the rows the whole table holds at those ids.
+    #[test]
+    fn scattered_rows_read_together_are_the_tables_rows() {
+        let dir = std::env::temp_dir().join(format!("ec-rows-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (vocab, h) = (997, 24);
+        let values: Vec<f32> = (0..vocab * h).map(|i| (i as f32 * 0.37).sin()).collect();
+        let table = Tensor::from_vec(values, (vocab, h), &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .unwrap();
+        let tensors = HashMap::from([("embed.weight".to_string(), table.clone())]);
+        candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+        let src = SafetensorsSource::open(&dir).unwrap();
+        let mut x: u32 = 7;
+        let ids: Vec<u32> = (0..9 * ROWS_A_TASK + 5)
+            .map(|_| {
+                x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                (x >> 8) % vocab as u32
+            })
+            .collect();
+        let got = src.load_rows("embed.weight", &ids, &Device::Cpu).unwrap();
+        let at = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap();
+        let want = table.index_select(&at, 0).unwrap();
+        let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap();
+        assert_eq!(got.dims(), want.dims());
+        assert!(
+            bits(&got) == bits(&want),
+            "rows read together differ from the table's"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The kilobytes of huge pages (`AnonHugePages`) in the mapping of this process that holds
+    /// `addr`, from `/proc/self/smaps`.
+    #[cfg(target_os = "linux")]
+    fn huge_kb_at(addr: usize) -> Option<u64> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_whitespace().next().unwrap_or("");
+            if let Some((a, b)) = range.split_once('-')
+                && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+            {
+                inside = (a..b).contains(&addr);
+            } else if inside && let Some(kb) = line.strip_prefix("AnonHugePages:") {
+                return kb.trim().trim_end_matches("kB").trim().parse().ok();
+            }
+        }
+        None
+    }
+
+    /// A buffer a layer's tensor is read into is backed by huge pages once written, where the
+    /// system lends them to a process that asks (`madvise` or `always`): the reads, the locking
+    /// for a GPU's copies and the unlocking then walk 512 times fewer pages.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_large_read_buffer_is_backed_by_huge_pages() {
+        let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .unwrap_or_default();
+        if !mode.contains("[madvise]") {
+            eprintln!("transparent huge pages are not lent on request here ({mode:?}): skipped");
+            return;
+        }
+        let elems = 48 << 20;
+        let mut buf = HostBuf::zeroed("BF16", elems).unwrap();
+        // Written as a read writes it: every page touched once.
+        for chunk in buf.bytes_mut().chunks_mut(4096) {
+            chunk[0] = 1;
+        }
+        let addr = buf.bytes_mut().as_ptr() as usize + elems;
+        let huge = huge_kb_at(addr).expect("the buffer's mapping in /proc/self/smaps");
+        assert!(
+            huge >= 2048,
+            "{huge} kB of huge pages in a 96 MiB buffer written through"
+        );
     }
 }
