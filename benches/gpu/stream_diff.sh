@@ -6,6 +6,7 @@
 # and 12GiB (one): as by default (the layers kept in host memory where another pass follows)
 # and with nothing kept (EAGLE_CHECK_HOST_KEEP=0), and under 4GiB with the kept layers copied
 # to the device on a second queue while the layer before computes (EAGLE_CHECK_COPY_AHEAD=1),
+# and with the read buffers in 4 KiB pages (EAGLE_CHECK_HUGE_PAGES=0, the code before run 72),
 # alternating, against `dd` of the checkpoint before and after, then the resident diff. Prints one line per run: its wall time, exit code,
 # and the report's passes and streaming lines.
 #   bash benches/gpu/stream_diff.sh [OUT_DIR]
@@ -18,14 +19,15 @@ python3 benches/gpu/hf_peer.py --shape llama3.1-8b --out "$out" --tokens 512 --r
 set -- "$out"/captures/t512/rows_*
 rows=$1
 now() { date +%s.%N; }
-for mode in dd default-4GiB unkept-4GiB ahead-4GiB default-4GiB unkept-4GiB ahead-4GiB \
-    default-12GiB unkept-12GiB dd resident; do
+for mode in dd default-4GiB unkept-4GiB ahead-4GiB pages4k-4GiB default-4GiB unkept-4GiB \
+    ahead-4GiB pages4k-4GiB default-12GiB unkept-12GiB dd resident; do
     start=$(now)
     env=() extra=()
     case $mode in
         default-*) extra=(--stream-layers --max-memory "${mode#default-}") ;;
         unkept-*) env=(EAGLE_CHECK_HOST_KEEP=0) extra=(--stream-layers --max-memory "${mode#unkept-}") ;;
         ahead-*) env=(EAGLE_CHECK_COPY_AHEAD=1) extra=(--stream-layers --max-memory "${mode#ahead-}") ;;
+        pages4k-*) env=(EAGLE_CHECK_HUGE_PAGES=0) extra=(--stream-layers --max-memory "${mode#pages4k-}") ;;
     esac
     if [ "$mode" = dd ]; then
         dd if="$out/model/model.safetensors" of=/dev/null bs=64M 2>/dev/null
