@@ -7,8 +7,8 @@
 # and with nothing kept (EAGLE_CHECK_HOST_KEEP=0), and under 4GiB with the kept layers copied
 # to the device on a second queue while the layer before computes (EAGLE_CHECK_COPY_AHEAD=1),
 # and with the read buffers in 4 KiB pages (EAGLE_CHECK_HUGE_PAGES=0, the code before run 72),
-# alternating, against `dd` of the checkpoint before and after, then the resident diff. Prints one line per run: its wall time, exit code,
-# and the report's passes and streaming lines.
+# alternating, against `dd` of the checkpoint before and after, then the resident diff. Prints
+# one line per run: its wall time, exit code, and the report's passes and streaming lines.
 #   bash benches/gpu/stream_diff.sh [OUT_DIR]
 set -uo pipefail
 out=${1:-${TMPDIR:-/tmp}/eagle-check-stream-diff}

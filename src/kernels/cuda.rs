@@ -665,13 +665,19 @@ impl Locked {
         Ok(locked.flatten())
     }
 
+    /// Refuses `src` unless it is the memory this locks (the tensor's storage it was made for).
+    fn check_covers(&self, src: &[u8]) -> Result<()> {
+        if src.as_ptr() != self.ptr.cast_const().cast() || src.len() != self.bytes {
+            candle_core::bail!("a locked copy of another tensor's memory");
+        }
+        Ok(())
+    }
+
     /// `t` (the tensor whose memory this locks) copied to `dev` straight from it, on the
     /// device's stream: the host does not wait for the copy.
     pub fn upload(&self, t: &candle_core::Tensor, dev: &CudaDevice) -> Result<candle_core::Tensor> {
         let up = with_host_bytes(t, |src, dtype| {
-            if src.as_ptr() != self.ptr.cast_const().cast() || src.len() != self.bytes {
-                candle_core::bail!("a locked copy of another tensor's memory");
-            }
+            self.check_covers(src)?;
             let out = alloc(dev, dtype, t.elem_count())?;
             let stream = dev.cuda_stream();
             // SAFETY: `src` is locked host memory that outlives the copy (the holder drops
@@ -706,9 +712,7 @@ pub fn upload_aside(
     let mut outs = Vec::with_capacity(items.len());
     for (locked, t) in items {
         let out = with_host_bytes(t, |src, dtype| {
-            if src.as_ptr() != locked.ptr.cast_const().cast() || src.len() != locked.bytes {
-                candle_core::bail!("a locked copy of another tensor's memory");
-            }
+            locked.check_covers(src)?;
             alloc(dev, dtype, t.elem_count())
         })?;
         let Some(out) = out else {

@@ -60,8 +60,9 @@ pub struct StreamOptions {
 
 /// Whether kept layers are copied ahead on a second queue ([`StreamOptions::copy_ahead`]):
 /// `EAGLE_CHECK_COPY_AHEAD=1`. Off by default: it holds a second layer on the device, and under
-/// a tight `--max-memory` that pushed the device's peak over the budget in one run of three
-/// (BENCHMARKS.md run 71, where it saved 0.23-0.26 s in the second pass of three).
+/// a tight `--max-memory` that pushed the device's peak over the budget in one run of three in
+/// BENCHMARKS.md run 71 and in one of six in runs 72-74 (by 0.01 GiB), where it saved
+/// 0.23-0.26 s in the second pass of three.
 pub fn copy_ahead_asked() -> bool {
     std::env::var("EAGLE_CHECK_COPY_AHEAD").is_ok_and(|v| v.trim() == "1")
 }
